@@ -1,0 +1,291 @@
+//! The `EXPSEG_*` configuration: defaults in one literal, one table mapping each variable to
+//! its field. Read once, at the first hooked call (never in the library's constructor).
+//!
+//! An invalid value prints one stderr line naming the variable and the value, and the default
+//! is used.
+
+use std::io::Write;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// `EXPSEG_DISABLE`: pure pass-through.
+    pub disabled: bool,
+    /// `EXPSEG_LOG`: env_logger filter.
+    pub log: String,
+    /// `EXPSEG_PASSTHROUGH_BELOW`: requests smaller than this go to the real `cudaMalloc`.
+    pub passthrough_below: u64,
+    /// `EXPSEG_CACHE_MAX`: freed bytes kept per device for reuse.
+    pub cache_max: u64,
+    /// `EXPSEG_MAX_STITCH`: cached chunks stitched into one allocation while the driver has memory.
+    pub max_stitch: usize,
+    /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
+    pub report: Option<String>,
+    /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
+    /// panics become error codes).
+    pub test_panic: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            disabled: false,
+            log: "warn".into(),
+            // VMM memory comes in 2 MiB pages: smaller requests would waste most of a page,
+            // while cudaMalloc packs them. PyTorch's smallest segment is exactly 2 MiB.
+            passthrough_below: 2 * MIB,
+            // About 1% of a large card: enough for churn between steps, too little to starve
+            // a colocated process of memory the application has freed.
+            cache_max: GIB,
+            max_stitch: 8,
+            report: None,
+            test_panic: None,
+        }
+    }
+}
+
+/// One line of the table: a variable, how to parse it, where it goes.
+struct Var {
+    name: &'static str,
+    /// Applies the value; `Err` says what was expected.
+    set: fn(&mut Config, &str) -> Result<(), &'static str>,
+    show: fn(&Config) -> String,
+}
+
+const VARS: &[Var] = &[
+    Var {
+        name: "EXPSEG_DISABLE",
+        set: |c, v| parse_bool(v).map(|b| c.disabled = b),
+        show: |c| c.disabled.to_string(),
+    },
+    Var {
+        name: "EXPSEG_LOG",
+        set: |c, v| check_log_filter(v).map(|()| c.log = v.to_string()),
+        show: |c| c.log.clone(),
+    },
+    Var {
+        name: "EXPSEG_PASSTHROUGH_BELOW",
+        set: |c, v| parse_size(v).map(|s| c.passthrough_below = s),
+        show: |c| fmt_size(c.passthrough_below),
+    },
+    Var {
+        name: "EXPSEG_CACHE_MAX",
+        set: |c, v| parse_size(v).map(|s| c.cache_max = s),
+        show: |c| fmt_size(c.cache_max),
+    },
+    Var {
+        name: "EXPSEG_MAX_STITCH",
+        set: |c, v| match v.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => {
+                c.max_stitch = n;
+                Ok(())
+            }
+            _ => Err("an integer ≥ 1"),
+        },
+        show: |c| c.max_stitch.to_string(),
+    },
+    Var {
+        name: "EXPSEG_REPORT",
+        set: |c, v| {
+            c.report = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            Ok(())
+        },
+        show: |c| c.report.clone().unwrap_or_default(),
+    },
+    Var {
+        name: "EXPSEG_TEST_PANIC",
+        set: |c, v| {
+            c.test_panic = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            Ok(())
+        },
+        show: |c| c.test_panic.clone().unwrap_or_default(),
+    },
+];
+
+impl Config {
+    /// Whether the hook `name` must panic (tests of the panic boundary).
+    pub fn test_panic(&self, name: &str) -> bool {
+        self.test_panic.as_deref() == Some(name)
+    }
+
+    /// Build from a lookup function; each invalid value is reported through `bad`.
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+        mut bad: impl FnMut(String),
+    ) -> Config {
+        let mut c = Config::default();
+        for v in VARS {
+            if let Some(val) = get(v.name) {
+                if let Err(expected) = (v.set)(&mut c, &val) {
+                    bad(format!(
+                        "expseg: invalid {}={:?} (expected {}); using the default {}",
+                        v.name,
+                        val,
+                        expected,
+                        (v.show)(&Config::default())
+                    ));
+                }
+            }
+        }
+        c
+    }
+
+    /// Read the process environment, printing one stderr line per invalid value.
+    pub fn from_env() -> Config {
+        Config::from_lookup(
+            |n| std::env::var(n).ok(),
+            |line| {
+                let _ = writeln!(std::io::stderr(), "{line}");
+            },
+        )
+    }
+
+    /// Every variable and its effective value, for logs and `expseg doctor`.
+    pub fn effective(&self) -> Vec<(&'static str, String)> {
+        VARS.iter().map(|v| (v.name, (v.show)(self))).collect()
+    }
+}
+
+fn parse_bool(v: &str) -> Result<bool, &'static str> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err("1/0, true/false, yes/no or on/off"),
+    }
+}
+
+/// Bytes, with an optional suffix: K, M, G, T (powers of 1024; `KiB`, `MB`... also accepted).
+pub fn parse_size(v: &str) -> Result<u64, &'static str> {
+    const EXPECTED: &str = "a byte count such as 0, 4096, 512M or 2G";
+    let s = v.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| EXPECTED)?;
+    let shift = match unit
+        .trim()
+        .to_ascii_lowercase()
+        .trim_end_matches("ib")
+        .trim_end_matches('b')
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => return Err(EXPECTED),
+    };
+    n.checked_mul(1 << shift).ok_or(EXPECTED)
+}
+
+pub fn fmt_size(b: u64) -> String {
+    for (unit, shift) in [("G", 30), ("M", 20), ("K", 10)] {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", b >> shift);
+        }
+    }
+    b.to_string()
+}
+
+/// Accept what env_logger accepts in practice: comma-separated `level`, `target` or
+/// `target=level` directives.
+fn check_log_filter(v: &str) -> Result<(), &'static str> {
+    const EXPECTED: &str = "an env_logger filter such as warn, info or expseg=debug";
+    let level = |l: &str| {
+        matches!(
+            l.to_ascii_lowercase().as_str(),
+            "off" | "error" | "warn" | "info" | "debug" | "trace"
+        )
+    };
+    let target = |t: &str| {
+        !t.is_empty()
+            && t.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    };
+    for d in v.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let ok = match d.split_once('=') {
+            Some((t, l)) => target(t) && level(l),
+            None => level(d) || target(d),
+        };
+        if !ok {
+            return Err(EXPECTED);
+        }
+    }
+    if v.trim().is_empty() {
+        return Err(EXPECTED);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with(vars: &[(&str, &str)]) -> (Config, Vec<String>) {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut bad = Vec::new();
+        let c = Config::from_lookup(|n| m.get(n).cloned(), |l| bad.push(l));
+        (c, bad)
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        assert_eq!(with(&[]), (Config::default(), vec![]));
+    }
+
+    #[test]
+    fn sizes_take_suffixes() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 * MIB));
+        assert_eq!(parse_size("2GiB"), Ok(2 * GIB));
+        assert_eq!(parse_size(" 3 g "), Ok(3 * GIB));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(fmt_size(GIB), "1G");
+        assert_eq!(fmt_size(3 * MIB / 2), "1536K");
+    }
+
+    #[test]
+    fn each_variable_reaches_its_field() {
+        let (c, bad) = with(&[
+            ("EXPSEG_DISABLE", "yes"),
+            ("EXPSEG_LOG", "expseg=debug,info"),
+            ("EXPSEG_PASSTHROUGH_BELOW", "0"),
+            ("EXPSEG_CACHE_MAX", "16G"),
+            ("EXPSEG_MAX_STITCH", "3"),
+            ("EXPSEG_REPORT", "/tmp/r-%p.txt"),
+        ]);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert!(c.disabled);
+        assert_eq!(c.log, "expseg=debug,info");
+        assert_eq!(c.passthrough_below, 0);
+        assert_eq!(c.cache_max, 16 * GIB);
+        assert_eq!(c.max_stitch, 3);
+        assert_eq!(c.report.as_deref(), Some("/tmp/r-%p.txt"));
+    }
+
+    #[test]
+    fn a_bad_value_gives_one_line_naming_it_and_the_default() {
+        let (c, bad) = with(&[("EXPSEG_CACHE_MAX", "lots"), ("EXPSEG_LOG", "loud!")]);
+        assert_eq!(c, Config::default());
+        assert_eq!(bad.len(), 2);
+        assert!(
+            bad[0].contains("EXPSEG_LOG")
+                && bad[0].contains("\"loud!\"")
+                && bad[0].contains("warn")
+        );
+        assert!(
+            bad[1].contains("EXPSEG_CACHE_MAX")
+                && bad[1].contains("\"lots\"")
+                && bad[1].contains("1G")
+        );
+        assert!(bad.iter().all(|l| !l.contains('\n')));
+    }
+}

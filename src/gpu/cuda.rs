@@ -1,0 +1,185 @@
+//! The real driver: [`Driver`] over the CUDA VMM calls of [`crate::real::driver`].
+//!
+//! Each method is one driver call and one return-code conversion; no policy lives here.
+#![allow(unsafe_code)]
+
+use super::{ChunkHandle, Driver, DrvError, DrvResult};
+use crate::real::DriverTable;
+use cudarc::driver::sys::{
+    CUcontext, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
+    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
+    CUmemAllocationType, CUmemLocationType,
+};
+
+fn check(code: u32) -> DrvResult<()> {
+    match code {
+        0 => Ok(()),
+        e => Err(DrvError(e)),
+    }
+}
+
+/// The driver of one device.
+pub struct CudaDriver {
+    t: &'static DriverTable,
+    dev: i32,
+    gran: u64,
+    prop: CUmemAllocationProp,
+    /// Chunks are exportable as POSIX file descriptors (for IPC).
+    pub shareable: bool,
+}
+
+// SAFETY: the property struct's only pointer (win32HandleMetaData) is always null.
+unsafe impl Send for CudaDriver {}
+
+fn prop_for(dev: i32, shareable: bool) -> CUmemAllocationProp {
+    // SAFETY: the C struct is valid when zeroed (the driver's documented default).
+    let mut p: CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = dev;
+    p.requestedHandleTypes = if shareable {
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+    };
+    p
+}
+
+fn access(dev: i32, flags: CUmemAccess_flags) -> CUmemAccessDesc {
+    // SAFETY: the C struct is valid when zeroed.
+    let mut a: CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    a.location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = dev;
+    a.flags = flags;
+    a
+}
+
+impl CudaDriver {
+    /// Open device `dev` for the pool, or say why its memory cannot come from VMM.
+    pub fn open(t: &'static DriverTable, dev: i32) -> Result<CudaDriver, String> {
+        let attr = |a: CUdevice_attribute| -> DrvResult<i32> {
+            let mut v = 0;
+            // SAFETY: valid out-pointer; the device ordinal is checked by the driver.
+            check(unsafe { (t.cuDeviceGetAttribute)(&mut v, a, dev) })?;
+            Ok(v)
+        };
+        // SAFETY: cuInit is idempotent; the runtime has called it already in practice.
+        check(unsafe { (t.cuInit)(0) }).map_err(|e| format!("cuInit failed: {e}"))?;
+        let vmm = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+            .map_err(|e| format!("device {dev}: cannot read the VMM attribute: {e}"))?;
+        if vmm == 0 {
+            return Err(format!(
+                "device {dev} does not support virtual memory management"
+            ));
+        }
+        let shareable = attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        )
+        .unwrap_or(0)
+            != 0;
+        if !shareable {
+            log::warn!("device {dev}: no POSIX-fd shareable VMM memory; IPC of pool memory will need a mirror");
+        }
+        let prop = prop_for(dev, shareable);
+        let mut g: usize = 0;
+        // SAFETY: valid out-pointer and property struct.
+        check(unsafe {
+            (t.cuMemGetAllocationGranularity)(
+                &mut g,
+                &prop,
+                CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })
+        .map_err(|e| format!("device {dev}: cuMemGetAllocationGranularity failed: {e}"))?;
+        if g == 0 {
+            return Err(format!("device {dev}: granularity 0"));
+        }
+        Ok(CudaDriver {
+            t,
+            dev,
+            gran: g as u64,
+            prop,
+            shareable,
+        })
+    }
+}
+
+/// Number of devices the driver sees.
+pub fn device_count(t: &DriverTable) -> DrvResult<i32> {
+    let mut n = 0;
+    // SAFETY: cuInit is idempotent; valid out-pointer.
+    check(unsafe { (t.cuInit)(0) })?;
+    check(unsafe { (t.cuDeviceGetCount)(&mut n) })?;
+    Ok(n)
+}
+
+/// Whether the calling thread has a current context (after the driver is initialised).
+pub fn has_context(t: &DriverTable) -> bool {
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; returns an error code if the driver is not initialised.
+    unsafe { (t.cuCtxGetCurrent)(&mut c) == 0 && !c.is_null() }
+}
+
+impl Driver for CudaDriver {
+    fn device(&self) -> i32 {
+        self.dev
+    }
+
+    fn granularity(&self) -> u64 {
+        self.gran
+    }
+
+    fn create(&mut self, size: u64) -> DrvResult<ChunkHandle> {
+        let mut h = 0;
+        // SAFETY: valid out-pointer and property struct.
+        check(unsafe { (self.t.cuMemCreate)(&mut h, size as usize, &self.prop, 0) })?;
+        Ok(h)
+    }
+
+    fn release(&mut self, h: ChunkHandle) -> DrvResult<()> {
+        // SAFETY: `h` came from cuMemCreate and is released once.
+        check(unsafe { (self.t.cuMemRelease)(h) })
+    }
+
+    fn reserve(&mut self, size: u64) -> DrvResult<u64> {
+        let mut va = 0;
+        // SAFETY: valid out-pointer; no fixed address requested.
+        check(unsafe { (self.t.cuMemAddressReserve)(&mut va, size as usize, 0, 0, 0) })?;
+        Ok(va)
+    }
+
+    fn free_va(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        // SAFETY: the range is a whole reservation with nothing mapped.
+        check(unsafe { (self.t.cuMemAddressFree)(va, size as usize) })
+    }
+
+    fn map(&mut self, va: u64, size: u64, h: ChunkHandle) -> DrvResult<()> {
+        // SAFETY: the range lies in a reservation of ours and is unmapped.
+        check(unsafe { (self.t.cuMemMap)(va, size as usize, 0, h, 0) })
+    }
+
+    fn unmap(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        // SAFETY: the range is mapped by us and no GPU work uses it any more.
+        check(unsafe { (self.t.cuMemUnmap)(va, size as usize) })
+    }
+
+    fn set_access(
+        &mut self,
+        va: u64,
+        size: u64,
+        readers: &[i32],
+        revoked: &[i32],
+    ) -> DrvResult<()> {
+        let descs: Vec<CUmemAccessDesc> = readers
+            .iter()
+            .map(|d| access(*d, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+            .chain(
+                revoked
+                    .iter()
+                    .map(|d| access(*d, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE)),
+            )
+            .collect();
+        // SAFETY: the descriptors outlive the call; the range is mapped by us.
+        check(unsafe { (self.t.cuMemSetAccess)(va, size as usize, descs.as_ptr(), descs.len()) })
+    }
+}

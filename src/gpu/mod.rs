@@ -1,0 +1,98 @@
+//! The GPU as the pool sees it: a handful of VMM operations behind one small trait.
+//!
+//! Everything the pool needs from the driver goes through [`Driver`], so the pool is plain
+//! safe Rust that runs against [`fake::FakeDriver`] under `cargo test` and against
+//! [`cuda::CudaDriver`] inside a process. The trait speaks in driver terms: physical chunks
+//! (`cuMemCreate` handles), virtual reservations and mappings between them.
+
+pub mod cuda;
+pub mod fake;
+
+use std::fmt;
+
+/// A driver error: the raw `CUresult` of the failing call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrvError(pub u32);
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+pub const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+
+impl DrvError {
+    pub const OUT_OF_MEMORY: DrvError = DrvError(CUDA_ERROR_OUT_OF_MEMORY);
+
+    pub fn is_oom(self) -> bool {
+        self.0 == CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+impl fmt::Display for DrvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CUresult {}", self.0)
+    }
+}
+
+pub type DrvResult<T> = Result<T, DrvError>;
+
+/// A physical allocation made by `cuMemCreate`.
+pub type ChunkHandle = u64;
+
+/// The driver operations whose cost the pool counts, in report order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Create,
+    Release,
+    Reserve,
+    FreeVa,
+    Map,
+    Unmap,
+    SetAccess,
+}
+
+impl Op {
+    pub const ALL: [Op; 7] = [
+        Op::Create,
+        Op::Release,
+        Op::Reserve,
+        Op::FreeVa,
+        Op::Map,
+        Op::Unmap,
+        Op::SetAccess,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Create => "cuMemCreate",
+            Op::Release => "cuMemRelease",
+            Op::Reserve => "cuMemAddressReserve",
+            Op::FreeVa => "cuMemAddressFree",
+            Op::Map => "cuMemMap",
+            Op::Unmap => "cuMemUnmap",
+            Op::SetAccess => "cuMemSetAccess",
+        }
+    }
+}
+
+/// The VMM operations of one device that the pool uses. Sizes and addresses are bytes; sizes
+/// are multiples of the device's granularity.
+pub trait Driver {
+    /// The device this driver allocates on.
+    fn device(&self) -> i32;
+    /// Allocation granularity (the smallest chunk and the unit of every size).
+    fn granularity(&self) -> u64;
+    /// Create a physical chunk of `size` bytes on the device.
+    fn create(&mut self, size: u64) -> DrvResult<ChunkHandle>;
+    /// Release a chunk that is no longer mapped anywhere.
+    fn release(&mut self, h: ChunkHandle) -> DrvResult<()>;
+    /// Reserve `size` bytes of virtual address space.
+    fn reserve(&mut self, size: u64) -> DrvResult<u64>;
+    /// Free a reservation that has nothing mapped in it.
+    fn free_va(&mut self, va: u64, size: u64) -> DrvResult<()>;
+    /// Map a whole chunk at `va`.
+    fn map(&mut self, va: u64, size: u64, h: ChunkHandle) -> DrvResult<()>;
+    /// Unmap `[va, va+size)`.
+    fn unmap(&mut self, va: u64, size: u64) -> DrvResult<()>;
+    /// Give exactly the devices in `readers` read-write access to `[va, va+size)` and take it
+    /// from the devices in `revoked`.
+    fn set_access(&mut self, va: u64, size: u64, readers: &[i32], revoked: &[i32])
+        -> DrvResult<()>;
+}

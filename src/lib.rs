@@ -1,0 +1,34 @@
+//! expseg: a CUDA VMM expandable pool behind `cudaMalloc`/`cudaFree`, loaded with `LD_PRELOAD`
+//! into programs nobody changes.
+//!
+//! # Architecture
+//!
+//! One call travels down these layers; each adds one thing:
+//!
+//! | module | what it adds |
+//! | --- | --- |
+//! | [`hooks`] | every exported C symbol, a few lines each: re-entrancy guard, panic boundary, call [`api`] |
+//! | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling |
+//! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
+//! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
+//! | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting |
+//! | [`config`] | the `EXPSEG_*` table |
+//! | [`stats`] | counters and the exit report |
+//!
+//! So "where is cudaMalloc handled?" is answered by `grep 'fn cudaMalloc'`: the hook in
+//! `hooks.rs`, the policy in `api.rs`; the pool behind it runs under `cargo test` against
+//! [`gpu::fake::FakeDriver`].
+//!
+//! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`, `real`
+//! and `gpu::cuda`.
+#![deny(unsafe_code)]
+
+pub mod api;
+pub mod config;
+pub mod gpu;
+#[allow(unsafe_code)]
+pub mod hooks;
+pub mod pool;
+#[allow(unsafe_code)]
+pub mod real;
+pub mod stats;

@@ -1,0 +1,609 @@
+//! The expandable pool of one device.
+//!
+//! Physical memory comes from the driver in *chunks* (`cuMemCreate`, any multiple of the
+//! granularity). Every user allocation is a *block*: its own virtual reservation with one or
+//! more whole chunks mapped back to back, so one allocation's range can be released on its own.
+//!
+//! Freed blocks stay mapped in the *cache*, so an allocation of the same rounded size is
+//! served with no driver call at all. Other sizes are *stitched*: cached blocks are taken apart
+//! and their chunks mapped into a fresh reservation, the remainder created new. Freed memory
+//! therefore never strands: a request fails only when cached chunks plus driver-free memory
+//! cannot cover it.
+//!
+//! The cache is bounded by `cache_max`; the least recently freed memory above it goes back to
+//! the driver, where a colocated process may need it. One exception: after an allocation fails,
+//! frees are kept until the next allocation succeeds, so the release-and-retry sequence of
+//! caching allocators (fail, free cached segments, retry) reuses those chunks without a round
+//! trip to the driver.
+
+mod stats;
+
+pub use stats::PoolStats;
+
+use crate::gpu::{ChunkHandle, Driver, DrvError, Op};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Tuning of one pool.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolConfig {
+    /// Bytes of freed memory kept for reuse; above it the least recently freed goes back.
+    pub cache_max: u64,
+    /// At most this many cached chunks are stitched into one allocation while the driver has
+    /// memory: beyond it a fresh chunk is cheaper than many mappings.
+    pub max_stitch: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            cache_max: 1 << 30,
+            max_stitch: 8,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocError {
+    /// Cached chunks plus driver-free memory do not cover the request.
+    OutOfMemory,
+    /// The driver failed in a way that is not lack of memory; nothing was allocated.
+    Driver(DrvError),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeError {
+    /// Not the start of a live allocation of this pool.
+    NotOwned,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chunk {
+    handle: ChunkHandle,
+    size: u64,
+}
+
+#[derive(Debug)]
+struct Block {
+    /// Reserved and mapped bytes: the sum of the chunk sizes.
+    size: u64,
+    /// Bytes the user asked for (≤ size); 0 while cached.
+    user: u64,
+    chunks: Vec<Chunk>,
+    /// `Some(tick)` while cached: when it was freed.
+    cached_at: Option<u64>,
+}
+
+/// Where a chunk chosen for a new allocation comes from.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    Loose,
+    Block(u64),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    chunk: Chunk,
+    from: Source,
+}
+
+pub struct Pool<D: Driver> {
+    drv: D,
+    cfg: PoolConfig,
+    gran: u64,
+    /// Every reservation the pool holds, live or cached, by base address.
+    blocks: BTreeMap<u64, Block>,
+    /// Cached blocks by (size, newest first) for the exact-size fast path.
+    by_size: BTreeMap<(u64, u64), u64>,
+    /// Cached blocks by age for trimming.
+    by_age: BTreeMap<u64, u64>,
+    /// Chunks that are mapped nowhere (left over from stitching).
+    loose: Vec<Chunk>,
+    /// Devices that get access to every mapping (the pool's own device first).
+    readers: Vec<i32>,
+    /// Reservations whose `cuMemAddressFree` failed: freed again on the next trim.
+    stray_va: Vec<(u64, u64)>,
+    /// Set by a failed allocation, cleared by the next successful one.
+    retry_window: bool,
+    tick: u64,
+    stats: PoolStats,
+}
+
+impl<D: Driver> Pool<D> {
+    pub fn new(drv: D, cfg: PoolConfig) -> Self {
+        let gran = drv.granularity().max(1);
+        let readers = vec![drv.device()];
+        Pool {
+            drv,
+            cfg,
+            gran,
+            blocks: BTreeMap::new(),
+            by_size: BTreeMap::new(),
+            by_age: BTreeMap::new(),
+            loose: Vec::new(),
+            stray_va: Vec::new(),
+            readers,
+            retry_window: false,
+            tick: 0,
+            stats: PoolStats::default(),
+        }
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.drv
+    }
+
+    pub fn driver_mut(&mut self) -> &mut D {
+        &mut self.drv
+    }
+
+    pub fn stats(&self) -> &PoolStats {
+        &self.stats
+    }
+
+    pub fn config(&self) -> PoolConfig {
+        self.cfg
+    }
+
+    /// Bytes freed by the application and kept by the pool: what it can allocate beyond the
+    /// driver's free memory.
+    pub fn cached_bytes(&self) -> u64 {
+        self.stats.cached_bytes
+    }
+
+    /// The user size of the live allocation starting at `ptr`.
+    pub fn live_size(&self, ptr: u64) -> Option<u64> {
+        self.blocks
+            .get(&ptr)
+            .filter(|b| b.cached_at.is_none())
+            .map(|b| b.user)
+    }
+
+    /// The live allocation containing `ptr`: its base and user size.
+    pub fn find(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (base, b) = self.blocks.range(..=ptr).next_back()?;
+        (b.cached_at.is_none() && ptr < base + b.user.max(1)).then_some((*base, b.user))
+    }
+
+    /// Whether `ptr` lies in any range the pool holds, live or cached.
+    pub fn holds(&self, ptr: u64) -> bool {
+        self.blocks
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(base, b)| ptr < base + b.size)
+    }
+
+    fn round(&self, size: u64) -> Option<u64> {
+        size.checked_add(self.gran - 1)
+            .map(|s| s / self.gran * self.gran)
+    }
+
+    fn timed<T>(
+        &mut self,
+        op: Op,
+        f: impl FnOnce(&mut D) -> Result<T, DrvError>,
+    ) -> Result<T, DrvError> {
+        let t = Instant::now();
+        let r = f(&mut self.drv);
+        self.stats.count_driver(op, t.elapsed());
+        if r.is_err() {
+            self.stats.driver_errors += 1;
+        }
+        r
+    }
+
+    /// Allocate `size` bytes (> 0). Returns the base address.
+    pub fn alloc(&mut self, size: u64) -> Result<u64, AllocError> {
+        let Some(need) = self.round(size) else {
+            return self.fail_oom();
+        };
+        let base = match self.take_cached(need) {
+            Some(base) => {
+                self.stats.cache_hits += 1;
+                base
+            }
+            None => match self.alloc_slow(need) {
+                Ok(base) => base,
+                Err(AllocError::OutOfMemory) => return self.fail_oom(),
+                Err(e) => return Err(e),
+            },
+        };
+        let b = self
+            .blocks
+            .get_mut(&base)
+            .expect("allocated block is registered");
+        b.user = size;
+        let held = b.size;
+        self.stats.on_alloc(size, held);
+        if self.retry_window {
+            self.retry_window = false;
+            self.trim(self.cfg.cache_max);
+        }
+        Ok(base)
+    }
+
+    fn fail_oom(&mut self) -> Result<u64, AllocError> {
+        self.stats.ooms += 1;
+        self.retry_window = true;
+        Err(AllocError::OutOfMemory)
+    }
+
+    /// The fast path: a cached block of exactly `need` bytes, most recently freed first.
+    fn take_cached(&mut self, need: u64) -> Option<u64> {
+        let (&key, &base) = self.by_size.range((need, 0)..=(need, u64::MAX)).next()?;
+        self.uncache(u64::MAX - key.1, base);
+        Some(base)
+    }
+
+    fn uncache(&mut self, age: u64, base: u64) {
+        let b = self
+            .blocks
+            .get_mut(&base)
+            .expect("cached block is registered");
+        debug_assert_eq!(b.cached_at, Some(age));
+        b.cached_at = None;
+        let size = b.size;
+        self.by_size.remove(&(size, u64::MAX - age));
+        self.by_age.remove(&age);
+        self.stats.cached_bytes -= size;
+    }
+
+    /// Every chunk that could serve a new allocation: loose ones first, then those of cached
+    /// blocks, largest first.
+    fn candidates(&self) -> Vec<Candidate> {
+        let mut c: Vec<Candidate> = self
+            .loose
+            .iter()
+            .map(|ch| Candidate {
+                chunk: *ch,
+                from: Source::Loose,
+            })
+            .collect();
+        for &base in self.by_age.values() {
+            for ch in &self.blocks[&base].chunks {
+                c.push(Candidate {
+                    chunk: *ch,
+                    from: Source::Block(base),
+                });
+            }
+        }
+        // Stable: among equal sizes loose chunks (no unmap needed) stay first.
+        c.sort_by_key(|c| std::cmp::Reverse(c.chunk.size));
+        c
+    }
+
+    /// Greedy cover of `need` from `cands` with at most `limit` chunks, none larger than what
+    /// is still missing. Returns the chosen indices and the bytes still missing.
+    fn select(cands: &[Candidate], need: u64, limit: usize) -> (Vec<usize>, u64) {
+        let mut chosen = Vec::new();
+        let mut missing = need;
+        for (i, c) in cands.iter().enumerate() {
+            if missing == 0 || chosen.len() == limit {
+                break;
+            }
+            if c.chunk.size <= missing {
+                chosen.push(i);
+                missing -= c.chunk.size;
+            }
+        }
+        (chosen, missing)
+    }
+
+    fn alloc_slow(&mut self, need: u64) -> Result<u64, AllocError> {
+        let cands = self.candidates();
+        let (mut chosen, fresh) = self.plan(&cands, need)?;
+        if !chosen.is_empty() {
+            self.stats.stitched += 1;
+        }
+        chosen.sort_unstable();
+        let picked: Vec<Candidate> = chosen.iter().map(|i| cands[*i]).collect();
+        self.assemble(&picked, fresh).map_err(AllocError::Driver)
+    }
+
+    /// Choose the cached chunks (indices into `cands`) and the fresh chunk that will make up
+    /// an allocation of `need` bytes.
+    fn plan(
+        &mut self,
+        cands: &[Candidate],
+        need: u64,
+    ) -> Result<(Vec<usize>, Option<Chunk>), AllocError> {
+        if !self.retry_window {
+            // Usually: a few cached chunks, topped up with one fresh chunk.
+            let (some, missing) = Self::select(cands, need, self.cfg.max_stitch);
+            if missing == 0 {
+                return Ok((some, None));
+            }
+            match self.create(missing) {
+                Ok(c) => return Ok((some, Some(c))),
+                Err(AllocError::OutOfMemory) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // Short of memory, or retrying after a failure: the cache first, every chunk of it;
+        // then one larger chunk if the sizes don't add up; the driver only for the rest. So
+        // this fails only if cached plus driver-free memory cannot cover `need`.
+        let (mut all, missing) = Self::select(cands, need, usize::MAX);
+        if missing == 0 {
+            return Ok((all, None));
+        }
+        let spare = (0..cands.len())
+            .filter(|i| !all.contains(i) && cands[*i].chunk.size >= missing)
+            .min_by_key(|i| cands[*i].chunk.size);
+        if let Some(i) = spare {
+            all.push(i);
+            self.stats.over_commits += 1;
+            return Ok((all, None));
+        }
+        let fresh = self.create(missing)?;
+        Ok((all, Some(fresh)))
+    }
+
+    fn create(&mut self, size: u64) -> Result<Chunk, AllocError> {
+        match self.timed(Op::Create, |d| d.create(size)) {
+            Ok(handle) => {
+                self.stats.on_created(size);
+                Ok(Chunk { handle, size })
+            }
+            Err(e) if e.is_oom() => Err(AllocError::OutOfMemory),
+            Err(e) => Err(AllocError::Driver(e)),
+        }
+    }
+
+    fn add_loose(&mut self, ch: Chunk) {
+        self.loose.push(ch);
+        self.stats.cached_bytes += ch.size;
+    }
+
+    /// Take the chosen cached chunks (and a fresh one) out of where they are and map them back
+    /// to back in a new reservation. On error every chunk involved, the fresh one too, is
+    /// loose: cached, nothing lost.
+    fn assemble(&mut self, picked: &[Candidate], fresh: Option<Chunk>) -> Result<u64, DrvError> {
+        // 1. Take apart the cached blocks the chunks come from; their other chunks go loose.
+        let mut blocks: Vec<u64> = picked
+            .iter()
+            .filter_map(|c| match c.from {
+                Source::Block(b) => Some(b),
+                Source::Loose => None,
+            })
+            .collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        for base in blocks {
+            if let Err(e) = self.dismantle(base) {
+                fresh.into_iter().for_each(|f| self.add_loose(f));
+                return Err(e);
+            }
+        }
+        // 2. Pull the chosen chunks out of the loose list (by handle: indices moved above).
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(picked.len() + 1);
+        for c in picked {
+            let i = self
+                .loose
+                .iter()
+                .position(|l| l.handle == c.chunk.handle)
+                .expect("chosen chunk is loose after dismantling");
+            chunks.push(self.loose.swap_remove(i));
+            self.stats.cached_bytes -= c.chunk.size;
+        }
+        chunks.extend(fresh);
+        let total: u64 = chunks.iter().map(|c| c.size).sum();
+        match self.map_new(&chunks, total) {
+            Ok(base) => {
+                self.blocks.insert(
+                    base,
+                    Block {
+                        size: total,
+                        user: 0,
+                        chunks,
+                        cached_at: None,
+                    },
+                );
+                Ok(base)
+            }
+            Err(e) => {
+                for c in chunks {
+                    self.add_loose(c);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Reserve `total` bytes and map `chunks` back to back with access for every reader.
+    /// On error nothing stays mapped or reserved.
+    fn map_new(&mut self, chunks: &[Chunk], total: u64) -> Result<u64, DrvError> {
+        let base = self.timed(Op::Reserve, |d| d.reserve(total))?;
+        let mut off = 0;
+        let mut result = Ok(());
+        for c in chunks {
+            if let Err(e) = self.timed(Op::Map, |d| d.map(base + off, c.size, c.handle)) {
+                result = Err(e);
+                break;
+            }
+            off += c.size;
+        }
+        if result.is_ok() {
+            let readers = self.readers.clone();
+            result = self.timed(Op::SetAccess, |d| d.set_access(base, total, &readers, &[]));
+        }
+        if let Err(e) = result {
+            // Roll back chunk by chunk: a partial range cannot be unmapped in one call.
+            let mut at = 0;
+            for c in chunks {
+                if at >= off {
+                    break;
+                }
+                let _ = self.timed(Op::Unmap, |d| d.unmap(base + at, c.size));
+                at += c.size;
+            }
+            self.free_va(base, total);
+            return Err(e);
+        }
+        Ok(base)
+    }
+
+    /// Unmap a cached block and free its reservation; its chunks become loose.
+    fn dismantle(&mut self, base: u64) -> Result<(), DrvError> {
+        let size = self.blocks[&base].size;
+        self.timed(Op::Unmap, |d| d.unmap(base, size))?;
+        let age = self.blocks[&base]
+            .cached_at
+            .expect("only cached blocks are taken apart");
+        self.uncache(age, base);
+        let b = self.blocks.remove(&base).expect("block exists");
+        self.free_va(base, size);
+        b.chunks.into_iter().for_each(|c| self.add_loose(c));
+        Ok(())
+    }
+
+    /// Free a reservation with nothing mapped in it; on failure keep it to try again later.
+    fn free_va(&mut self, va: u64, size: u64) {
+        if let Err(e) = self.timed(Op::FreeVa, |d| d.free_va(va, size)) {
+            log::warn!("cuMemAddressFree({va:#x}, {size}) failed: {e}; will retry");
+            self.stray_va.push((va, size));
+        }
+    }
+
+    /// Free the allocation starting at `ptr`. The caller has made sure no earlier GPU work
+    /// still uses it.
+    pub fn free(&mut self, ptr: u64) -> Result<u64, FreeError> {
+        let b = match self.blocks.get_mut(&ptr) {
+            Some(b) if b.cached_at.is_none() => b,
+            _ => return Err(FreeError::NotOwned),
+        };
+        self.tick += 1;
+        let (user, size) = (b.user, b.size);
+        b.user = 0;
+        b.cached_at = Some(self.tick);
+        self.by_size.insert((size, u64::MAX - self.tick), ptr);
+        self.by_age.insert(self.tick, ptr);
+        self.stats.cached_bytes += size;
+        self.stats.on_free(user, size);
+        if !self.retry_window {
+            self.trim(self.cfg.cache_max);
+        }
+        Ok(user)
+    }
+
+    /// Give cached memory back to the driver until at most `limit` bytes are cached: loose
+    /// chunks first, then the least recently freed blocks.
+    pub fn trim(&mut self, limit: u64) {
+        for (va, size) in std::mem::take(&mut self.stray_va) {
+            self.free_va(va, size);
+        }
+        while self.stats.cached_bytes > limit {
+            if let Some(c) = self.loose.pop() {
+                if self.timed(Op::Release, |d| d.release(c.handle)).is_err() {
+                    self.loose.push(c);
+                    return;
+                }
+                self.stats.cached_bytes -= c.size;
+                self.stats.on_released(c.size);
+                continue;
+            }
+            let Some((_, &base)) = self.by_age.iter().next() else {
+                return;
+            };
+            if self.dismantle(base).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Give `dev` read-write access to every current and future mapping of this pool.
+    pub fn grant(&mut self, dev: i32) -> Result<(), DrvError> {
+        if !self.readers.contains(&dev) {
+            self.readers.push(dev);
+        }
+        self.apply_access(&[])
+    }
+
+    /// Take access from `dev` on every current mapping; future ones no longer grant it.
+    pub fn revoke(&mut self, dev: i32) -> Result<(), DrvError> {
+        if dev == self.drv.device() {
+            return Ok(());
+        }
+        self.readers.retain(|d| *d != dev);
+        self.apply_access(&[dev])
+    }
+
+    pub fn readers(&self) -> &[i32] {
+        &self.readers
+    }
+
+    fn apply_access(&mut self, revoked: &[i32]) -> Result<(), DrvError> {
+        let readers = self.readers.clone();
+        let ranges: Vec<(u64, u64)> = self.blocks.iter().map(|(b, blk)| (*b, blk.size)).collect();
+        let mut first_err = Ok(());
+        for (base, size) in ranges {
+            let r = self.timed(Op::SetAccess, |d| {
+                d.set_access(base, size, &readers, revoked)
+            });
+            if first_err.is_ok() {
+                first_err = r;
+            }
+        }
+        first_err
+    }
+
+    /// Check the pool's books: every invariant the rest of the code relies on.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut live_user = 0;
+        let mut live = 0;
+        let mut cached = self.loose.iter().map(|c| c.size).sum::<u64>();
+        let mut end = 0;
+        for (base, b) in &self.blocks {
+            if *base < end {
+                return Err(format!("block {base:#x} overlaps the previous one"));
+            }
+            end = base + b.size;
+            if b.chunks.iter().map(|c| c.size).sum::<u64>() != b.size {
+                return Err(format!("block {base:#x}: chunk sizes do not add up"));
+            }
+            match b.cached_at {
+                Some(age) => {
+                    cached += b.size;
+                    if self.by_age.get(&age) != Some(base)
+                        || self.by_size.get(&(b.size, u64::MAX - age)) != Some(base)
+                    {
+                        return Err(format!("cached block {base:#x} missing from an index"));
+                    }
+                }
+                None => {
+                    if b.user == 0 || b.user > b.size {
+                        return Err(format!(
+                            "live block {base:#x}: user {} of {}",
+                            b.user, b.size
+                        ));
+                    }
+                    live_user += b.user;
+                    live += b.size;
+                }
+            }
+        }
+        if self.by_age.len() != self.by_size.len()
+            || self.by_age.len()
+                != self
+                    .blocks
+                    .values()
+                    .filter(|b| b.cached_at.is_some())
+                    .count()
+        {
+            return Err("cache indexes disagree with the blocks".into());
+        }
+        let s = &self.stats;
+        if s.live_user_bytes != live_user || s.live_bytes != live || s.cached_bytes != cached {
+            return Err(format!(
+                "accounting: live_user {}/{live_user} live {}/{live} cached {}/{cached}",
+                s.live_user_bytes, s.live_bytes, s.cached_bytes
+            ));
+        }
+        if s.held_bytes() != s.created_bytes - s.released_bytes {
+            return Err("held bytes differ from created minus released".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,333 @@
+//! Pool tests against the fake driver: each behaviour on its own, then randomized sequences
+//! checked for overlap, leaks and exact accounting.
+
+use super::*;
+use crate::gpu::fake::FakeDriver;
+
+const MIB: u64 = 1 << 20;
+const GRAN: u64 = 2 * MIB;
+
+fn pool(capacity: u64, cache_max: u64) -> Pool<FakeDriver> {
+    Pool::new(
+        FakeDriver::new(0, GRAN, capacity),
+        PoolConfig {
+            cache_max,
+            max_stitch: 8,
+        },
+    )
+}
+
+fn check(p: &Pool<FakeDriver>) {
+    p.validate().unwrap();
+    assert_eq!(
+        p.stats().held_bytes(),
+        p.driver().used(),
+        "pool and driver disagree on held bytes"
+    );
+}
+
+/// Free everything the pool holds and check the driver has nothing left.
+fn drain(p: &mut Pool<FakeDriver>, live: &[u64]) {
+    for &a in live {
+        p.free(a).unwrap();
+    }
+    p.trim(0);
+    check(p);
+    let d = p.driver();
+    assert_eq!(
+        (d.chunk_count(), d.reservation_count(), d.mapping_count()),
+        (0, 0, 0),
+        "leak"
+    );
+}
+
+#[test]
+fn same_size_is_served_from_cache_without_driver_calls() {
+    let mut p = pool(1 << 30, 1 << 30);
+    let a = p.alloc(5 * MIB).unwrap();
+    p.free(a).unwrap();
+    let calls = p.driver().total_calls();
+    let b = p.alloc(5 * MIB + 1).unwrap(); // same rounded size
+    assert_eq!(a, b);
+    assert_eq!(p.driver().total_calls(), calls);
+    assert_eq!(p.stats().cache_hits, 1);
+    check(&p);
+    drain(&mut p, &[b]);
+}
+
+#[test]
+fn freed_chunks_are_stitched_into_a_larger_allocation() {
+    let mut p = pool(1 << 30, 1 << 30);
+    let small: Vec<u64> = (0..3).map(|_| p.alloc(2 * MIB).unwrap()).collect();
+    for a in &small {
+        p.free(*a).unwrap();
+    }
+    let creates = p.driver().calls_of(Op::Create);
+    let big = p.alloc(6 * MIB).unwrap();
+    assert_eq!(
+        p.driver().calls_of(Op::Create),
+        creates,
+        "no new physical memory"
+    );
+    assert_eq!(p.stats().cached_bytes, 0);
+    assert!(p.driver().is_accessible(big, 6 * MIB, 0));
+    check(&p);
+    drain(&mut p, &[big]);
+}
+
+#[test]
+fn stitching_tops_up_from_the_driver() {
+    let mut p = pool(1 << 30, 1 << 30);
+    let a = p.alloc(4 * MIB).unwrap();
+    p.free(a).unwrap();
+    let b = p.alloc(10 * MIB).unwrap();
+    assert_eq!(p.stats().stitched, 1);
+    assert_eq!(p.driver().used(), 10 * MIB);
+    assert!(p.driver().is_accessible(b, 10 * MIB, 0));
+    check(&p);
+    drain(&mut p, &[b]);
+}
+
+#[test]
+fn cache_max_zero_gives_everything_back_at_once() {
+    let mut p = pool(1 << 30, 0);
+    let a = p.alloc(64 * MIB).unwrap();
+    p.free(a).unwrap();
+    assert_eq!(p.driver().used(), 0);
+    assert_eq!(p.driver().reservation_count(), 0);
+    check(&p);
+}
+
+#[test]
+fn cache_bound_releases_least_recently_freed_first() {
+    let mut p = pool(1 << 30, 8 * MIB);
+    let a = p.alloc(8 * MIB).unwrap();
+    let b = p.alloc(8 * MIB).unwrap();
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+    assert_eq!(p.cached_bytes(), 8 * MIB);
+    assert!(p.holds(b) && !p.holds(a), "b, freed last, is the one kept");
+    check(&p);
+    drain(&mut p, &[]);
+}
+
+#[test]
+fn out_of_memory_is_reported_and_changes_nothing() {
+    let mut p = pool(10 * MIB, 0);
+    let a = p.alloc(8 * MIB).unwrap();
+    assert_eq!(p.alloc(4 * MIB), Err(AllocError::OutOfMemory));
+    assert_eq!(p.alloc(u64::MAX), Err(AllocError::OutOfMemory));
+    assert_eq!(p.stats().ooms, 2);
+    assert_eq!(p.driver().used(), 8 * MIB);
+    check(&p);
+    drain(&mut p, &[a]);
+}
+
+#[test]
+fn release_and_retry_reuses_freed_chunks_without_the_driver() {
+    // PyTorch's sequence: a cudaMalloc fails, the caching allocator frees its cached segments,
+    // then retries. cache_max 0 would normally give those frees straight back.
+    let mut p = pool(16 * MIB, 0);
+    let a = p.alloc(8 * MIB).unwrap();
+    let b = p.alloc(8 * MIB).unwrap();
+    assert_eq!(p.alloc(12 * MIB), Err(AllocError::OutOfMemory));
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+    assert_eq!(p.cached_bytes(), 16 * MIB, "kept for the retry");
+    let calls = p.driver().calls_of(Op::Create) + p.driver().calls_of(Op::Release);
+    let c = p.alloc(12 * MIB).unwrap();
+    assert_eq!(
+        p.driver().calls_of(Op::Create) + p.driver().calls_of(Op::Release),
+        calls
+    );
+    assert!(p.driver().is_accessible(c, 12 * MIB, 0));
+    assert_eq!(
+        p.cached_bytes(),
+        0,
+        "window closed, cache trimmed back to its bound"
+    );
+    check(&p);
+    drain(&mut p, &[c]);
+}
+
+#[test]
+fn a_full_driver_is_covered_by_a_larger_cached_chunk() {
+    let mut p = pool(32 * MIB, 1 << 30);
+    let a = p.alloc(32 * MIB).unwrap();
+    p.free(a).unwrap();
+    // The driver is full (the 32 MiB are cached): a 4 MiB request takes the big chunk.
+    let b = p.alloc(4 * MIB).unwrap();
+    assert_eq!(p.stats().over_commits, 1);
+    assert_eq!(p.live_size(b), Some(4 * MIB));
+    check(&p);
+    drain(&mut p, &[b]);
+}
+
+#[test]
+fn a_request_fits_when_cache_plus_driver_cover_it() {
+    let mut p = pool(20 * MIB, 1 << 30);
+    let keep = p.alloc(4 * MIB).unwrap();
+    let xs: Vec<u64> = (0..4).map(|_| p.alloc(2 * MIB).unwrap()).collect();
+    for x in xs {
+        p.free(x).unwrap();
+    }
+    // 8 MiB cached in four chunks + 8 MiB free in the driver = 16 MiB.
+    let big = p.alloc(16 * MIB).unwrap();
+    assert_eq!(p.driver().free_bytes(), 0);
+    check(&p);
+    drain(&mut p, &[keep, big]);
+}
+
+#[test]
+fn frees_of_unknown_interior_and_freed_pointers_are_refused() {
+    let mut p = pool(1 << 30, 1 << 30);
+    let a = p.alloc(4 * MIB).unwrap();
+    assert_eq!(p.free(a + 4096), Err(FreeError::NotOwned));
+    assert_eq!(p.free(0x1234), Err(FreeError::NotOwned));
+    assert_eq!(p.find(a + 4096), Some((a, 4 * MIB)));
+    p.free(a).unwrap();
+    assert_eq!(p.free(a), Err(FreeError::NotOwned));
+    assert!(
+        p.holds(a) && p.find(a).is_none(),
+        "cached range is held but not live"
+    );
+    check(&p);
+}
+
+#[test]
+fn peer_access_covers_existing_and_future_mappings() {
+    let mut p = pool(1 << 30, 1 << 30);
+    let a = p.alloc(4 * MIB).unwrap();
+    let cached = p.alloc(2 * MIB).unwrap();
+    p.free(cached).unwrap();
+    p.grant(1).unwrap();
+    assert!(p.driver().is_accessible(a, 4 * MIB, 1));
+    let b = p.alloc(6 * MIB).unwrap();
+    assert!(p.driver().is_accessible(b, 6 * MIB, 1));
+    let c = p.alloc(2 * MIB).unwrap(); // the cached block, granted while cached
+    assert!(p.driver().is_accessible(c, 2 * MIB, 1));
+    p.revoke(1).unwrap();
+    assert!(!p.driver().is_accessible(a, 4 * MIB, 1));
+    assert!(
+        p.driver().is_accessible(a, 4 * MIB, 0),
+        "own device keeps access"
+    );
+    let d = p.alloc(8 * MIB).unwrap();
+    assert!(!p.driver().is_accessible(d, 8 * MIB, 1));
+    check(&p);
+    drain(&mut p, &[a, b, c, d]);
+}
+
+#[test]
+fn driver_failures_at_each_step_lose_nothing() {
+    for op in [Op::Create, Op::Reserve, Op::Map, Op::SetAccess, Op::Unmap] {
+        let mut p = pool(1 << 30, 1 << 30);
+        let xs: Vec<u64> = (0..3)
+            .map(|i| p.alloc((i + 1) * 2 * MIB).unwrap())
+            .collect();
+        for x in &xs {
+            p.free(*x).unwrap();
+        }
+        p.driver_mut().fail(op, DrvError(999));
+        // 12 MiB needs stitching (and, with the loose 2 MiB left behind, a fresh top-up).
+        let r = p.alloc(14 * MIB);
+        assert_eq!(r, Err(AllocError::Driver(DrvError(999))), "{op:?}");
+        check(&p);
+        // The pool still works and still has all its memory.
+        let y = p.alloc(14 * MIB).unwrap();
+        assert!(p.driver().is_accessible(y, 14 * MIB, 0));
+        check(&p);
+        drain(&mut p, &[y]);
+    }
+}
+
+/// xorshift64*, seeded from EXPSEG_TEST_SEED or the clock; the seed is printed for replay.
+struct Rng(u64);
+
+impl Rng {
+    fn from_env() -> Self {
+        let seed = std::env::var("EXPSEG_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+                    | 1
+            });
+        eprintln!("random pool test seed: EXPSEG_TEST_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn random_sequences_keep_allocations_disjoint_and_books_exact() {
+    let mut rng = Rng::from_env();
+    for round in 0..20 {
+        let capacity = (64 + rng.below(512)) * MIB;
+        let cache_max = [0, 8 * MIB, 64 * MIB, u64::MAX][rng.below(4) as usize];
+        let mut p = pool(capacity, cache_max);
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        for step in 0..400 {
+            let ctx = format!("round {round} step {step}");
+            match rng.below(10) {
+                0..=4 => {
+                    let size = match rng.below(4) {
+                        0 => 1 + rng.below(GRAN),
+                        1 => 1 + rng.below(8 * MIB),
+                        2 => (1 + rng.below(16)) * GRAN,
+                        _ => 1 + rng.below(96 * MIB),
+                    };
+                    if rng.below(20) == 0 {
+                        let op = Op::ALL[rng.below(7) as usize];
+                        p.driver_mut().fail(op, DrvError(999));
+                    }
+                    let held_before = p.stats().held_bytes();
+                    let free_before = p.driver().free_bytes() + p.cached_bytes();
+                    match p.alloc(size) {
+                        Ok(a) => {
+                            for (b, s) in &live {
+                                assert!(a + size <= *b || b + s <= a, "{ctx}: overlap");
+                            }
+                            assert!(p.driver().is_accessible(a, size, 0), "{ctx}: unmapped");
+                            live.push((a, size));
+                        }
+                        Err(AllocError::OutOfMemory) => {
+                            let need = size.div_ceil(GRAN) * GRAN;
+                            assert!(
+                                free_before < need,
+                                "{ctx}: OOM with {free_before} available for {need}"
+                            );
+                            assert_eq!(p.stats().held_bytes(), held_before, "{ctx}");
+                        }
+                        Err(AllocError::Driver(_)) => {}
+                    }
+                    // Clear an injected failure the call did not reach.
+                    p.driver_mut().clear_failures();
+                }
+                5..=8 if !live.is_empty() => {
+                    let (a, s) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                    assert_eq!(p.free(a), Ok(s), "{ctx}");
+                }
+                9 => p.trim(rng.below(2) * 16 * MIB),
+                _ => {}
+            }
+            p.validate().unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            assert_eq!(p.stats().held_bytes(), p.driver().used(), "{ctx}");
+        }
+        let addrs: Vec<u64> = live.iter().map(|l| l.0).collect();
+        drain(&mut p, &addrs);
+    }
+}

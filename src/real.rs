@@ -1,0 +1,284 @@
+//! The functions expseg stands in front of: the next `libcudart`'s entry points and the
+//! driver's function table. This is the only module that calls `dlsym`.
+//!
+//! Runtime functions are looked up lazily, one atomic each (null = not found yet): first
+//! `dlsym(RTLD_NEXT)`, then, when the runtime was loaded privately (Python extensions load
+//! `libcudart.so.13` with `RTLD_LOCAL`), the already-loaded `libcudart.so.13`/`.so.12` through
+//! `dlopen(RTLD_NOLOAD)`. A hit is cached; a miss is not, so a runtime loaded later is found.
+//! A lookup that lands in expseg itself is refused.
+//!
+//! The driver table is loaded once, from the `libcuda.so.1` the runtime loaded (or loaded
+//! here if none is yet). Its symbols are split like cuinterpose's: without the *required* ones
+//! the pool cannot run and everything passes through.
+
+use libc::{c_char, c_int, c_uint, c_void, size_t};
+use once_cell::sync::OnceCell;
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
+/// `cudaErrorInitializationError`: what a hook returns when no runtime can be found.
+pub const NO_RUNTIME: i32 = 3;
+
+fn self_base() -> *mut c_void {
+    static BASE: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let b = BASE.load(Ordering::Relaxed);
+    if !b.is_null() {
+        return b;
+    }
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address; `self_base` is a function of this library.
+    let found = unsafe { libc::dladdr(self_base as *const c_void, &mut info) };
+    let b = if found != 0 {
+        info.dli_fbase
+    } else {
+        std::ptr::null_mut()
+    };
+    BASE.store(b, Ordering::Relaxed);
+    b
+}
+
+/// Whether `p` is code of expseg itself (a lookup must never resolve to a hook).
+fn is_self(p: *mut c_void) -> bool {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address.
+    unsafe { libc::dladdr(p, &mut info) != 0 && info.dli_fbase == self_base() }
+}
+
+const RUNTIMES: [&CStr; 2] = [c"libcudart.so.13", c"libcudart.so.12"];
+
+/// Find the next definition of `name` after expseg.
+fn lookup_next(name: &CStr) -> *mut c_void {
+    // SAFETY: dlsym/dlopen with valid NUL-terminated strings; handles are closed again
+    // (RTLD_NOLOAD only raised their reference count).
+    unsafe {
+        let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr());
+        if !p.is_null() && !is_self(p) {
+            return p;
+        }
+        for lib in RUNTIMES {
+            let h = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            if h.is_null() {
+                continue;
+            }
+            let p = libc::dlsym(h, name.as_ptr());
+            libc::dlclose(h);
+            if !p.is_null() && !is_self(p) {
+                return p;
+            }
+        }
+    }
+    std::ptr::null_mut()
+}
+
+/// One lazily found runtime function.
+struct Next {
+    name: &'static CStr,
+    ptr: AtomicPtr<c_void>,
+    warned: AtomicBool,
+}
+
+impl Next {
+    const fn new(name: &'static CStr) -> Self {
+        Next {
+            name,
+            ptr: AtomicPtr::new(std::ptr::null_mut()),
+            warned: AtomicBool::new(false),
+        }
+    }
+
+    fn get(&self) -> Option<*mut c_void> {
+        let p = self.ptr.load(Ordering::Acquire);
+        if !p.is_null() {
+            return Some(p);
+        }
+        let p = lookup_next(self.name);
+        if p.is_null() {
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                log::error!(
+                    "no CUDA runtime defines {:?} after expseg (tried RTLD_NEXT, libcudart.so.13, libcudart.so.12)",
+                    self.name
+                );
+            }
+            return None;
+        }
+        self.ptr.store(p, Ordering::Release);
+        Some(p)
+    }
+}
+
+/// Declares the runtime functions expseg calls through: for each, a static [`Next`] and an
+/// `unsafe fn` with the C signature that returns [`NO_RUNTIME`] when none is found.
+macro_rules! next_runtime {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
+        /// The next runtime's functions, same names and signatures as the C API.
+        #[allow(non_snake_case, clippy::missing_safety_doc)]
+        pub mod next {
+            use super::*;
+            $(
+                pub unsafe fn $name($($arg: $ty),*) -> c_int {
+                    static F: Next = Next::new(
+                        match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
+                            Ok(s) => s,
+                            Err(_) => panic!("symbol name"),
+                        },
+                    );
+                    match F.get() {
+                        Some(p) => {
+                            let f: unsafe extern "C" fn($($ty),*) -> c_int = std::mem::transmute(p);
+                            f($($arg),*)
+                        }
+                        None => NO_RUNTIME,
+                    }
+                }
+            )*
+        }
+    };
+}
+
+next_runtime! {
+    cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t);
+    cudaFree(dev_ptr: *mut c_void);
+    cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void);
+    cudaMemGetInfo(free: *mut size_t, total: *mut size_t);
+    cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint);
+    cudaDeviceDisablePeerAccess(peer: c_int);
+    cudaGetDevice(dev: *mut c_int);
+    cudaSetDevice(dev: c_int);
+    cudaDeviceSynchronize();
+}
+
+/// Safe calls of the next runtime for the rest of the crate: values in, values out.
+pub mod runtime {
+    use super::next;
+    use libc::c_void;
+
+    /// `cudaMalloc` into a local: the code and the pointer.
+    pub fn malloc(size: usize) -> (i32, u64) {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer.
+        let e = unsafe { next::cudaMalloc(&mut p, size) };
+        (e, p as u64)
+    }
+
+    pub fn free(ptr: u64) -> i32 {
+        // SAFETY: the runtime validates the pointer; an unknown one is an error code.
+        unsafe { next::cudaFree(ptr as *mut c_void) }
+    }
+
+    pub fn get_device() -> Result<i32, i32> {
+        let mut d = 0;
+        // SAFETY: `d` is a valid out-pointer.
+        match unsafe { next::cudaGetDevice(&mut d) } {
+            0 => Ok(d),
+            e => Err(e),
+        }
+    }
+
+    pub fn set_device(d: i32) -> i32 {
+        // SAFETY: plain value argument.
+        unsafe { next::cudaSetDevice(d) }
+    }
+
+    pub fn device_synchronize() -> i32 {
+        // SAFETY: no arguments.
+        unsafe { next::cudaDeviceSynchronize() }
+    }
+
+    pub fn enable_peer_access(peer: i32, flags: u32) -> i32 {
+        // SAFETY: plain value arguments.
+        unsafe { next::cudaDeviceEnablePeerAccess(peer, flags) }
+    }
+
+    pub fn disable_peer_access(peer: i32) -> i32 {
+        // SAFETY: plain value argument.
+        unsafe { next::cudaDeviceDisablePeerAccess(peer) }
+    }
+}
+
+/// Declares the driver table: a struct of function pointers and its loader.
+macro_rules! driver_table {
+    (
+        required { $( $r:ident ( $($rt:ty),* ); )* }
+        optional { $( $o:ident ( $($ot:ty),* ); )* }
+    ) => {
+        /// The driver functions expseg uses, found once in `libcuda.so.1`.
+        #[allow(non_snake_case)]
+        pub struct DriverTable {
+            $( pub $r: unsafe extern "C" fn($($rt),*) -> u32, )*
+            $( pub $o: Option<unsafe extern "C" fn($($ot),*) -> u32>, )*
+        }
+
+        impl DriverTable {
+            /// Resolve every symbol in `lib`; names the first required one that is missing.
+            unsafe fn resolve(lib: *mut c_void) -> Result<DriverTable, &'static str> {
+                Ok(DriverTable {
+                    $( $r: {
+                        let p = libc::dlsym(lib, concat!(stringify!($r), "\0").as_ptr() as *const c_char);
+                        if p.is_null() {
+                            return Err(stringify!($r));
+                        }
+                        std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rt),*) -> u32>(p)
+                    }, )*
+                    $( $o: {
+                        let p = libc::dlsym(lib, concat!(stringify!($o), "\0").as_ptr() as *const c_char);
+                        (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ot),*) -> u32>(p))
+                    }, )*
+                })
+            }
+        }
+    };
+}
+
+use cudarc::driver::sys::{
+    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUmemAccessDesc,
+    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle,
+};
+
+driver_table! {
+    required {
+        cuInit(c_uint);
+        cuCtxGetCurrent(*mut CUcontext);
+        cuDeviceGet(*mut CUdevice, c_int);
+        cuDeviceGetCount(*mut c_int);
+        cuDeviceGetAttribute(*mut c_int, CUdevice_attribute, CUdevice);
+        cuMemGetAllocationGranularity(*mut size_t, *const CUmemAllocationProp, CUmemAllocationGranularity_flags);
+        cuMemCreate(*mut CUmemGenericAllocationHandle, size_t, *const CUmemAllocationProp, u64);
+        cuMemRelease(CUmemGenericAllocationHandle);
+        cuMemAddressReserve(*mut CUdeviceptr, size_t, size_t, CUdeviceptr, u64);
+        cuMemAddressFree(CUdeviceptr, size_t);
+        cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, u64);
+        cuMemUnmap(CUdeviceptr, size_t);
+        cuMemSetAccess(CUdeviceptr, size_t, *const CUmemAccessDesc, size_t);
+    }
+    optional {
+        cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);
+    }
+}
+
+// SAFETY: the table holds plain function pointers into libcuda, valid for the process.
+unsafe impl Sync for DriverTable {}
+unsafe impl Send for DriverTable {}
+
+/// The driver table, or why there is none. Loaded at most once.
+pub fn driver() -> Result<&'static DriverTable, &'static str> {
+    static TABLE: OnceCell<Result<DriverTable, String>> = OnceCell::new();
+    let t = TABLE.get_or_init(|| {
+        // SAFETY: dlopen/dlsym with constant NUL-terminated names. The handle is kept open
+        // for the life of the process: the table points into it.
+        unsafe {
+            let mut lib =
+                libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            if lib.is_null() {
+                lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            }
+            if lib.is_null() {
+                return Err("libcuda.so.1 cannot be loaded".to_string());
+            }
+            DriverTable::resolve(lib).map_err(|missing| format!("libcuda.so.1 lacks {missing}"))
+        }
+    });
+    match t {
+        Ok(t) => Ok(t),
+        Err(e) => Err(e.as_str()),
+    }
+}

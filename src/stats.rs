@@ -1,0 +1,320 @@
+//! Process-wide counters and the exit report.
+//!
+//! Pool counters live in each pool (under its lock, see [`crate::pool::PoolStats`]); what
+//! happens outside any pool — pass-throughs, synchronisations, caught panics — is counted
+//! here in atomics. At exit, when `EXPSEG_REPORT` is set, both go into a human-readable table
+//! and a JSON file. Writing the report makes no CUDA call.
+
+use crate::gpu::Op;
+use crate::pool::PoolStats;
+use crossbeam::utils::CachePadded;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One process-wide counter, padded so threads counting different things do not contend.
+pub struct Counter(CachePadded<AtomicU64>);
+
+impl Counter {
+    const fn new() -> Self {
+        Counter(CachePadded::new(AtomicU64::new(0)))
+    }
+
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+pub struct Global {
+    pub passthrough_allocs: Counter,
+    pub passthrough_alloc_bytes: Counter,
+    pub passthrough_frees: Counter,
+    pub ipc_handle_requests: Counter,
+    pub syncs: Counter,
+    pub sync_ns: Counter,
+    pub panics_caught: Counter,
+}
+
+pub static GLOBAL: Global = Global {
+    passthrough_allocs: Counter::new(),
+    passthrough_alloc_bytes: Counter::new(),
+    passthrough_frees: Counter::new(),
+    ipc_handle_requests: Counter::new(),
+    syncs: Counter::new(),
+    sync_ns: Counter::new(),
+    panics_caught: Counter::new(),
+};
+
+impl Global {
+    fn rows(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("passthrough_allocs", self.passthrough_allocs.get()),
+            (
+                "passthrough_alloc_bytes",
+                self.passthrough_alloc_bytes.get(),
+            ),
+            ("passthrough_frees", self.passthrough_frees.get()),
+            ("ipc_handle_requests", self.ipc_handle_requests.get()),
+            ("syncs", self.syncs.get()),
+            ("sync_ns", self.sync_ns.get()),
+            ("panics_caught", self.panics_caught.get()),
+        ]
+    }
+}
+
+/// Everything the report shows, taken at one moment.
+pub struct Snapshot {
+    pub pid: u32,
+    pub rank: String,
+    /// Whether the pool runs, or why not.
+    pub status: String,
+    pub config: Vec<(&'static str, String)>,
+    pub global: Vec<(&'static str, u64)>,
+    pub pools: Vec<(i32, PoolStats)>,
+}
+
+impl Snapshot {
+    pub fn take(
+        status: String,
+        config: Vec<(&'static str, String)>,
+        pools: Vec<(i32, PoolStats)>,
+    ) -> Self {
+        Snapshot {
+            pid: std::process::id(),
+            rank: rank(),
+            status,
+            config,
+            global: GLOBAL.rows(),
+            pools,
+        }
+    }
+}
+
+/// The process's rank as launchers set it, for `%r`.
+pub fn rank() -> String {
+    [
+        "RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "PMIX_RANK",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+    .unwrap_or_else(|| "0".into())
+}
+
+/// Expand `%p` (pid), `%r` (rank) and `%%` in a report path.
+pub fn expand_path(template: &str, pid: u32, rank: &str) -> String {
+    let mut out = String::new();
+    let mut chars = template.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('p') => out.push_str(&pid.to_string()),
+            Some('r') => out.push_str(rank),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+}
+
+type Row = (&'static str, fn(&PoolStats) -> u64);
+
+const POOL_ROWS: &[Row] = &[
+    ("allocs", |s| s.allocs),
+    ("frees", |s| s.frees),
+    ("cache_hits", |s| s.cache_hits),
+    ("stitched", |s| s.stitched),
+    ("over_commits", |s| s.over_commits),
+    ("ooms", |s| s.ooms),
+    ("driver_errors", |s| s.driver_errors),
+    ("live_user_bytes", |s| s.live_user_bytes),
+    ("live_bytes", |s| s.live_bytes),
+    ("cached_bytes", |s| s.cached_bytes),
+    ("peak_live_user_bytes", |s| s.peak_live_user_bytes),
+    ("peak_held_bytes", |s| s.peak_held_bytes),
+    ("created_bytes", |s| s.created_bytes),
+    ("released_bytes", |s| s.released_bytes),
+];
+
+/// The human-readable report.
+pub fn render_table(s: &Snapshot) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "expseg report: pid {} rank {} ({})",
+        s.pid, s.rank, s.status
+    );
+    for (dev, p) in &s.pools {
+        let _ = writeln!(o, "\ndevice {dev} pool");
+        for (name, get) in POOL_ROWS {
+            let v = get(p);
+            if name.ends_with("bytes") {
+                let _ = writeln!(o, "  {name:<24} {v:>16}  ({} MiB)", mib(v));
+            } else {
+                let _ = writeln!(o, "  {name:<24} {v:>16}");
+            }
+        }
+        let _ = writeln!(
+            o,
+            "  {:<24} {:>10} {:>12} {:>10}",
+            "driver call", "calls", "total ms", "mean us"
+        );
+        for (i, op) in Op::ALL.iter().enumerate() {
+            let (n, ns) = (p.driver_calls[i], p.driver_ns[i]);
+            if n > 0 {
+                let _ = writeln!(
+                    o,
+                    "  {:<24} {:>10} {:>12.3} {:>10.1}",
+                    op.name(),
+                    n,
+                    ns as f64 / 1e6,
+                    ns as f64 / 1e3 / n as f64
+                );
+            }
+        }
+    }
+    let _ = writeln!(o, "\nprocess");
+    for (name, v) in &s.global {
+        let _ = writeln!(o, "  {name:<24} {v:>16}");
+    }
+    let _ = writeln!(o, "\nconfiguration");
+    for (name, v) in &s.config {
+        let _ = writeln!(o, "  {name:<24} {v}");
+    }
+    o
+}
+
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(o, "\\u{:04x}", c as u32);
+            }
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+/// The machine-readable report (one JSON object).
+pub fn render_json(s: &Snapshot) -> String {
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        "{{\"pid\":{},\"rank\":{},\"status\":{},\"process\":{{",
+        s.pid,
+        json_str(&s.rank),
+        json_str(&s.status)
+    );
+    let g: Vec<String> = s
+        .global
+        .iter()
+        .map(|(k, v)| format!("{}:{v}", json_str(k)))
+        .collect();
+    o.push_str(&g.join(","));
+    o.push_str("},\"devices\":[");
+    let pools: Vec<String> = s
+        .pools
+        .iter()
+        .map(|(dev, p)| {
+            let mut f: Vec<String> = vec![format!("\"device\":{dev}")];
+            f.extend(
+                POOL_ROWS
+                    .iter()
+                    .map(|(k, get)| format!("{}:{}", json_str(k), get(p))),
+            );
+            let calls: Vec<String> = Op::ALL
+                .iter()
+                .enumerate()
+                .map(|(i, op)| {
+                    format!(
+                        "{}:{{\"calls\":{},\"ns\":{}}}",
+                        json_str(op.name()),
+                        p.driver_calls[i],
+                        p.driver_ns[i]
+                    )
+                })
+                .collect();
+            f.push(format!("\"driver\":{{{}}}", calls.join(",")));
+            format!("{{{}}}", f.join(","))
+        })
+        .collect();
+    o.push_str(&pools.join(","));
+    o.push_str("],\"config\":{");
+    let c: Vec<String> = s
+        .config
+        .iter()
+        .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
+        .collect();
+    o.push_str(&c.join(","));
+    o.push_str("}}\n");
+    o
+}
+
+/// Write the table to the expanded path and the JSON next to it (`.json` appended).
+/// `stderr` as the path prints the table to standard error instead.
+pub fn write_report(template: &str, s: &Snapshot) -> std::io::Result<()> {
+    use std::io::Write;
+    if template == "stderr" {
+        return std::io::stderr().write_all(render_table(s).as_bytes());
+    }
+    let path = expand_path(template, s.pid, &s.rank);
+    std::fs::write(&path, render_table(s))?;
+    std::fs::write(format!("{path}.json"), render_json(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_expand() {
+        assert_eq!(expand_path("/tmp/r-%p-%r.txt", 42, "3"), "/tmp/r-42-3.txt");
+        assert_eq!(expand_path("100%%-%x-%", 1, "0"), "100%-%x-%");
+    }
+
+    #[test]
+    fn report_renders_table_and_valid_looking_json() {
+        let mut p = PoolStats {
+            allocs: 3,
+            peak_held_bytes: 3 << 20,
+            ..Default::default()
+        };
+        p.driver_calls[0] = 2;
+        p.driver_ns[0] = 5000;
+        let s = Snapshot::take(
+            "pool active".into(),
+            vec![("EXPSEG_LOG", "w\"arn".into())],
+            vec![(0, p)],
+        );
+        let t = render_table(&s);
+        assert!(t.contains("device 0 pool") && t.contains("cuMemCreate") && t.contains("3.0 MiB"));
+        let j = render_json(&s);
+        assert!(
+            j.contains("\"allocs\":3") && j.contains("\"cuMemCreate\":{\"calls\":2,\"ns\":5000}")
+        );
+        assert!(j.contains("\"EXPSEG_LOG\":\"w\\\"arn\""));
+        assert_eq!(j.matches('{').count(), j.matches('}').count());
+    }
+}
