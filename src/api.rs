@@ -225,7 +225,8 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     let Ok(dev) = runtime::get_device() else {
         return pass_alloc(size);
     };
-    let Ok(t) = real::driver() else {
+    // Starting the state logs, once, why the pool cannot run if it cannot.
+    let Some(t) = ensure_state().driver.as_ref().ok().copied() else {
         return pass_alloc(size);
     };
     // The real cudaMalloc creates and binds the primary context; keep that side effect.

@@ -1,0 +1,168 @@
+/* Test program for expseg's preload tests, run against the fake runtime and driver.
+ * Usage: prog SCENARIO. Prints key=value lines that tests/preload.rs checks; exits 1 on a
+ * failed in-program check. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+int cudaMalloc(void**, size_t);
+int cudaFree(void*);
+int cudaGetLastError(void);
+int cudaSetDevice(int);
+int cudaGetDevice(int*);
+int cudaMemGetInfo(size_t*, size_t*);
+int cudaIpcGetMemHandle(void*, void*);
+int cudaDeviceEnablePeerAccess(int, unsigned);
+int cudaDeviceDisablePeerAccess(int);
+long fakert_count(const char*);
+long fakecu_count(const char*);
+long fakecu_access(uint64_t);
+
+#define MIB ((size_t)1 << 20)
+#define CHECK(c) do { if (!(c)) { printf("check_failed=%s:%d %s\n", __FILE__, __LINE__, #c); exit(1); } } while (0)
+
+static void fill(void* p, size_t n, unsigned char v) { memset(p, v, n); }
+static int holds(const void* p, size_t n, unsigned char v) {
+  const unsigned char* c = p; for (size_t i = 0; i < n; i += 4093) if (c[i] != v) return 0; return c[n - 1] == v;
+}
+
+static int basic(void) {
+  void *p = 0, *q = 0, *z = (void*)1, *s = 0, *big = 0;
+  printf("malloc_rc=%d\n", cudaMalloc(&p, 4 * MIB));
+  fill(p, 4 * MIB, 0x5a); CHECK(holds(p, 4 * MIB, 0x5a));
+  printf("creates=%ld\n", fakecu_count("cuMemCreate"));
+  long syncs = fakert_count("cudaDeviceSynchronize");
+  printf("free_rc=%d\n", cudaFree(p));
+  printf("free_synced=%ld\n", fakert_count("cudaDeviceSynchronize") - syncs);
+  printf("remalloc_rc=%d\n", cudaMalloc(&q, 4 * MIB - 100));
+  printf("same_ptr=%d\n", p == q);
+  printf("creates_after_reuse=%ld\n", fakecu_count("cuMemCreate"));
+  int rc = cudaMalloc(&z, 0);
+  printf("zero_rc=%d zero_null=%d\n", rc, z == 0);
+  long rt = fakert_count("cudaMalloc");
+  rc = cudaMalloc(&s, 1000);
+  printf("small_rc=%d small_to_runtime=%ld\n", rc, fakert_count("cudaMalloc") - rt);
+  printf("small_free_rc=%d\n", cudaFree(s));
+  rc = cudaFree((char*)q + 4096);
+  printf("interior_free_rc=%d interior_lasterr=%d\n", rc, cudaGetLastError());
+  size_t fr = 0, tot = 0;
+  printf("free_null_rc=%d\n", cudaFree(0));
+  printf("q_free_rc=%d\n", cudaFree(q));
+  rc = cudaFree(q);
+  printf("double_free_rc=%d double_lasterr=%d\n", rc, cudaGetLastError());
+  rc = cudaMemGetInfo(&fr, &tot);
+  printf("meminfo_rc=%d meminfo_free_mib=%zu\n", rc, fr >> 20);
+  printf("oom_rc=%d", cudaMalloc(&big, 2048 * MIB)); printf(" oom_lasterr=%d\n", cudaGetLastError());
+  printf("null_out_rc=%d\n", cudaMalloc(0, 4 * MIB));
+  unsigned char h[64];
+  void* r = 0; cudaMalloc(&r, 2 * MIB);
+  printf("ipc_rc=%d", cudaIpcGetMemHandle(h, r)); printf(" ipc_lasterr=%d\n", cudaGetLastError());
+  cudaFree(r);
+  return 0;
+}
+
+static int retry(void) {
+  void *a, *b, *c;
+  CHECK(cudaMalloc(&a, 8 * MIB) == 0 && cudaMalloc(&b, 8 * MIB) == 0);
+  printf("first_try_rc=%d\n", cudaMalloc(&c, 12 * MIB));
+  CHECK(cudaFree(a) == 0 && cudaFree(b) == 0);
+  long before = fakecu_count("cuMemCreate") + fakecu_count("cuMemRelease");
+  printf("retry_rc=%d\n", cudaMalloc(&c, 12 * MIB));
+  printf("driver_calls_for_retry=%ld\n", fakecu_count("cuMemCreate") + fakecu_count("cuMemRelease") - before);
+  fill(c, 12 * MIB, 7); CHECK(holds(c, 12 * MIB, 7));
+  CHECK(cudaFree(c) == 0);
+  return 0;
+}
+
+static unsigned rnd(unsigned* s) { *s = *s * 1103515245u + 12345u; return *s >> 8; }
+static void* worker(void* arg) {
+  unsigned seed = (unsigned)(uintptr_t)arg, tag = (unsigned char)(uintptr_t)arg;
+  void* live[4] = {0}; size_t sz[4] = {0};
+  for (int it = 0; it < 1500; it++) {
+    int k = rnd(&seed) % 4;
+    if (live[k]) {
+      if (!holds(live[k], sz[k], (unsigned char)tag)) { printf("corrupt=1\n"); exit(1); }
+      if (cudaFree(live[k])) { printf("thread_free_failed=1\n"); exit(1); }
+      live[k] = 0;
+    } else {
+      sz[k] = (rnd(&seed) % 4 == 0) ? 1 + rnd(&seed) % 4096 : (1 + rnd(&seed) % 8) * MIB - rnd(&seed) % 1000;
+      if (cudaMalloc(&live[k], sz[k])) { printf("thread_malloc_failed=1\n"); exit(1); }
+      fill(live[k], sz[k], (unsigned char)tag);
+    }
+  }
+  for (int k = 0; k < 4; k++) if (live[k]) cudaFree(live[k]);
+  return 0;
+}
+static int threads(void) {
+  pthread_t t[8];
+  for (uintptr_t i = 0; i < 8; i++) pthread_create(&t[i], 0, worker, (void*)(i + 1));
+  for (int i = 0; i < 8; i++) pthread_join(t[i], 0);
+  printf("threads_ok=1 pooled=%d\n", fakecu_count("cuMemCreate") > 0);
+  return 0;
+}
+
+static int peer(void) {
+  void *p, *q, *r;
+  CHECK(cudaSetDevice(1) == 0);
+  CHECK(cudaMalloc(&p, 4 * MIB) == 0);
+  printf("dev1_access=%ld\n", fakecu_access((uint64_t)p));
+  CHECK(cudaSetDevice(0) == 0);
+  printf("enable_rc=%d\n", cudaDeviceEnablePeerAccess(1, 0));
+  printf("after_enable=%ld\n", fakecu_access((uint64_t)p));
+  CHECK(cudaSetDevice(1) == 0);
+  CHECK(cudaMalloc(&q, 6 * MIB) == 0);
+  printf("new_mapping=%ld\n", fakecu_access((uint64_t)q));
+  CHECK(cudaSetDevice(0) == 0);
+  CHECK(cudaMalloc(&r, 2 * MIB) == 0);
+  printf("dev0_alloc=%ld\n", fakecu_access((uint64_t)r));
+  printf("disable_rc=%d\n", cudaDeviceDisablePeerAccess(1));
+  printf("after_disable=%ld\n", fakecu_access((uint64_t)p));
+  printf("cross_free_rc=%d", cudaFree(p));
+  int d = -1; cudaGetDevice(&d); printf(" device_after=%d\n", d);
+  CHECK(cudaFree(q) == 0 && cudaFree(r) == 0);
+  return 0;
+}
+
+static int forked(void) {
+  void* p; CHECK(cudaMalloc(&p, 4 * MIB) == 0);
+  fflush(stdout);
+  pid_t k = fork();
+  if (k == 0) {
+    long rt = fakert_count("cudaMalloc"); void* c;
+    int rc = cudaMalloc(&c, 4 * MIB);
+    printf("child_rc=%d child_to_runtime=%ld\n", rc, fakert_count("cudaMalloc") - rt);
+    fflush(stdout); _exit(0);
+  }
+  int st; waitpid(k, &st, 0);
+  printf("child_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  printf("parent_free_rc=%d\n", cudaFree(p));
+  return 0;
+}
+
+static int simple(void) {
+  void* p; long rt = fakert_count("cudaMalloc");
+  int rc = cudaMalloc(&p, 4 * MIB);
+  printf("malloc_rc=%d to_runtime=%ld\n", rc, fakert_count("cudaMalloc") - rt);
+  if (rc) return 0;
+  fill(p, 4 * MIB, 1);
+  printf("free_rc=%d\n", cudaFree(p));
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const char* s = argc > 1 ? argv[1] : "basic";
+  if (!strcmp(s, "basic")) return basic();
+  if (!strcmp(s, "retry")) return retry();
+  if (!strcmp(s, "threads")) return threads();
+  if (!strcmp(s, "peer")) return peer();
+  if (!strcmp(s, "fork")) return forked();
+  if (!strcmp(s, "simple")) return simple();
+  fprintf(stderr, "unknown scenario %s\n", s);
+  return 2;
+}

@@ -1,0 +1,443 @@
+//! Preload tests: build a fake versioned `libcudart.so.13` and a fake `libcuda.so.1` with the
+//! system C compiler, run small C programs under `LD_PRELOAD=libexpseg.so`, and check what the
+//! programs saw. The fakes hand out host memory (memfd-backed VMM), so programs check data too.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+struct Fixture {
+    dir: PathBuf,
+    shim: PathBuf,
+}
+
+fn cc(args: &[&str], cwd: &Path) {
+    let out = Command::new("cc")
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("run cc");
+    assert!(
+        out.status.success(),
+        "cc {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("preload");
+        let novmm = dir.join("novmm");
+        std::fs::create_dir_all(&novmm).unwrap();
+        let s = |f: &str| src.join(f).to_str().unwrap().to_string();
+        let d = dir.to_str().unwrap();
+        cc(
+            &[
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+                "libcuda.so.1",
+                &s("fake_cuda.c"),
+            ],
+            &dir,
+        );
+        cc(
+            &[
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-DNO_VMM",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+                "novmm/libcuda.so.1",
+                &s("fake_cuda.c"),
+            ],
+            &dir,
+        );
+        let map = format!("-Wl,--version-script={}", s("cudart.map"));
+        cc(
+            &[
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wl,-soname,libcudart.so.13",
+                &map,
+                "-o",
+                "libcudart.so.13",
+                &s("fake_cudart.c"),
+                "./libcuda.so.1",
+            ],
+            &dir,
+        );
+        cc(
+            &[
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-o",
+                "libplugin.so",
+                &s("plugin.c"),
+                "./libcudart.so.13",
+                &format!("-Wl,-rpath,{d}"),
+            ],
+            &dir,
+        );
+        cc(
+            &[
+                "-O1",
+                "-pthread",
+                "-o",
+                "prog",
+                &s("prog.c"),
+                "./libcudart.so.13",
+                "./libcuda.so.1",
+            ],
+            &dir,
+        );
+        cc(
+            &["-O1", "-o", "plugin_main", &s("plugin_main.c"), "-ldl"],
+            &dir,
+        );
+        // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
+        // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap();
+        let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        build
+            .args(["build", "--lib", "--quiet"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "cargo build --lib failed");
+        let shim = profile_dir.join("libexpseg.so");
+        assert!(
+            shim.exists(),
+            "{} is missing after the build",
+            shim.display()
+        );
+        Fixture { dir, shim }
+    })
+}
+
+struct Run {
+    out: Output,
+}
+
+impl Run {
+    fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.out.stdout).into_owned()
+    }
+
+    fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.out.stderr).into_owned()
+    }
+
+    /// The value of `key=` in the program's output.
+    fn get(&self, key: &str) -> String {
+        let pat = format!("{key}=");
+        for tok in self.stdout().split_whitespace() {
+            if let Some(v) = tok.strip_prefix(&pat) {
+                return v.to_string();
+            }
+        }
+        panic!(
+            "no {key} in output:\n{}\nstderr:\n{}",
+            self.stdout(),
+            self.stderr()
+        );
+    }
+
+    fn ok(self) -> Self {
+        assert!(
+            self.out.status.success(),
+            "program failed ({:?})\nstdout:\n{}\nstderr:\n{}",
+            self.out.status,
+            self.stdout(),
+            self.stderr()
+        );
+        // Nothing but the program's own key=value output on stdout.
+        for tok in self.stdout().split_whitespace() {
+            assert!(tok.contains('='), "stray stdout output {tok:?}");
+        }
+        self
+    }
+}
+
+fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let f = fixture();
+    let mut c = Command::new(f.dir.join(prog));
+    c.args(args)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", libdir)
+        .env("LD_PRELOAD", &f.shim);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    Run {
+        out: c.output().expect("run test program"),
+    }
+}
+
+fn run(scenario: &str, env: &[(&str, &str)]) -> Run {
+    run_in(&fixture().dir, "prog", &[scenario], env)
+}
+
+#[test]
+fn references_are_versioned_like_the_real_runtime() {
+    let f = fixture();
+    let out = Command::new("readelf")
+        .args(["--dyn-syms", "-W"])
+        .arg(f.dir.join("prog"))
+        .output();
+    let Ok(out) = out else {
+        eprintln!("readelf not found; skipping the version check");
+        return;
+    };
+    let syms = String::from_utf8_lossy(&out.stdout);
+    assert!(syms.contains("cudaMalloc@libcudart.so.13"), "{syms}");
+}
+
+#[test]
+fn pool_serves_and_mimics_the_runtime() {
+    let r = run("basic", &[]).ok();
+    assert_eq!(r.get("malloc_rc"), "0");
+    assert_eq!(r.get("creates"), "1", "4 MiB came from cuMemCreate");
+    assert_eq!(r.get("free_rc"), "0");
+    assert_eq!(
+        r.get("free_synced"),
+        "1",
+        "cudaFree waits for the device like the real call"
+    );
+    assert_eq!(r.get("same_ptr"), "1");
+    assert_eq!(
+        r.get("creates_after_reuse"),
+        "1",
+        "same size reused from the cache"
+    );
+    assert_eq!(
+        (r.get("zero_rc"), r.get("zero_null")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (r.get("small_rc"), r.get("small_to_runtime")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("small_free_rc"), "0");
+    assert_eq!(
+        (r.get("interior_free_rc"), r.get("interior_lasterr")),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(r.get("free_null_rc"), "0");
+    assert_eq!(r.get("q_free_rc"), "0");
+    assert_eq!(
+        (r.get("double_free_rc"), r.get("double_lasterr")),
+        ("1".into(), "1".into())
+    );
+    // The fake runtime reports 100 MiB free; the pool keeps 4 MiB cached for the program.
+    assert_eq!(r.get("meminfo_free_mib"), "104");
+    assert_eq!(
+        (r.get("oom_rc"), r.get("oom_lasterr")),
+        ("2".into(), "2".into())
+    );
+    assert_eq!(r.get("null_out_rc"), "1");
+    // IPC of pool memory is the next issue: today it passes through and fails as it would.
+    assert_eq!(
+        (r.get("ipc_rc"), r.get("ipc_lasterr")),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(r.stderr(), "", "no noise on stderr either");
+}
+
+#[test]
+fn release_and_retry_reuses_freed_memory_without_the_driver() {
+    let r = run(
+        "retry",
+        &[("FAKE_CAPACITY", "16777216"), ("EXPSEG_CACHE_MAX", "0")],
+    )
+    .ok();
+    assert_eq!(r.get("first_try_rc"), "2");
+    assert_eq!(r.get("retry_rc"), "0");
+    assert_eq!(r.get("driver_calls_for_retry"), "0");
+}
+
+#[test]
+fn threads_allocate_and_free_concurrently_without_corruption() {
+    let r = run("threads", &[("FAKE_CAPACITY", "4294967296")]).ok();
+    assert_eq!(r.get("threads_ok"), "1");
+    assert_eq!(r.get("pooled"), "1");
+}
+
+#[test]
+fn peer_access_reaches_existing_and_future_pool_mappings() {
+    let r = run("peer", &[("FAKE_DEVICES", "2")]).ok();
+    assert_eq!(
+        r.get("dev1_access"),
+        "2",
+        "device 1's memory: device 1 only"
+    );
+    assert_eq!(r.get("enable_rc"), "0");
+    assert_eq!(
+        r.get("after_enable"),
+        "3",
+        "device 0 granted on the existing mapping"
+    );
+    assert_eq!(r.get("new_mapping"), "3", "and on a later one");
+    assert_eq!(r.get("dev0_alloc"), "1", "device 0's own pool is untouched");
+    assert_eq!(r.get("disable_rc"), "0");
+    assert_eq!(r.get("after_disable"), "2", "revoked");
+    assert_eq!(r.get("cross_free_rc"), "0");
+    assert_eq!(
+        r.get("device_after"),
+        "0",
+        "freeing device 1 memory leaves the current device alone"
+    );
+}
+
+#[test]
+fn a_forked_child_passes_through() {
+    let r = run("fork", &[]).ok();
+    assert_eq!(r.get("child_exit"), "0");
+    assert_eq!(
+        (r.get("child_rc"), r.get("child_to_runtime")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("parent_free_rc"), "0");
+}
+
+#[test]
+fn a_privately_loaded_runtime_is_found_with_rtld_noload() {
+    let f = fixture();
+    let r = run_in(&f.dir, "plugin_main", &[], &[]).ok();
+    assert_eq!(r.get("plugin_malloc_rc"), "0");
+    assert_eq!(r.get("plugin_pooled"), "1");
+    assert_eq!(r.get("plugin_free_rc"), "0");
+}
+
+#[test]
+fn off_switch_passes_everything_through() {
+    let r = run("simple", &[("EXPSEG_DISABLE", "1")]).ok();
+    assert_eq!(
+        (r.get("malloc_rc"), r.get("to_runtime")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("free_rc"), "0");
+    assert_eq!(r.stderr(), "");
+}
+
+#[test]
+fn missing_vmm_symbols_pass_through_with_one_line() {
+    let f = fixture();
+    let dirs = std::env::join_paths([f.dir.join("novmm"), f.dir.clone()]).unwrap();
+    let r = run_in(Path::new(&dirs), "prog", &["simple"], &[]).ok();
+    assert_eq!(
+        (r.get("malloc_rc"), r.get("to_runtime")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("free_rc"), "0");
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("libcuda.so.1 lacks cuMem") && err.contains("passes through"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_device_without_vmm_passes_through_with_one_line() {
+    let r = run("simple", &[("FAKE_NO_VMM_ATTR", "1")]).ok();
+    assert_eq!(r.get("to_runtime"), "1");
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("does not support virtual memory management"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_panic_becomes_an_error_code_not_a_crash() {
+    let r = run("simple", &[("EXPSEG_TEST_PANIC", "cudaMalloc")]).ok();
+    assert_eq!(
+        r.get("malloc_rc"),
+        "999",
+        "cudaErrorUnknown, and the process lives on"
+    );
+    assert!(
+        r.stderr().contains("internal error caught"),
+        "{}",
+        r.stderr()
+    );
+    let r = run("simple", &[("EXPSEG_TEST_PANIC", "cudaFree")]).ok();
+    assert_eq!(r.get("free_rc"), "999");
+}
+
+#[test]
+fn a_bad_variable_gets_one_line_and_the_default() {
+    let r = run("simple", &[("EXPSEG_CACHE_MAX", "lots")]).ok();
+    assert_eq!(r.get("malloc_rc"), "0");
+    assert_eq!(r.get("to_runtime"), "0", "the pool still runs");
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("EXPSEG_CACHE_MAX") && err.contains("\"lots\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn report_is_written_at_exit_with_placeholders() {
+    let f = fixture();
+    let dir = f.dir.join("reports");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let tpl = format!("{}/rep-%p-%r.txt", dir.display());
+    run("simple", &[("EXPSEG_REPORT", &tpl), ("RANK", "3")]).ok();
+    let files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let txt = files
+        .iter()
+        .find(|n| n.ends_with("-3.txt"))
+        .expect("table written");
+    let table = std::fs::read_to_string(dir.join(txt)).unwrap();
+    assert!(
+        table.contains("device 0 pool") && table.contains("pool active"),
+        "{table}"
+    );
+    assert!(table.contains("cuMemCreate"), "{table}");
+    let json = std::fs::read_to_string(dir.join(format!("{txt}.json"))).unwrap();
+    assert!(
+        json.contains("\"allocs\":1") && json.contains("\"frees\":1"),
+        "{json}"
+    );
+}
+
+#[test]
+fn processes_that_never_touch_cuda_are_not_disturbed() {
+    let f = fixture();
+    let dir = f.dir.join("quiet");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new("/bin/echo")
+        .arg("hello")
+        .env("LD_PRELOAD", &f.shim)
+        .env("EXPSEG_CACHE_MAX", "lots")
+        .env("EXPSEG_REPORT", dir.join("r.txt"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "",
+        "not even the bad variable"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no report");
+}
