@@ -123,6 +123,7 @@ impl State {
                     let cfg = PoolConfig {
                         cache_max: c.cache_max,
                         max_stitch: c.max_stitch,
+                        max_chunk: c.max_chunk,
                     };
                     log::info!(
                         "device {dev}: pool open (granularity {} KiB, shareable {})",

@@ -21,6 +21,8 @@ pub struct Config {
     pub cache_max: u64,
     /// `EXPSEG_MAX_STITCH`: cached chunks stitched into one allocation while the driver has memory.
     pub max_stitch: usize,
+    /// `EXPSEG_MAX_CHUNK`: largest physical chunk; larger allocations are made of several.
+    pub max_chunk: u64,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
@@ -40,6 +42,7 @@ impl Default for Config {
             // a colocated process of memory the application has freed.
             cache_max: GIB,
             max_stitch: 8,
+            max_chunk: 2 * GIB,
             report: None,
             test_panic: None,
         }
@@ -85,6 +88,17 @@ const VARS: &[Var] = &[
             _ => Err("an integer ≥ 1"),
         },
         show: |c| c.max_stitch.to_string(),
+    },
+    Var {
+        name: "EXPSEG_MAX_CHUNK",
+        set: |c, v| match parse_size(v) {
+            Ok(s) if s >= 2 * MIB => {
+                c.max_chunk = s;
+                Ok(())
+            }
+            _ => Err("a size of at least 2M, such as 512M or 2G"),
+        },
+        show: |c| fmt_size(c.max_chunk),
     },
     Var {
         name: "EXPSEG_REPORT",

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU integration tests of libexpseg.so. One command, on a machine with an NVIDIA GPU:
+#
+#     shim-tests/run.sh [path/to/libexpseg.so]
+#
+# The library defaults to $EXPSEG_LIB, then target/release/libexpseg.so. Without a GPU this
+# prints SKIP and exits 0; with a GPU but no library or no nvcc it fails. Logs and reports go
+# to $LOG_DIR (default: a temporary folder). The last line is "N passed, M failed".
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "SKIP: no NVIDIA GPU on this machine; shim-tests need one (CPU tests: cargo test)"
+  exit 0
+fi
+lib=${1:-${EXPSEG_LIB:-$root/target/release/libexpseg.so}}
+lib=$(readlink -f "$lib" 2>/dev/null || echo "$lib")
+[ -f "$lib" ] || { echo "FAIL: $lib is missing: run cargo build --release first"; exit 1; }
+command -v nvcc >/dev/null || { echo "FAIL: nvcc not found"; exit 1; }
+logs=${LOG_DIR:-$(mktemp -d)}
+build=$(mktemp -d)
+mkdir -p "$logs"
+passed=0 failed=0
+result() { # name status detail
+  if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
+}
+echo "library: $lib"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+echo "logs: $logs"
+
+# C programs, built against the shared runtime so that LD_PRELOAD can interpose it.
+nvcc -O2 -cudart shared -o "$build/alloc_test" "$here/alloc_test.cu" -lcuda -lpthread >"$logs/build.log" 2>&1
+result build_alloc_test $? "(nvcc -cudart shared)"
+
+if [ -x "$build/alloc_test" ]; then
+  "$build/alloc_test" >"$logs/alloc_native.log" 2>&1
+  result alloc_test_native $? "$(tail -n 1 "$logs/alloc_native.log")"
+  EXPSEG_REPORT="$logs/alloc_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test" >"$logs/alloc_shim.log" 2>"$logs/alloc_shim.err"
+  rc=$?
+  [ -s "$logs/alloc_shim.err" ] && { echo "  unexpected stderr:"; head -5 "$logs/alloc_shim.err"; rc=1; }
+  grep -q '"allocs":[1-9]' "$logs/alloc_report.txt.json" 2>/dev/null || { echo "  report shows no pool allocations"; rc=1; }
+  result alloc_test_expseg $rc "$(tail -n 1 "$logs/alloc_shim.log")"
+  grep -E '^(PASS|FAIL)|FAIL|skipped' "$logs/alloc_shim.log" | sed 's/^/    /'
+fi
+
+# PyTorch: same losses with and without expseg, and PyTorch's segments from the pool.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  python3 "$here/torch_train.py" "$logs/torch_native.json" 300 >"$logs/torch_native.log" 2>&1
+  result torch_train_native $? "$(tail -n 1 "$logs/torch_native.log")"
+  EXPSEG_REPORT="$logs/torch_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_train.py" "$logs/torch_shim.json" 300 >"$logs/torch_shim.log" 2>&1
+  result torch_train_expseg $? "$(tail -n 1 "$logs/torch_shim.log")"
+  python3 "$here/torch_compare.py" "$logs/torch_native.json" "$logs/torch_shim.json" "$logs/torch_report.txt.json" >"$logs/torch_compare.log" 2>&1
+  result torch_same_losses_and_pool $? ""
+  sed 's/^/    /' "$logs/torch_compare.log"
+else
+  echo "SKIP torch tests: no PyTorch with CUDA in python3"
+fi
+
+# A process that never touches CUDA stays undisturbed under the shim.
+out=$(EXPSEG_REPORT="$logs/quiet_%p.txt" LD_PRELOAD="$lib" python3 -c 'print("hello")' 2>&1)
+[ "$out" = hello ] && ! ls "$logs"/quiet_* >/dev/null 2>&1
+result non_cuda_process_undisturbed $? ""
+
+rm -rf "$build"
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]

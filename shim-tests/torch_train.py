@@ -1,0 +1,85 @@
+"""Train a small GPT-like model for a few hundred steps and write its losses and memory figures
+as JSON. shim-tests/run.sh runs it with and without expseg and compares: the losses must be
+identical and the exit report must show PyTorch's segments came from the pool.
+
+Usage: python3 torch_train.py OUT.json [STEPS]"""
+import json
+import os
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, HEADS, LAYERS = 2048, 256, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2)) / (DIM // HEADS) ** 0.5
+        mask = torch.ones(t, t, device=x.device, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, DIM))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(1024, DIM)
+        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.blocks(self.tok(idx) + self.pos(pos)))
+
+
+def main():
+    out = sys.argv[1]
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 300
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    model = GPT().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        # Varying shapes make the caching allocator create and split segments of many sizes.
+        batch, seq = 16 + 8 * (step % 3), 128 + 64 * (step % 5)
+        data = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(dev)
+        logits = model(data[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), data[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 50 == 49:
+            torch.cuda.empty_cache()  # hand segments back: cudaFree through expseg
+    torch.cuda.synchronize()
+    json.dump(
+        {
+            "losses": losses,
+            "max_reserved": torch.cuda.max_memory_reserved(),
+            "max_allocated": torch.cuda.max_memory_allocated(),
+            "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            "segments_allocated": torch.cuda.memory_stats().get("segment.all.allocated", 0),
+        },
+        open(out, "w"),
+    )
+    print(f"trained {steps} steps, final loss {losses[-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
