@@ -122,7 +122,6 @@ impl State {
                     let c = config();
                     let cfg = PoolConfig {
                         cache_max: c.cache_max,
-                        max_stitch: c.max_stitch,
                         max_chunk: c.max_chunk,
                     };
                     log::info!(

@@ -19,8 +19,6 @@ pub struct Config {
     pub passthrough_below: u64,
     /// `EXPSEG_CACHE_MAX`: freed bytes kept per device for reuse.
     pub cache_max: u64,
-    /// `EXPSEG_MAX_STITCH`: cached chunks stitched into one allocation while the driver has memory.
-    pub max_stitch: usize,
     /// `EXPSEG_MAX_CHUNK`: largest physical chunk; larger allocations are made of several.
     pub max_chunk: u64,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
@@ -41,7 +39,6 @@ impl Default for Config {
             // About 1% of a large card: enough for churn between steps, too little to starve
             // a colocated process of memory the application has freed.
             cache_max: GIB,
-            max_stitch: 8,
             max_chunk: 2 * GIB,
             report: None,
             test_panic: None,
@@ -77,17 +74,6 @@ const VARS: &[Var] = &[
         name: "EXPSEG_CACHE_MAX",
         set: |c, v| parse_size(v).map(|s| c.cache_max = s),
         show: |c| fmt_size(c.cache_max),
-    },
-    Var {
-        name: "EXPSEG_MAX_STITCH",
-        set: |c, v| match v.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => {
-                c.max_stitch = n;
-                Ok(())
-            }
-            _ => Err("an integer ≥ 1"),
-        },
-        show: |c| c.max_stitch.to_string(),
     },
     Var {
         name: "EXPSEG_MAX_CHUNK",
@@ -273,7 +259,6 @@ mod tests {
             ("EXPSEG_LOG", "expseg=debug,info"),
             ("EXPSEG_PASSTHROUGH_BELOW", "0"),
             ("EXPSEG_CACHE_MAX", "16G"),
-            ("EXPSEG_MAX_STITCH", "3"),
             ("EXPSEG_REPORT", "/tmp/r-%p.txt"),
         ]);
         assert!(bad.is_empty(), "{bad:?}");
@@ -281,7 +266,6 @@ mod tests {
         assert_eq!(c.log, "expseg=debug,info");
         assert_eq!(c.passthrough_below, 0);
         assert_eq!(c.cache_max, 16 * GIB);
-        assert_eq!(c.max_stitch, 3);
         assert_eq!(c.report.as_deref(), Some("/tmp/r-%p.txt"));
     }
 

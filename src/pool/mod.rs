@@ -5,10 +5,11 @@
 //! more whole chunks mapped back to back, so one allocation's range can be released on its own.
 //!
 //! Freed blocks stay mapped in the *cache*, so an allocation of the same rounded size is
-//! served with no driver call at all. Other sizes are *stitched*: cached blocks are taken apart
-//! and their chunks mapped into a fresh reservation, the remainder created new. Freed memory
-//! therefore never strands: a request fails only when cached chunks plus driver-free memory
-//! cannot cover it.
+//! served with no driver call at all. Other sizes get fresh chunks while the driver has
+//! memory; when it has none they are *stitched*: cached blocks are taken apart and their
+//! chunks mapped into a fresh reservation, the remainder created new. Freed memory therefore
+//! never strands: a request fails only when cached chunks plus driver-free memory cannot
+//! cover it.
 //!
 //! The cache is bounded by `cache_max`; the least recently freed memory above it goes back to
 //! the driver, where a colocated process may need it. One exception: after an allocation fails,
@@ -29,9 +30,6 @@ use std::time::Instant;
 pub struct PoolConfig {
     /// Bytes of freed memory kept for reuse; above it the least recently freed goes back.
     pub cache_max: u64,
-    /// At most this many cached chunks are stitched into one allocation while the driver has
-    /// memory: beyond it a fresh chunk is cheaper than many mappings.
-    pub max_stitch: usize,
     /// Largest chunk created; larger allocations are built of several. Creating 16 GiB as
     /// 2 GiB chunks took about half the time of one chunk (H200, shim-tests/RESULTS.md), and
     /// smaller chunks are easier to reuse for other sizes.
@@ -42,7 +40,6 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             cache_max: 1 << 30,
-            max_stitch: 8,
             max_chunk: 2 << 30,
         }
     }
@@ -277,13 +274,13 @@ impl<D: Driver> Pool<D> {
         c
     }
 
-    /// Greedy cover of `need` from `cands` with at most `limit` chunks, none larger than what
-    /// is still missing. Returns the chosen indices and the bytes still missing.
-    fn select(cands: &[Candidate], need: u64, limit: usize) -> (Vec<usize>, u64) {
+    /// Greedy cover of `need` from `cands` (largest first), never taking a chunk larger than
+    /// what is still missing. Returns the chosen indices and the bytes still missing.
+    fn select(cands: &[Candidate], need: u64) -> (Vec<usize>, u64) {
         let mut chosen = Vec::new();
         let mut missing = need;
         for (i, c) in cands.iter().enumerate() {
-            if missing == 0 || chosen.len() == limit {
+            if missing == 0 {
                 break;
             }
             if c.chunk.size <= missing {
@@ -295,39 +292,35 @@ impl<D: Driver> Pool<D> {
     }
 
     fn alloc_slow(&mut self, need: u64) -> Result<u64, AllocError> {
-        let cands = self.candidates();
-        let (mut chosen, fresh) = self.plan(&cands, need)?;
-        if !chosen.is_empty() {
-            self.stats.stitched += 1;
+        if !self.retry_window {
+            // The driver first: fresh memory costs about what cudaMalloc costs, while taking
+            // cached blocks apart (unmap, remap, set access) costs more (shim-tests/RESULTS.md,
+            // "new size" rows). The cache serves exact sizes; the bound trims the rest.
+            match self.create(need) {
+                Ok(fresh) => return self.assemble(&[], fresh).map_err(AllocError::Driver),
+                Err(AllocError::OutOfMemory) => {}
+                Err(e) => return Err(e),
+            }
         }
+        // Short of memory, or retrying after a failure: stitch.
+        let cands = self.candidates();
+        let (mut chosen, fresh) = self.cover(&cands, need)?;
+        self.stats.stitched += 1;
         chosen.sort_unstable();
         let picked: Vec<Candidate> = chosen.iter().map(|i| cands[*i]).collect();
         self.assemble(&picked, fresh).map_err(AllocError::Driver)
     }
 
-    /// Choose the cached chunks (indices into `cands`) and the fresh chunks that will make up
-    /// an allocation of `need` bytes.
-    fn plan(
+    /// Cover `need` bytes with every cached chunk that fits, then one larger cached chunk if
+    /// the sizes don't add up, and the driver only for the rest. So an allocation fails only
+    /// if cached plus driver-free memory cannot cover it. Returns indices into `cands` and
+    /// the fresh chunks.
+    fn cover(
         &mut self,
         cands: &[Candidate],
         need: u64,
     ) -> Result<(Vec<usize>, Vec<Chunk>), AllocError> {
-        if !self.retry_window {
-            // Usually: a few cached chunks, topped up with fresh ones.
-            let (some, missing) = Self::select(cands, need, self.cfg.max_stitch);
-            if missing == 0 {
-                return Ok((some, Vec::new()));
-            }
-            match self.create(missing) {
-                Ok(c) => return Ok((some, c)),
-                Err(AllocError::OutOfMemory) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        // Short of memory, or retrying after a failure: the cache first, every chunk of it;
-        // then one larger chunk if the sizes don't add up; the driver only for the rest. So
-        // this fails only if cached plus driver-free memory cannot cover `need`.
-        let (mut all, missing) = Self::select(cands, need, usize::MAX);
+        let (mut all, missing) = Self::select(cands, need);
         if missing == 0 {
             return Ok((all, Vec::new()));
         }

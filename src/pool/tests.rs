@@ -12,7 +12,6 @@ fn pool(capacity: u64, cache_max: u64) -> Pool<FakeDriver> {
         FakeDriver::new(0, GRAN, capacity),
         PoolConfig {
             cache_max,
-            max_stitch: 8,
             max_chunk: 16 * MIB,
         },
     )
@@ -57,18 +56,34 @@ fn same_size_is_served_from_cache_without_driver_calls() {
 }
 
 #[test]
-fn freed_chunks_are_stitched_into_a_larger_allocation() {
+fn other_sizes_get_fresh_memory_while_the_driver_has_it() {
     let mut p = pool(1 << 30, 1 << 30);
+    let a = p.alloc(4 * MIB).unwrap();
+    p.free(a).unwrap();
+    let b = p.alloc(6 * MIB).unwrap();
+    assert_eq!(p.stats().stitched, 0);
+    assert_eq!(
+        p.cached_bytes(),
+        4 * MIB,
+        "the 4 MiB block stays cached for its size"
+    );
+    check(&p);
+    drain(&mut p, &[b]);
+}
+
+#[test]
+fn freed_chunks_are_stitched_into_a_larger_allocation_when_the_driver_is_full() {
+    let mut p = pool(6 * MIB, 1 << 30);
     let small: Vec<u64> = (0..3).map(|_| p.alloc(2 * MIB).unwrap()).collect();
     for a in &small {
         p.free(*a).unwrap();
     }
-    let creates = p.driver().calls_of(Op::Create);
     let big = p.alloc(6 * MIB).unwrap();
+    assert_eq!(p.stats().stitched, 1);
     assert_eq!(
-        p.driver().calls_of(Op::Create),
-        creates,
-        "no new physical memory"
+        p.driver().chunk_count(),
+        3,
+        "the three freed chunks, nothing new"
     );
     assert_eq!(p.stats().cached_bytes, 0);
     assert!(p.driver().is_accessible(big, 6 * MIB, 0));
@@ -78,9 +93,10 @@ fn freed_chunks_are_stitched_into_a_larger_allocation() {
 
 #[test]
 fn stitching_tops_up_from_the_driver() {
-    let mut p = pool(1 << 30, 1 << 30);
+    let mut p = pool(10 * MIB, 1 << 30);
     let a = p.alloc(4 * MIB).unwrap();
     p.free(a).unwrap();
+    // 10 MiB fresh does not fit next to the 4 MiB cached; 4 cached + 6 fresh does.
     let b = p.alloc(10 * MIB).unwrap();
     assert_eq!(p.stats().stitched, 1);
     assert_eq!(p.driver().used(), 10 * MIB);
@@ -222,7 +238,8 @@ fn peer_access_covers_existing_and_future_mappings() {
 #[test]
 fn driver_failures_at_each_step_lose_nothing() {
     for op in [Op::Create, Op::Reserve, Op::Map, Op::SetAccess, Op::Unmap] {
-        let mut p = pool(1 << 30, 1 << 30);
+        // 12 MiB of capacity, all of it cached after the frees: 14 MiB must stitch.
+        let mut p = pool(14 * MIB, 1 << 30);
         let xs: Vec<u64> = (0..3)
             .map(|i| p.alloc((i + 1) * 2 * MIB).unwrap())
             .collect();
@@ -230,7 +247,7 @@ fn driver_failures_at_each_step_lose_nothing() {
             p.free(*x).unwrap();
         }
         p.driver_mut().fail(op, DrvError(999));
-        // 12 MiB needs stitching (and, with the loose 2 MiB left behind, a fresh top-up).
+        // Stitching needs the 12 cached MiB and a fresh 2 MiB top-up.
         let r = p.alloc(14 * MIB);
         assert_eq!(r, Err(AllocError::Driver(DrvError(999))), "{op:?}");
         check(&p);
