@@ -2,7 +2,7 @@
 # Allocation benchmark, on a GPU machine. Each run times native cudaMalloc/cudaFree and
 # expseg's alternately in one process (see bench_alloc.cu), in three configurations: the
 # default cache bound (1 GiB), EXPSEG_CACHE_MAX=0 (every pair goes to the driver: the
-# first-touch cost) and EXPSEG_CACHE_MAX=64G; and first-touch with one chunk per allocation.
+# first-touch cost) and EXPSEG_CACHE_MAX=64G; and first-touch with 2 GiB chunks.
 #
 #     scripts/bench-alloc.sh [path/to/libexpseg.so] [OUT_DIR]
 set -eu
@@ -14,7 +14,8 @@ nvcc -O2 -cudart shared -o "$out/bench_alloc" "$here/bench_alloc.cu"
 LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_default.txt" "$out/bench_alloc" >"$out/bench_default.txt"
 EXPSEG_CACHE_MAX=0 LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache0.txt" "$out/bench_alloc" >"$out/bench_cache0.txt"
 EXPSEG_CACHE_MAX=64G LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache64G.txt" "$out/bench_alloc" >"$out/bench_cache64G.txt"
-# The chunk-size choice: first-touch cost with one chunk per allocation instead of <= 2 GiB.
-EXPSEG_CACHE_MAX=0 EXPSEG_MAX_CHUNK=64G LD_PRELOAD="$lib" "$out/bench_alloc" >"$out/bench_cache0_onechunk.txt"
+# The chunk-size choice: first-touch cost with chunks of at most 2 GiB instead of one per
+# allocation (the default).
+EXPSEG_CACHE_MAX=0 EXPSEG_MAX_CHUNK=2G LD_PRELOAD="$lib" "$out/bench_alloc" >"$out/bench_cache0_chunk2G.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 "$here/bench_report.py" "$out" | tee "$out/bench_table.md"

@@ -5,7 +5,7 @@ import os
 import sys
 
 d = sys.argv[1]
-order = ["default", "cache0", "cache64G", "cache0_onechunk"]
+order = ["default", "cache0", "cache64G", "cache0_chunk2G"]
 runs = {}
 for f in os.listdir(d):
     if f.startswith("bench_") and f.endswith(".txt"):

@@ -30,9 +30,7 @@ use std::time::Instant;
 pub struct PoolConfig {
     /// Bytes of freed memory kept for reuse; above it the least recently freed goes back.
     pub cache_max: u64,
-    /// Largest chunk created; larger allocations are built of several. Creating 16 GiB as
-    /// 2 GiB chunks took about half the time of one chunk (H200, shim-tests/RESULTS.md), and
-    /// smaller chunks are easier to reuse for other sizes.
+    /// Largest chunk created, 0 for no limit; larger allocations are built of several.
     pub max_chunk: u64,
 }
 
@@ -40,7 +38,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             cache_max: 1 << 30,
-            max_chunk: 2 << 30,
+            max_chunk: 0,
         }
     }
 }
@@ -339,7 +337,10 @@ impl<D: Driver> Pool<D> {
     /// Create `size` bytes as chunks of at most `max_chunk`. All or nothing: if one chunk
     /// cannot be created, those already created go straight back to the driver.
     fn create(&mut self, size: u64) -> Result<Vec<Chunk>, AllocError> {
-        let max = (self.cfg.max_chunk / self.gran * self.gran).max(self.gran);
+        let max = match self.cfg.max_chunk {
+            0 => u64::MAX,
+            m => (m / self.gran * self.gran).max(self.gran),
+        };
         let mut made = Vec::with_capacity(size.div_ceil(max) as usize);
         let mut left = size;
         while left > 0 {
