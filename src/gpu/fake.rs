@@ -125,6 +125,21 @@ impl FakeDriver {
         x.is_multiple_of(self.gran)
     }
 
+    /// The starts of the mappings that cover exactly `[va, va+size)`, as the driver requires
+    /// for unmapping and setting access.
+    fn mappings_covering(&self, va: u64, size: u64) -> DrvResult<Vec<u64>> {
+        let inside: Vec<u64> = self
+            .mappings
+            .range(va..va + size)
+            .map(|(s, _)| *s)
+            .collect();
+        let covered: u64 = inside.iter().map(|s| self.mappings[s].0).sum();
+        if inside.first() != Some(&va) || covered != size {
+            return Err(INVALID);
+        }
+        Ok(inside)
+    }
+
     fn reservation_containing(&self, va: u64, size: u64) -> bool {
         self.reservations
             .range(..=va)
@@ -224,16 +239,7 @@ impl Driver for FakeDriver {
 
     fn unmap(&mut self, va: u64, size: u64) -> DrvResult<()> {
         self.enter(Op::Unmap)?;
-        let inside: Vec<u64> = self
-            .mappings
-            .range(va..va + size)
-            .map(|(s, _)| *s)
-            .collect();
-        let covered: u64 = inside.iter().map(|s| self.mappings[s].0).sum();
-        if inside.is_empty() || covered != size || inside[0] != va {
-            return Err(INVALID);
-        }
-        for s in inside {
+        for s in self.mappings_covering(va, size)? {
             let (_, h) = self.mappings.remove(&s).unwrap();
             self.access.remove(&s);
             self.chunks.get_mut(&h).unwrap().1 -= 1;
@@ -249,16 +255,7 @@ impl Driver for FakeDriver {
         revoked: &[i32],
     ) -> DrvResult<()> {
         self.enter(Op::SetAccess)?;
-        let inside: Vec<u64> = self
-            .mappings
-            .range(va..va + size)
-            .map(|(s, _)| *s)
-            .collect();
-        let covered: u64 = inside.iter().map(|s| self.mappings[s].0).sum();
-        if inside.is_empty() || covered != size || inside[0] != va {
-            return Err(INVALID);
-        }
-        for s in inside {
+        for s in self.mappings_covering(va, size)? {
             let e = self.access.entry(s).or_default();
             e.retain(|d| !revoked.contains(d));
             for d in readers {
