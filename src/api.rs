@@ -15,7 +15,10 @@
 use crate::config::Config;
 use crate::gpu::cuda::{self, CudaDriver};
 use crate::gpu::Driver as _;
-use crate::pool::{AllocError, Pool, PoolConfig, PoolStats};
+use crate::gpu::IpcHandle;
+use crate::pool::{
+    AllocError, ExportError, ExportPolicy, Exported, MoveStep, Pool, PoolConfig, PoolStats,
+};
 use crate::real::{self, runtime, DriverTable};
 use crate::stats::{self, GLOBAL};
 use once_cell::sync::Lazy;
@@ -298,17 +301,7 @@ static STATE_STARTED: AtomicBool = AtomicBool::new(false);
 /// Wait for all work on `dev`, leaving the calling thread's current device as it was.
 fn synchronize(dev: i32) -> i32 {
     let t = Instant::now();
-    let cur = runtime::get_device().unwrap_or(dev);
-    let e = if cur == dev {
-        runtime::device_synchronize()
-    } else {
-        let e = match runtime::set_device(dev) {
-            0 => runtime::device_synchronize(),
-            e => e,
-        };
-        runtime::set_device(cur);
-        e
-    };
+    let e = runtime::synchronize_device(dev);
     GLOBAL.syncs.add(1);
     GLOBAL.sync_ns.add(t.elapsed().as_nanos() as u64);
     e
@@ -369,11 +362,53 @@ pub fn cudaDeviceDisablePeerAccess(peer: i32) -> i32 {
     e
 }
 
-/// `cudaIpcGetMemHandle`: passes through for now (pool memory cannot be exported with a
-/// legacy handle; the runtime answers `cudaErrorInvalidValue`, as under expandable segments).
-pub fn cudaIpcGetMemHandle(_ptr: u64) -> Answer<[u8; 64]> {
+/// `cudaIpcGetMemHandle`: a pointer inside a pool allocation gets a working legacy handle,
+/// by moving the allocation into standard memory at the same address, or else through a
+/// standard mirror (see `pool::export`). Anything else passes through.
+pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     GLOBAL.ipc_handle_requests.add(1);
-    Answer::PassThrough
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return Answer::PassThrough;
+    }
+    let c = config();
+    let policy = ExportPolicy {
+        move_max: c.ipc_move_max,
+        fail_move_at: c.test_fail_move.as_deref().and_then(MoveStep::from_name),
+    };
+    let mut st = lock();
+    let Some(dev) = st
+        .open_pools()
+        .find(|(_, p)| p.find(ptr).is_some())
+        .map(|(d, _)| d)
+    else {
+        return Answer::PassThrough;
+    };
+    let pool = st.open_pool(dev).expect("found above");
+    match pool.export(ptr, policy) {
+        Ok(ex) => {
+            match ex.how {
+                Exported::Moved => log::debug!("IPC: moved {:#x} ({} bytes) into standard memory in place", ex.base, ex.size),
+                Exported::Mirror { ptr: m, first: true } => log::warn!(
+                    "IPC: allocation {:#x} ({} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process",
+                    ex.base, ex.size
+                ),
+                Exported::Mirror { .. } => {}
+            }
+            Answer::Done(Ok(ex.handle))
+        }
+        Err(ExportError::NotOwned) => Answer::PassThrough,
+        Err(ExportError::OutOfMemory) => Answer::Done(Err(OUT_OF_MEMORY)),
+        Err(ExportError::Driver(e)) => {
+            log::error!("IPC export of {ptr:#x} failed: {e}; the allocation is unchanged");
+            Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
+        }
+        Err(ExportError::RangeLost { base, kept }) => {
+            log::error!(
+                "IPC export of {base:#x} lost its address range; its data is kept at {kept:#x}"
+            );
+            Answer::Done(Err(UNKNOWN))
+        }
+    }
 }
 
 fn ensure_state() -> MutexGuard<'static, State> {

@@ -22,11 +22,16 @@ pub struct Config {
     /// `EXPSEG_MAX_CHUNK`: largest physical chunk, 0 for no limit; larger allocations are made
     /// of several.
     pub max_chunk: u64,
+    /// `EXPSEG_IPC_MOVE_MAX`: allocations up to this size are moved into standard memory in
+    /// place when an IPC handle is asked for; larger ones get a mirror. 0: always a mirror.
+    pub ipc_move_max: u64,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
     /// panics become error codes).
     pub test_panic: Option<String>,
+    /// `EXPSEG_TEST_FAIL_MOVE`: for tests only, the step of an IPC move that fails on purpose.
+    pub test_fail_move: Option<String>,
 }
 
 impl Default for Config {
@@ -43,8 +48,12 @@ impl Default for Config {
             // One chunk per allocation: measured as fast as or faster than 2 GiB pieces at 4 and
             // 16 GiB (shim-tests/RESULTS.md, "cache0_onechunk" against "cache0").
             max_chunk: 0,
+            // Measured reliable up to 20 MiB: cudaMalloc of at most 20 MiB shares the address
+            // heap of VMM reservations (../shared/notes/driver-facts.md).
+            ipc_move_max: 20 * MIB,
             report: None,
             test_panic: None,
+            test_fail_move: None,
         }
     }
 }
@@ -90,6 +99,11 @@ const VARS: &[Var] = &[
         show: |c| fmt_size(c.max_chunk),
     },
     Var {
+        name: "EXPSEG_IPC_MOVE_MAX",
+        set: |c, v| parse_size(v).map(|s| c.ipc_move_max = s),
+        show: |c| fmt_size(c.ipc_move_max),
+    },
+    Var {
         name: "EXPSEG_REPORT",
         set: |c, v| {
             c.report = (!v.trim().is_empty()).then(|| v.trim().to_string());
@@ -104,6 +118,20 @@ const VARS: &[Var] = &[
             Ok(())
         },
         show: |c| c.test_panic.clone().unwrap_or_default(),
+    },
+    Var {
+        name: "EXPSEG_TEST_FAIL_MOVE",
+        set: |c, v| {
+            match crate::pool::MoveStep::from_name(v.trim()) {
+            Some(_) => {
+                c.test_fail_move = Some(v.trim().to_string());
+                Ok(())
+            }
+            None if v.trim().is_empty() => Ok(()),
+            None => Err("a move step: sync, temp_reserve, temp_map, unmap, free_range, alloc, placement, copy or handle"),
+        }
+        },
+        show: |c| c.test_fail_move.clone().unwrap_or_default(),
     },
 ];
 

@@ -80,10 +80,11 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut 
     };
     boundary("cudaIpcGetMemHandle", || {
         match api::cudaIpcGetMemHandle(dev_ptr as u64) {
-            Answer::Done(bytes) => {
+            Answer::Done(Ok(bytes)) => {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len());
                 0
             }
+            Answer::Done(Err(e)) => e,
             Answer::PassThrough => next::cudaIpcGetMemHandle(handle, dev_ptr),
         }
     })

@@ -145,6 +145,7 @@ next_runtime! {
     cudaGetDevice(dev: *mut c_int);
     cudaSetDevice(dev: c_int);
     cudaDeviceSynchronize();
+    cudaMemcpy(dst: *mut c_void, src: *const c_void, count: size_t, kind: c_int);
 }
 
 /// Safe calls of the next runtime for the rest of the crate: values in, values out.
@@ -182,6 +183,57 @@ pub mod runtime {
     pub fn device_synchronize() -> i32 {
         // SAFETY: no arguments.
         unsafe { next::cudaDeviceSynchronize() }
+    }
+
+    /// Run `f` with `dev` as the calling thread's current device, then restore the previous one.
+    pub fn on_device<T>(dev: i32, f: impl FnOnce() -> Result<T, i32>) -> Result<T, i32> {
+        let cur = get_device().unwrap_or(dev);
+        if cur == dev {
+            return f();
+        }
+        match set_device(dev) {
+            0 => {}
+            e => return Err(e),
+        }
+        let r = f();
+        set_device(cur);
+        r
+    }
+
+    /// Wait for all work on `dev`.
+    pub fn synchronize_device(dev: i32) -> i32 {
+        on_device(dev, || match device_synchronize() {
+            0 => Ok(()),
+            e => Err(e),
+        })
+        .err()
+        .unwrap_or(0)
+    }
+
+    /// `cudaMemcpy` device to device.
+    pub fn copy_d2d(dst: u64, src: u64, size: usize) -> i32 {
+        const DEVICE_TO_DEVICE: i32 = 3;
+        // SAFETY: both ranges are device memory the caller owns, `size` bytes long.
+        unsafe {
+            next::cudaMemcpy(
+                dst as *mut c_void,
+                src as *const c_void,
+                size,
+                DEVICE_TO_DEVICE,
+            )
+        }
+    }
+
+    /// `cudaIpcGetMemHandle` into a local.
+    pub fn ipc_get_mem_handle(ptr: u64) -> Result<[u8; 64], i32> {
+        let mut h = [0u8; 64];
+        // SAFETY: `h` is 64 writable bytes, the size of cudaIpcMemHandle_t.
+        match unsafe {
+            next::cudaIpcGetMemHandle(h.as_mut_ptr() as *mut c_void, ptr as *mut c_void)
+        } {
+            0 => Ok(h),
+            e => Err(e),
+        }
     }
 
     pub fn enable_peer_access(peer: i32, flags: u32) -> i32 {

@@ -151,6 +151,10 @@ const POOL_ROWS: &[Row] = &[
     ("peak_held_bytes", |s| s.peak_held_bytes),
     ("created_bytes", |s| s.created_bytes),
     ("released_bytes", |s| s.released_bytes),
+    ("ipc_moved", |s| s.ipc_moved),
+    ("ipc_move_failures", |s| s.ipc_move_failures),
+    ("ipc_mirrored", |s| s.ipc_mirrored),
+    ("mirror_bytes", |s| s.mirror_bytes),
 ];
 
 /// The human-readable report.

@@ -247,11 +247,6 @@ fn pool_serves_and_mimics_the_runtime() {
         ("2".into(), "2".into())
     );
     assert_eq!(r.get("null_out_rc"), "1");
-    // IPC of pool memory is the next issue: today it passes through and fails as it would.
-    assert_eq!(
-        (r.get("ipc_rc"), r.get("ipc_lasterr")),
-        ("1".into(), "1".into())
-    );
     assert_eq!(r.stderr(), "", "no noise on stderr either");
 }
 
@@ -440,4 +435,93 @@ fn processes_that_never_touch_cuda_are_not_disturbed() {
         "not even the bad variable"
     );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no report");
+}
+
+#[test]
+fn ipc_moves_in_place_when_cudamalloc_lands_on_the_address() {
+    let r = run("ipc", &[("FAKE_MALLOC_REUSES_VA", "1")]).ok();
+    assert_eq!(r.get("vmm_before"), "1");
+    assert_eq!(r.get("ipc_rc"), "0");
+    assert_eq!(
+        r.get("same_address"),
+        "1",
+        "the handle opens the program's own address"
+    );
+    assert_eq!(r.get("vmm_after"), "0", "now standard memory");
+    assert_eq!(r.get("data_ok"), "1");
+    assert_eq!(
+        (r.get("again_rc"), r.get("same_bytes")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("refreshed"), "1");
+    assert_eq!(r.get("write_back_seen"), "1", "truly shared both ways");
+    assert_eq!(
+        (r.get("free_rc"), r.get("runtime_frees")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.stderr(), "", "a move is silent");
+}
+
+#[test]
+fn ipc_falls_back_to_a_mirror_and_says_so_once() {
+    let r = run("ipc", &[]).ok();
+    assert_eq!(r.get("ipc_rc"), "0");
+    assert_eq!(
+        (r.get("same_address"), r.get("vmm_after")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("data_ok"), "1");
+    assert_eq!(
+        (r.get("again_rc"), r.get("same_bytes")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(r.get("refreshed"), "1", "each request refreshes the mirror");
+    assert_eq!(
+        r.get("write_back_seen"),
+        "0",
+        "one-way: the consumer's writes stay in the mirror"
+    );
+    assert_eq!(r.get("free_rc"), "0");
+    // One from the move attempt (its cudaMalloc landed elsewhere and was given back), one
+    // for the mirror, freed with the allocation.
+    assert_eq!(
+        r.get("runtime_frees"),
+        "2",
+        "freeing the allocation freed its mirror"
+    );
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("mirror") && err.contains("latest cudaIpcGetMemHandle"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_move_failing_at_any_step_keeps_the_data_and_still_gives_a_handle() {
+    for step in [
+        "sync",
+        "temp_reserve",
+        "temp_map",
+        "unmap",
+        "free_range",
+        "alloc",
+        "placement",
+        "copy",
+        "handle",
+    ] {
+        let r = run(
+            "ipc",
+            &[
+                ("FAKE_MALLOC_REUSES_VA", "1"),
+                ("EXPSEG_TEST_FAIL_MOVE", step),
+            ],
+        )
+        .ok();
+        assert_eq!(r.get("ipc_rc"), "0", "{step}");
+        assert_eq!(r.get("vmm_after"), "1", "{step}: restored as pool memory");
+        assert_eq!(r.get("data_ok"), "1", "{step}: data intact");
+        assert_eq!(r.get("refreshed"), "1", "{step}");
+        assert_eq!(r.get("free_rc"), "0", "{step}");
+    }
 }

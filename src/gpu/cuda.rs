@@ -3,8 +3,8 @@
 //! Each method is one driver call and one return-code conversion; no policy lives here.
 #![allow(unsafe_code)]
 
-use super::{ChunkHandle, Driver, DrvError, DrvResult};
-use crate::real::DriverTable;
+use super::{ChunkHandle, Driver, DrvError, DrvResult, IpcHandle};
+use crate::real::{runtime, DriverTable};
 use cudarc::driver::sys::{
     CUcontext, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
@@ -16,6 +16,11 @@ fn check(code: u32) -> DrvResult<()> {
         0 => Ok(()),
         e => Err(DrvError(e)),
     }
+}
+
+/// A runtime error as a driver error (out of memory is 2 in both).
+fn rt(code: i32) -> DrvError {
+    DrvError(code as u32)
 }
 
 /// The driver of one device.
@@ -139,6 +144,52 @@ impl Driver for CudaDriver {
     fn release(&mut self, h: ChunkHandle) -> DrvResult<()> {
         // SAFETY: `h` came from cuMemCreate and is released once.
         check(unsafe { (self.t.cuMemRelease)(h) })
+    }
+
+    fn reserve_at(&mut self, va: u64, size: u64) -> DrvResult<u64> {
+        let mut got = 0;
+        // SAFETY: valid out-pointer; `va` is only a hint to the driver.
+        check(unsafe { (self.t.cuMemAddressReserve)(&mut got, size as usize, 0, va, 0) })?;
+        Ok(got)
+    }
+
+    fn legacy_alloc(&mut self, size: u64) -> DrvResult<u64> {
+        runtime::on_device(self.dev, || match runtime::malloc(size as usize) {
+            (0, p) => Ok(p),
+            (e, _) => Err(e),
+        })
+        .map_err(rt)
+    }
+
+    fn legacy_free(&mut self, ptr: u64) -> DrvResult<()> {
+        match runtime::free(ptr) {
+            0 => Ok(()),
+            e => Err(rt(e)),
+        }
+    }
+
+    fn copy(&mut self, dst: u64, src: u64, size: u64) -> DrvResult<()> {
+        runtime::on_device(self.dev, || {
+            match runtime::copy_d2d(dst, src, size as usize) {
+                0 => match runtime::device_synchronize() {
+                    0 => Ok(()),
+                    e => Err(e),
+                },
+                e => Err(e),
+            }
+        })
+        .map_err(rt)
+    }
+
+    fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle> {
+        runtime::ipc_get_mem_handle(ptr).map_err(rt)
+    }
+
+    fn synchronize(&mut self) -> DrvResult<()> {
+        match runtime::synchronize_device(self.dev) {
+            0 => Ok(()),
+            e => Err(rt(e)),
+        }
     }
 
     fn reserve(&mut self, size: u64) -> DrvResult<u64> {

@@ -1,15 +1,38 @@
 //! A fake driver for tests: it keeps the books a real driver keeps and refuses every misuse
-//! the real one would refuse (or that would be a bug in the pool even where the real driver is
-//! lenient), so pool tests check the pool's driver usage as well as its answers.
+//! the real one would refuse, so pool tests check the pool's driver usage as well as its
+//! answers.
 //!
-//! Capacity is a byte budget; `fail` injects an error into the next call of one operation.
+//! Memory has contents at the resolution of one granule: a `u64` tag per granule, in
+//! physical chunks and in standard (`cudaMalloc`) allocations, readable and writable through
+//! any address that maps them. So IPC tests can check that data survives a migration.
+//!
+//! Capacity is a byte budget shared by chunks and standard allocations; `fail` injects an
+//! error into the next call of one operation; `legacy_placement` says where `cudaMalloc` puts
+//! memory (the same low heap as reservations, as measured for ≤ 20 MiB, or a separate one).
 
-use super::{ChunkHandle, Driver, DrvError, DrvResult, Op};
+use super::{ChunkHandle, Driver, DrvError, DrvResult, IpcHandle, Op};
 use std::collections::{BTreeMap, HashMap};
 
 const VA_BASE: u64 = 0x7000_0000_0000;
+const LEGACY_TOP: u64 = 0x7f00_0000_0000;
 /// `CUDA_ERROR_INVALID_VALUE`: what the fake answers to misuse.
 const INVALID: DrvError = DrvError(1);
+
+/// Where the fake `cudaMalloc` places memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// First fit in the heap reservations use: a freed reservation's address comes back.
+    SharedLowHeap,
+    /// A separate heap growing down from the top: never a reservation's address.
+    SeparateHeap,
+}
+
+#[derive(Debug)]
+struct Chunk {
+    size: u64,
+    mapped: u32,
+    data: Vec<u64>,
+}
 
 #[derive(Debug)]
 pub struct FakeDriver {
@@ -17,19 +40,19 @@ pub struct FakeDriver {
     gran: u64,
     capacity: u64,
     next_handle: ChunkHandle,
-    /// handle -> (size, times mapped)
-    chunks: HashMap<ChunkHandle, (u64, u32)>,
+    chunks: HashMap<ChunkHandle, Chunk>,
     /// reservation start -> size
     reservations: BTreeMap<u64, u64>,
     /// mapping start -> (size, handle)
     mappings: BTreeMap<u64, (u64, ChunkHandle)>,
     /// mapping start -> devices with access
     access: HashMap<u64, Vec<i32>>,
+    /// standard allocation start -> per-granule data
+    legacy: BTreeMap<u64, Vec<u64>>,
+    pub legacy_placement: Placement,
     /// calls per operation, in `Op::ALL` order
-    pub calls: [u64; 7],
+    pub calls: [u64; Op::ALL.len()],
     inject: Vec<(Op, DrvError)>,
-    /// Let one chunk be mapped at several addresses at once.
-    pub allow_shared_mapping: bool,
 }
 
 impl FakeDriver {
@@ -43,9 +66,10 @@ impl FakeDriver {
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             access: HashMap::new(),
-            calls: [0; 7],
+            legacy: BTreeMap::new(),
+            legacy_placement: Placement::SharedLowHeap,
+            calls: [0; Op::ALL.len()],
             inject: Vec::new(),
-            allow_shared_mapping: false,
         }
     }
 
@@ -54,14 +78,30 @@ impl FakeDriver {
         self.inject.push((op, err));
     }
 
+    /// Make the `n`-th next call (0 = the next) of `op` fail with `err`.
+    pub fn fail_nth(&mut self, op: Op, n: usize, err: DrvError) {
+        for _ in 0..n {
+            self.inject.push((op, DrvError(0)));
+        }
+        self.inject.push((op, err));
+    }
+
     /// Forget failures injected with `fail` that no call has met.
     pub fn clear_failures(&mut self) {
         self.inject.clear();
     }
 
-    /// Physical bytes currently created.
+    /// Physical bytes currently created: chunks and standard allocations.
     pub fn used(&self) -> u64 {
-        self.chunks.values().map(|c| c.0).sum()
+        self.chunks.values().map(|c| c.size).sum::<u64>() + self.legacy_bytes()
+    }
+
+    /// Bytes of standard allocations.
+    pub fn legacy_bytes(&self) -> u64 {
+        self.legacy
+            .values()
+            .map(|d| d.len() as u64 * self.gran)
+            .sum()
     }
 
     pub fn free_bytes(&self) -> u64 {
@@ -84,12 +124,20 @@ impl FakeDriver {
         self.mappings.len()
     }
 
+    pub fn legacy_count(&self) -> usize {
+        self.legacy.len()
+    }
+
+    pub fn is_legacy(&self, ptr: u64) -> bool {
+        self.legacy.contains_key(&ptr)
+    }
+
     pub fn total_calls(&self) -> u64 {
         self.calls.iter().sum()
     }
 
     pub fn calls_of(&self, op: Op) -> u64 {
-        self.calls[Op::ALL.iter().position(|o| *o == op).unwrap()]
+        self.calls[op.index()]
     }
 
     /// The handle mapped at `va` (any address inside a mapping).
@@ -113,16 +161,91 @@ impl FakeDriver {
         true
     }
 
+    /// The granule of data at `va`: `(chunk or legacy start, index)`.
+    fn locate(&self, va: u64) -> Option<(bool, u64, usize)> {
+        if let Some((start, (size, h))) = self.mappings.range(..=va).next_back() {
+            if va < start + size {
+                return Some((true, *h, ((va - start) / self.gran) as usize));
+            }
+        }
+        let (start, data) = self.legacy.range(..=va).next_back()?;
+        let i = ((va - start) / self.gran) as usize;
+        (i < data.len()).then_some((false, *start, i))
+    }
+
+    /// The data tag of the granule at `va`, through a mapping or a standard allocation.
+    pub fn read(&self, va: u64) -> Option<u64> {
+        match self.locate(va)? {
+            (true, h, i) => Some(self.chunks[&h].data[i]),
+            (false, s, i) => Some(self.legacy[&s][i]),
+        }
+    }
+
+    /// Write `tag` into every granule of `[va, va+size)`; false if some are not memory.
+    pub fn write(&mut self, va: u64, size: u64, tag: u64) -> bool {
+        let mut at = va;
+        while at < va + size {
+            match self.locate(at) {
+                Some((true, h, i)) => self.chunks.get_mut(&h).unwrap().data[i] = tag,
+                Some((false, s, i)) => self.legacy.get_mut(&s).unwrap()[i] = tag,
+                None => return false,
+            }
+            at += self.gran;
+        }
+        true
+    }
+
+    /// Tags of every granule in `[va, va+size)`, `None` where there is no memory.
+    pub fn read_range(&self, va: u64, size: u64) -> Vec<Option<u64>> {
+        (0..size.div_ceil(self.gran))
+            .map(|i| self.read(va + i * self.gran))
+            .collect()
+    }
+
     fn enter(&mut self, op: Op) -> DrvResult<()> {
-        self.calls[Op::ALL.iter().position(|o| *o == op).unwrap()] += 1;
+        self.calls[op.index()] += 1;
         match self.inject.iter().position(|(o, _)| *o == op) {
-            Some(i) => Err(self.inject.remove(i).1),
+            Some(i) => match self.inject.remove(i).1 {
+                DrvError(0) => Ok(()),
+                e => Err(e),
+            },
             None => Ok(()),
         }
     }
 
     fn aligned(&self, x: u64) -> bool {
         x.is_multiple_of(self.gran)
+    }
+
+    fn reservation_containing(&self, va: u64, size: u64) -> bool {
+        self.reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(s, l)| va + size <= s + l)
+    }
+
+    /// Whether `[va, va+size)` overlaps a reservation or a standard allocation.
+    fn taken(&self, va: u64, size: u64) -> bool {
+        let hit = |m: &BTreeMap<u64, u64>| {
+            m.range(..va + size)
+                .next_back()
+                .is_some_and(|(s, l)| s + l > va)
+        };
+        let legacy: BTreeMap<u64, u64> = self
+            .legacy
+            .iter()
+            .map(|(s, d)| (*s, d.len() as u64 * self.gran))
+            .collect();
+        hit(&self.reservations) || hit(&legacy)
+    }
+
+    /// Lowest free range of `size` bytes at or above `VA_BASE`.
+    fn first_fit(&self, size: u64) -> u64 {
+        let mut at = VA_BASE;
+        while self.taken(at, size) {
+            at += self.gran;
+        }
+        at
     }
 
     /// The starts of the mappings that cover exactly `[va, va+size)`, as the driver requires
@@ -138,13 +261,6 @@ impl FakeDriver {
             return Err(INVALID);
         }
         Ok(inside)
-    }
-
-    fn reservation_containing(&self, va: u64, size: u64) -> bool {
-        self.reservations
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(s, l)| va + size <= s + l)
     }
 }
 
@@ -167,7 +283,15 @@ impl Driver for FakeDriver {
         }
         let h = self.next_handle;
         self.next_handle += 1;
-        self.chunks.insert(h, (size, 0));
+        let data = vec![0; (size / self.gran) as usize];
+        self.chunks.insert(
+            h,
+            Chunk {
+                size,
+                mapped: 0,
+                data,
+            },
+        );
         Ok(h)
     }
 
@@ -175,7 +299,7 @@ impl Driver for FakeDriver {
         self.enter(Op::Release)?;
         match self.chunks.get(&h) {
             // The real driver defers the release of a mapped chunk; the pool never relies on it.
-            Some((_, 0)) => {
+            Some(c) if c.mapped == 0 => {
                 self.chunks.remove(&h);
                 Ok(())
             }
@@ -188,14 +312,21 @@ impl Driver for FakeDriver {
         if size == 0 || !self.aligned(size) {
             return Err(INVALID);
         }
-        // First fit from the bottom, so freed ranges are handed out again as a real driver does.
-        let mut at = VA_BASE;
-        for (s, l) in &self.reservations {
-            if at + size <= *s {
-                break;
-            }
-            at = at.max(s + l);
+        let at = self.first_fit(size);
+        self.reservations.insert(at, size);
+        Ok(at)
+    }
+
+    fn reserve_at(&mut self, va: u64, size: u64) -> DrvResult<u64> {
+        self.enter(Op::Reserve)?;
+        if size == 0 || !self.aligned(size) || !self.aligned(va) {
+            return Err(INVALID);
         }
+        let at = if va != 0 && !self.taken(va, size) {
+            va
+        } else {
+            self.first_fit(size)
+        };
         self.reservations.insert(at, size);
         Ok(at)
     }
@@ -221,18 +352,14 @@ impl Driver for FakeDriver {
             .range(..va + size)
             .next_back()
             .is_some_and(|(s, (l, _))| s + l > va);
-        // A chunk mapped twice would be one memory behind two allocations: refuse it, so
-        // pool tests catch it (the real driver allows it; only IPC code may do it on purpose).
-        let twice = chunk.1 > 0 && !self.allow_shared_mapping;
-        if chunk.0 != size
-            || twice
+        if chunk.size != size
             || !self.aligned(va)
             || !self.reservation_containing(va, size)
             || overlaps
         {
             return Err(INVALID);
         }
-        self.chunks.get_mut(&h).unwrap().1 += 1;
+        self.chunks.get_mut(&h).unwrap().mapped += 1;
         self.mappings.insert(va, (size, h));
         Ok(())
     }
@@ -242,7 +369,7 @@ impl Driver for FakeDriver {
         for s in self.mappings_covering(va, size)? {
             let (_, h) = self.mappings.remove(&s).unwrap();
             self.access.remove(&s);
-            self.chunks.get_mut(&h).unwrap().1 -= 1;
+            self.chunks.get_mut(&h).unwrap().mapped -= 1;
         }
         Ok(())
     }
@@ -265,5 +392,61 @@ impl Driver for FakeDriver {
             }
         }
         Ok(())
+    }
+
+    fn legacy_alloc(&mut self, size: u64) -> DrvResult<u64> {
+        self.enter(Op::LegacyAlloc)?;
+        let size = size.div_ceil(self.gran) * self.gran;
+        if size == 0 || size > self.free_bytes() {
+            return Err(DrvError::OUT_OF_MEMORY);
+        }
+        let at = match self.legacy_placement {
+            Placement::SharedLowHeap => self.first_fit(size),
+            Placement::SeparateHeap => {
+                let mut at = LEGACY_TOP - size;
+                while self.taken(at, size) {
+                    at -= self.gran;
+                }
+                at
+            }
+        };
+        self.legacy.insert(at, vec![0; (size / self.gran) as usize]);
+        Ok(at)
+    }
+
+    fn legacy_free(&mut self, ptr: u64) -> DrvResult<()> {
+        self.enter(Op::LegacyFree)?;
+        self.legacy.remove(&ptr).map(|_| ()).ok_or(INVALID)
+    }
+
+    fn copy(&mut self, dst: u64, src: u64, size: u64) -> DrvResult<()> {
+        self.enter(Op::Copy)?;
+        let data = self.read_range(src, size);
+        if data.iter().any(Option::is_none)
+            || self.read_range(dst, size).iter().any(Option::is_none)
+        {
+            return Err(INVALID);
+        }
+        for (i, d) in data.into_iter().enumerate() {
+            self.write(dst + i as u64 * self.gran, self.gran, d.unwrap());
+        }
+        Ok(())
+    }
+
+    fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle> {
+        self.enter(Op::IpcHandle)?;
+        let (start, data) = self.legacy.range(..=ptr).next_back().ok_or(INVALID)?;
+        if ptr >= start + data.len() as u64 * self.gran {
+            return Err(INVALID);
+        }
+        let mut h = [0u8; 64];
+        h[..8].copy_from_slice(&start.to_le_bytes());
+        h[8..16].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        h[16..20].copy_from_slice(b"FAKE");
+        Ok(h)
+    }
+
+    fn synchronize(&mut self) -> DrvResult<()> {
+        self.enter(Op::Sync)
     }
 }

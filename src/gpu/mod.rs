@@ -36,7 +36,7 @@ pub type DrvResult<T> = Result<T, DrvError>;
 /// A physical allocation made by `cuMemCreate`.
 pub type ChunkHandle = u64;
 
-/// The driver operations whose cost the pool counts, in report order.
+/// The driver and runtime operations whose cost the pool counts, in report order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Create,
@@ -46,10 +46,15 @@ pub enum Op {
     Map,
     Unmap,
     SetAccess,
+    LegacyAlloc,
+    LegacyFree,
+    Copy,
+    IpcHandle,
+    Sync,
 }
 
 impl Op {
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 12] = [
         Op::Create,
         Op::Release,
         Op::Reserve,
@@ -57,7 +62,16 @@ impl Op {
         Op::Map,
         Op::Unmap,
         Op::SetAccess,
+        Op::LegacyAlloc,
+        Op::LegacyFree,
+        Op::Copy,
+        Op::IpcHandle,
+        Op::Sync,
     ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -68,9 +82,17 @@ impl Op {
             Op::Map => "cuMemMap",
             Op::Unmap => "cuMemUnmap",
             Op::SetAccess => "cuMemSetAccess",
+            Op::LegacyAlloc => "cudaMalloc (IPC)",
+            Op::LegacyFree => "cudaFree (IPC)",
+            Op::Copy => "cudaMemcpy D2D (IPC)",
+            Op::IpcHandle => "cudaIpcGetMemHandle",
+            Op::Sync => "synchronize (IPC)",
         }
     }
 }
+
+/// A legacy (`cudaIpcMemHandle_t`) IPC handle.
+pub type IpcHandle = [u8; 64];
 
 /// The VMM operations of one device that the pool uses. Sizes and addresses are bytes; sizes
 /// are multiples of the device's granularity.
@@ -95,4 +117,19 @@ pub trait Driver {
     /// from the devices in `revoked`.
     fn set_access(&mut self, va: u64, size: u64, readers: &[i32], revoked: &[i32])
         -> DrvResult<()>;
+
+    // What IPC export needs besides VMM: standard (`cudaMalloc`) memory and its handles.
+
+    /// Reserve `size` bytes at exactly `va` if that range is free; else wherever the driver
+    /// likes (the caller compares).
+    fn reserve_at(&mut self, va: u64, size: u64) -> DrvResult<u64>;
+    /// Standard device memory from the real `cudaMalloc`.
+    fn legacy_alloc(&mut self, size: u64) -> DrvResult<u64>;
+    fn legacy_free(&mut self, ptr: u64) -> DrvResult<()>;
+    /// Copy device to device and wait until the copy is done.
+    fn copy(&mut self, dst: u64, src: u64, size: u64) -> DrvResult<()>;
+    /// The legacy IPC handle of standard memory.
+    fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle>;
+    /// Wait for all work on the device.
+    fn synchronize(&mut self) -> DrvResult<()>;
 }

@@ -17,8 +17,10 @@
 //! caching allocators (fail, free cached segments, retry) reuses those chunks without a round
 //! trip to the driver.
 
+mod export;
 mod stats;
 
+pub use export::{Export, ExportError, ExportPolicy, Exported, MoveStep};
 pub use stats::PoolStats;
 
 use crate::gpu::{ChunkHandle, Driver, DrvError, Op};
@@ -72,6 +74,8 @@ struct Block {
     chunks: Vec<Chunk>,
     /// `Some(tick)` while cached: when it was freed.
     cached_at: Option<u64>,
+    /// Standard memory mirroring this allocation for IPC, once a handle was asked for.
+    mirror: Option<export::Mirror>,
 }
 
 /// Where a chunk chosen for a new allocation comes from.
@@ -415,6 +419,7 @@ impl<D: Driver> Pool<D> {
                         user: 0,
                         chunks,
                         cached_at: None,
+                        mirror: None,
                     },
                 );
                 Ok(base)
@@ -492,12 +497,16 @@ impl<D: Driver> Pool<D> {
         };
         self.tick += 1;
         let (user, size) = (b.user, b.size);
+        let mirror = b.mirror.take();
         b.user = 0;
         b.cached_at = Some(self.tick);
         self.by_size.insert((size, u64::MAX - self.tick), ptr);
         self.by_age.insert(self.tick, ptr);
         self.stats.cached_bytes += size;
         self.stats.on_free(user, size);
+        if let Some(m) = mirror {
+            self.drop_mirror(m);
+        }
         if !self.retry_window {
             self.trim(self.cfg.cache_max);
         }
@@ -571,7 +580,14 @@ impl<D: Driver> Pool<D> {
         let mut live = 0;
         let mut cached = self.loose.iter().map(|c| c.size).sum::<u64>();
         let mut end = 0;
+        let mut handles: Vec<ChunkHandle> = self.loose.iter().map(|c| c.handle).collect();
+        let mut mirrors = 0;
         for (base, b) in &self.blocks {
+            handles.extend(b.chunks.iter().map(|c| c.handle));
+            mirrors += b.mirror.map_or(0, |m| m.size);
+            if b.mirror.is_some() && b.cached_at.is_some() {
+                return Err(format!("cached block {base:#x} kept its mirror"));
+            }
             if *base < end {
                 return Err(format!("block {base:#x} overlaps the previous one"));
             }
@@ -600,6 +616,18 @@ impl<D: Driver> Pool<D> {
                 }
             }
         }
+        let n = handles.len();
+        handles.sort_unstable();
+        handles.dedup();
+        if handles.len() != n {
+            return Err("a chunk belongs to two places".into());
+        }
+        if mirrors != self.stats.mirror_bytes {
+            return Err(format!(
+                "mirror bytes {} counted as {}",
+                mirrors, self.stats.mirror_bytes
+            ));
+        }
         if self.by_age.len() != self.by_size.len()
             || self.by_age.len()
                 != self
@@ -624,5 +652,7 @@ impl<D: Driver> Pool<D> {
     }
 }
 
+#[cfg(test)]
+mod export_tests;
 #[cfg(test)]
 mod tests;

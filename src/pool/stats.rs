@@ -27,9 +27,17 @@ pub struct PoolStats {
     pub peak_held_bytes: u64,
     pub created_bytes: u64,
     pub released_bytes: u64,
+    /// IPC exports that moved the allocation into standard memory at the same address.
+    pub ipc_moved: u64,
+    /// Moves that failed and were rolled back (the export then used a mirror).
+    pub ipc_move_failures: u64,
+    /// IPC exports served by a mirror (first requests and refreshes).
+    pub ipc_mirrored: u64,
+    /// Bytes of standard memory held by mirrors now.
+    pub mirror_bytes: u64,
     /// Calls and nanoseconds per driver operation, in `Op::ALL` order.
-    pub driver_calls: [u64; 7],
-    pub driver_ns: [u64; 7],
+    pub driver_calls: [u64; Op::ALL.len()],
+    pub driver_ns: [u64; Op::ALL.len()],
 }
 
 impl PoolStats {
@@ -38,9 +46,8 @@ impl PoolStats {
     }
 
     pub(super) fn count_driver(&mut self, op: Op, t: Duration) {
-        let i = Op::ALL.iter().position(|o| *o == op).expect("op listed");
-        self.driver_calls[i] += 1;
-        self.driver_ns[i] += t.as_nanos() as u64;
+        self.driver_calls[op.index()] += 1;
+        self.driver_ns[op.index()] += t.as_nanos() as u64;
     }
 
     pub(super) fn on_alloc(&mut self, user: u64, size: u64) {
@@ -55,6 +62,14 @@ impl PoolStats {
         self.frees += 1;
         self.live_user_bytes -= user;
         self.live_bytes -= size;
+    }
+
+    /// An allocation left the pool as standard memory; its chunks went back to the driver.
+    pub(super) fn on_moved(&mut self, user: u64, size: u64) {
+        self.ipc_moved += 1;
+        self.live_user_bytes -= user;
+        self.live_bytes -= size;
+        self.released_bytes += size;
     }
 
     pub(super) fn on_created(&mut self, size: u64) {

@@ -75,10 +75,24 @@ CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   else { close(handles[h].fd); used -= handles[h].size; handles[h].size = 0; }
   pthread_mutex_unlock(&mu); return r;
 }
+static uint64_t last_freed_va; static size_t last_freed_size;
+/* For the fake runtime's cudaMalloc: the last freed reservation if it has this size (it then
+ * lands there, as the real cudaMalloc does for small sizes). */
+uint64_t fakecu_take_freed(size_t size) {
+  pthread_mutex_lock(&mu);
+  uint64_t va = last_freed_size == size ? last_freed_va : 0;
+  if (va) last_freed_size = 0;
+  pthread_mutex_unlock(&mu); return va;
+}
 CUresult cuMemAddressReserve(CUdeviceptr* va, size_t size, size_t align, CUdeviceptr addr, unsigned long long f) {
-  (void)align; (void)addr; (void)f;
+  (void)align; (void)f;
   pthread_mutex_lock(&mu); counts[C_RESERVE]++; pthread_mutex_unlock(&mu);
   if (size == 0 || size % GRAN) return 1;
+  if (addr) { /* a hint: honoured when the range is free */
+    void* p = mmap((void*)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (p == (void*)addr) { *va = addr; return 0; }
+    if (p != MAP_FAILED) munmap(p, size);
+  }
   char* p = mmap(0, size + GRAN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return 2;
   uintptr_t a = ((uintptr_t)p + GRAN - 1) & ~(uintptr_t)(GRAN - 1);
@@ -89,6 +103,7 @@ CUresult cuMemAddressReserve(CUdeviceptr* va, size_t size, size_t align, CUdevic
 CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
   pthread_mutex_lock(&mu); counts[C_FREEVA]++;
   for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) { pthread_mutex_unlock(&mu); return 1; }
+  last_freed_va = va; last_freed_size = size;
   pthread_mutex_unlock(&mu);
   return munmap((void*)va, size) ? 1 : 0;
 }

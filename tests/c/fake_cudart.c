@@ -6,12 +6,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <sys/mman.h>
 
 void fakecu_bind(void);
+uint64_t fakecu_take_freed(size_t size) __attribute__((weak));
 static __thread int last_error, cur_dev;
 static long n_malloc, n_free, n_sync, n_ipc, n_peer_on, n_peer_off;
 #define MAXA 65536
-static struct { void* p; size_t n; } allocs[MAXA];
+static struct { void* p; size_t n; int mapped; } allocs[MAXA];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev(void) { const char* v = getenv("FAKE_DEVICES"); return v ? atoi(v) : 1; }
 static int err(int e) { if (e) last_error = e; return e; }
@@ -32,12 +34,22 @@ int cudaMalloc(void** p, size_t n) {
   __atomic_add_fetch(&n_malloc, 1, __ATOMIC_RELAXED);
   if (n == 0) { *p = 0; return 0; }
   if (n >= ((size_t)1 << 48)) return err(2);
-  void* m = aligned_alloc(256, (n + 255) & ~(size_t)255);
+  void* m = 0; int mapped = 0;
+  /* FAKE_MALLOC_REUSES_VA: land on a just-freed reservation of the same size, as the real
+   * cudaMalloc does for small sizes (what makes an IPC move in place possible). */
+  if (getenv("FAKE_MALLOC_REUSES_VA") && fakecu_take_freed) {
+    uint64_t va = fakecu_take_freed(n);
+    if (va) {
+      void* p = mmap((void*)va, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+      if (p == (void*)va) { m = p; mapped = 1; } else if (p != MAP_FAILED) munmap(p, n);
+    }
+  }
+  if (!m) m = aligned_alloc(256, (n + 255) & ~(size_t)255);
   if (!m) return err(2);
   pthread_mutex_lock(&mu);
   int i = 0; while (i < MAXA && allocs[i].p) i++;
   if (i == MAXA) { pthread_mutex_unlock(&mu); free(m); return err(2); }
-  allocs[i].p = m; allocs[i].n = n;
+  allocs[i].p = m; allocs[i].n = n; allocs[i].mapped = mapped;
   pthread_mutex_unlock(&mu);
   *p = m; return 0;
 }
@@ -46,7 +58,11 @@ int cudaFree(void* p) {
   __atomic_add_fetch(&n_free, 1, __ATOMIC_RELAXED);
   if (!p) return 0;
   pthread_mutex_lock(&mu);
-  for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) { allocs[i].p = 0; pthread_mutex_unlock(&mu); free(p); return 0; }
+  for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) {
+    allocs[i].p = 0; pthread_mutex_unlock(&mu);
+    if (allocs[i].mapped) munmap(p, allocs[i].n); else free(p);
+    return 0;
+  }
   pthread_mutex_unlock(&mu);
   return err(1); /* cudaErrorInvalidValue, as the real runtime answers any unknown pointer */
 }
@@ -59,10 +75,12 @@ int cudaIpcGetMemHandle(void* h, void* p) {
   __atomic_add_fetch(&n_ipc, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXA; i++) if (allocs[i].p && (char*)p >= (char*)allocs[i].p && (char*)p < (char*)allocs[i].p + allocs[i].n) {
-    pthread_mutex_unlock(&mu); memset(h, 0xAB, 64); return 0; }
+    /* bytes 24..31 carry the allocation's start, so tests can "open" the handle */
+    pthread_mutex_unlock(&mu); memset(h, 0xAB, 64); memcpy((char*)h + 24, &allocs[i].p, 8); return 0; }
   pthread_mutex_unlock(&mu);
   return err(1);
 }
+int cudaMemcpy(void* d, const void* s, size_t n, int kind) { (void)kind; memmove(d, s, n); return 0; }
 int cudaDeviceEnablePeerAccess(int peer, unsigned f) {
   (void)f; n_peer_on++;
   if (peer < 0 || peer >= ndev()) return err(101);

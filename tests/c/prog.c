@@ -60,10 +60,33 @@ static int basic(void) {
   printf("meminfo_rc=%d meminfo_free_mib=%zu\n", rc, fr >> 20);
   printf("oom_rc=%d", cudaMalloc(&big, 2048 * MIB)); printf(" oom_lasterr=%d\n", cudaGetLastError());
   printf("null_out_rc=%d\n", cudaMalloc(0, 4 * MIB));
-  unsigned char h[64];
-  void* r = 0; cudaMalloc(&r, 2 * MIB);
-  printf("ipc_rc=%d", cudaIpcGetMemHandle(h, r)); printf(" ipc_lasterr=%d\n", cudaGetLastError());
-  cudaFree(r);
+  return 0;
+}
+
+/* The fake runtime's handle carries the allocation's start in bytes 24..31. */
+static unsigned char* opened(const unsigned char* h) { uint64_t p; memcpy(&p, h + 24, 8); return (unsigned char*)p; }
+
+static int ipc(void) {
+  unsigned char h[64], h2[64];
+  unsigned char* p = 0;
+  CHECK(cudaMalloc((void**)&p, 4 * MIB) == 0);
+  printf("vmm_before=%d\n", fakecu_access((uint64_t)p) >= 0);
+  fill(p, 4 * MIB, 0x11);
+  long frees = fakert_count("cudaFree");
+  int rc = cudaIpcGetMemHandle(h, p + 4096);
+  printf("ipc_rc=%d\n", rc);
+  unsigned char* o = opened(h);
+  printf("same_address=%d vmm_after=%d\n", o == p, fakecu_access((uint64_t)p) >= 0);
+  printf("data_ok=%d\n", holds(o, 4 * MIB, 0x11) && holds(p, 4 * MIB, 0x11));
+  fill(p, 4 * MIB, 0x22);
+  rc = cudaIpcGetMemHandle(h2, p);
+  printf("again_rc=%d same_bytes=%d\n", rc, memcmp(h, h2, 64) == 0);
+  printf("refreshed=%d\n", holds(opened(h2), 4 * MIB, 0x22));
+  /* a consumer's write: shared when moved, not seen through a mirror */
+  fill(o, 4 * MIB, 0x33);
+  printf("write_back_seen=%d\n", holds(p, 4 * MIB, 0x33));
+  printf("free_rc=%d", cudaFree(p));
+  printf(" runtime_frees=%ld\n", fakert_count("cudaFree") - frees);
   return 0;
 }
 
@@ -163,6 +186,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
+  if (!strcmp(s, "ipc")) return ipc();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
 }

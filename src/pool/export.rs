@@ -1,0 +1,403 @@
+//! IPC export of pool memory: what `cudaIpcGetMemHandle` needs from the pool.
+//!
+//! Legacy IPC handles exist only for standard (`cudaMalloc`) memory. An allocation asked for
+//! a handle therefore becomes standard memory in one of two ways:
+//!
+//! * **Move in place.** Its physical chunks are mapped a second time at a temporary range,
+//!   the original range is released, and a real `cudaMalloc` of the same size is taken; if it
+//!   lands on the original address, the data is copied back and the VMM pages dropped. The
+//!   program's pointer is unchanged and the memory is now ordinary: the pool forgets it and
+//!   its `cudaFree` goes to the runtime. Every step has a way back: until the copy succeeds
+//!   the data stays in the chunks, mapped at the temporary range, and a failure restores the
+//!   original mapping (re-reserving the exact range) before anything else happens.
+//! * **Mirror.** Otherwise a standard buffer of the same size receives a copy, and its handle
+//!   is returned. Each later request refreshes the copy and returns the same 64 bytes. The
+//!   consumer sees the data as of the latest request; its writes do not reach the producer.
+//!   Freeing the allocation frees the mirror.
+
+use super::{Block, Chunk, Pool};
+use crate::gpu::{Driver, DrvError, IpcHandle, Op};
+
+/// A standard buffer that mirrors a block.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Mirror {
+    pub ptr: u64,
+    pub size: u64,
+    pub handle: IpcHandle,
+}
+
+/// The steps of a move in place, in order; a test can make any of them fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveStep {
+    /// Wait for work that may still use the allocation.
+    Sync,
+    /// Reserve the temporary range.
+    TempReserve,
+    /// Map the chunks at the temporary range and give access.
+    TempMap,
+    /// Unmap the original range.
+    Unmap,
+    /// Release the original range.
+    FreeRange,
+    /// `cudaMalloc` of the same size.
+    Alloc,
+    /// The new memory landed on the original address.
+    Placement,
+    /// Copy the data into the new memory.
+    Copy,
+    /// Take the legacy handle.
+    Handle,
+}
+
+impl MoveStep {
+    pub const ALL: [MoveStep; 9] = [
+        MoveStep::Sync,
+        MoveStep::TempReserve,
+        MoveStep::TempMap,
+        MoveStep::Unmap,
+        MoveStep::FreeRange,
+        MoveStep::Alloc,
+        MoveStep::Placement,
+        MoveStep::Copy,
+        MoveStep::Handle,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MoveStep::Sync => "sync",
+            MoveStep::TempReserve => "temp_reserve",
+            MoveStep::TempMap => "temp_map",
+            MoveStep::Unmap => "unmap",
+            MoveStep::FreeRange => "free_range",
+            MoveStep::Alloc => "alloc",
+            MoveStep::Placement => "placement",
+            MoveStep::Copy => "copy",
+            MoveStep::Handle => "handle",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<MoveStep> {
+        MoveStep::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
+/// How to export.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExportPolicy {
+    /// Try moving in place allocations of at most this many bytes (0: never).
+    pub move_max: u64,
+    /// Tests: make this step of a move fail.
+    pub fail_move_at: Option<MoveStep>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exported {
+    /// The allocation is now standard memory at the same address; the handle is its own.
+    Moved,
+    /// The handle is a mirror's, refreshed by this request (`first`: just made).
+    Mirror { ptr: u64, first: bool },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Export {
+    /// Start of the allocation that contains the requested pointer.
+    pub base: u64,
+    /// Its size as the program asked for it.
+    pub size: u64,
+    pub handle: IpcHandle,
+    pub how: Exported,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportError {
+    /// Not inside a live allocation of this pool.
+    NotOwned,
+    /// No memory for a mirror, even after giving the cache back.
+    OutOfMemory,
+    /// The driver or runtime failed; the allocation is unchanged.
+    Driver(DrvError),
+    /// A move could not restore the original range (something else took the address). The
+    /// data is safe at `kept`, still mapped, but the program's pointer no longer maps it.
+    RangeLost { base: u64, kept: u64 },
+}
+
+enum MoveError {
+    /// Rolled back: the allocation is as it was.
+    NotMoved(MoveStep, DrvError),
+    Lost {
+        kept: u64,
+    },
+}
+
+/// An injected failure.
+const INJECTED: DrvError = DrvError(999);
+
+impl<D: Driver> Pool<D> {
+    /// Make the allocation containing `ptr` exportable with a legacy handle.
+    pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
+        let (base, user) = self.find(ptr).ok_or(ExportError::NotOwned)?;
+        let b = &self.blocks[&base];
+        if b.mirror.is_none() && b.size <= policy.move_max {
+            match self.move_in_place(base, policy.fail_move_at) {
+                Ok(handle) => {
+                    return Ok(Export {
+                        base,
+                        size: user,
+                        handle,
+                        how: Exported::Moved,
+                    });
+                }
+                Err(MoveError::NotMoved(step, e)) => {
+                    self.stats.ipc_move_failures += 1;
+                    log::info!("allocation {base:#x}: move in place stopped at {} ({e}); restored, using a mirror", step.name());
+                }
+                Err(MoveError::Lost { kept }) => {
+                    return Err(ExportError::RangeLost { base, kept });
+                }
+            }
+        }
+        let (handle, ptr, first) = self.mirror(base)?;
+        self.stats.ipc_mirrored += 1;
+        Ok(Export {
+            base,
+            size: user,
+            handle,
+            how: Exported::Mirror { ptr, first },
+        })
+    }
+
+    /// Create or refresh the mirror of the live block at `base`.
+    fn mirror(&mut self, base: u64) -> Result<(IpcHandle, u64, bool), ExportError> {
+        let size = self.blocks[&base].size;
+        self.timed(Op::Sync, |d| d.synchronize())
+            .map_err(ExportError::Driver)?;
+        if let Some(m) = self.blocks[&base].mirror {
+            self.timed(Op::Copy, |d| d.copy(m.ptr, base, size))
+                .map_err(ExportError::Driver)?;
+            return Ok((m.handle, m.ptr, false));
+        }
+        let ptr = match self.timed(Op::LegacyAlloc, |d| d.legacy_alloc(size)) {
+            Ok(p) => p,
+            Err(e) if e.is_oom() => {
+                // What the pool keeps cached may be just what the mirror needs.
+                self.trim(0);
+                self.timed(Op::LegacyAlloc, |d| d.legacy_alloc(size))
+                    .map_err(|e| {
+                        if e.is_oom() {
+                            ExportError::OutOfMemory
+                        } else {
+                            ExportError::Driver(e)
+                        }
+                    })?
+            }
+            Err(e) => return Err(ExportError::Driver(e)),
+        };
+        let made = self
+            .timed(Op::Copy, |d| d.copy(ptr, base, size))
+            .and_then(|()| self.timed(Op::IpcHandle, |d| d.legacy_handle(ptr)));
+        match made {
+            Ok(handle) => {
+                let m = Mirror { ptr, size, handle };
+                self.blocks.get_mut(&base).expect("live block").mirror = Some(m);
+                self.stats.mirror_bytes += size;
+                Ok((handle, ptr, true))
+            }
+            Err(e) => {
+                let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(ptr));
+                Err(ExportError::Driver(e))
+            }
+        }
+    }
+
+    pub(super) fn drop_mirror(&mut self, m: Mirror) {
+        if let Err(e) = self.timed(Op::LegacyFree, |d| d.legacy_free(m.ptr)) {
+            log::warn!("freeing the IPC mirror {:#x} failed: {e}", m.ptr);
+        }
+        self.stats.mirror_bytes -= m.size;
+    }
+
+    /// One step of a move: the driver call, or the injected failure.
+    fn step<T>(
+        &mut self,
+        step: MoveStep,
+        fail: Option<MoveStep>,
+        op: Op,
+        f: impl FnOnce(&mut D) -> Result<T, DrvError>,
+    ) -> Result<T, (MoveStep, DrvError)> {
+        if fail == Some(step) {
+            return Err((step, INJECTED));
+        }
+        self.timed(op, f).map_err(|e| (step, e))
+    }
+
+    fn move_in_place(&mut self, base: u64, fail: Option<MoveStep>) -> Result<IpcHandle, MoveError> {
+        let (size, user) = (self.blocks[&base].size, self.blocks[&base].user);
+        let chunks = self.blocks[&base].chunks.clone();
+        let not_moved = |(s, e)| MoveError::NotMoved(s, e);
+
+        self.step(MoveStep::Sync, fail, Op::Sync, |d| d.synchronize())
+            .map_err(not_moved)?;
+        // The chunks at a temporary range: the source of the copy and the way back.
+        let temp = self
+            .step(MoveStep::TempReserve, fail, Op::Reserve, |d| {
+                d.reserve(size)
+            })
+            .map_err(not_moved)?;
+        if let Err(e) = self.map_chunks(temp, &chunks, MoveStep::TempMap, fail) {
+            let _ = self.timed(Op::FreeVa, |d| d.free_va(temp, size));
+            return Err(not_moved(e));
+        }
+        if let Err(e) = self.step(MoveStep::Unmap, fail, Op::Unmap, |d| d.unmap(base, size)) {
+            self.drop_temp(temp, size);
+            return Err(not_moved(e));
+        }
+        if let Err(e) = self.step(MoveStep::FreeRange, fail, Op::FreeVa, |d| {
+            d.free_va(base, size)
+        }) {
+            // The range is still ours: map the chunks back.
+            return Err(self.restore(base, size, &chunks, temp, None, e));
+        }
+        // The original range is released: from here a failure must take it back.
+        let new = match self.step(MoveStep::Alloc, fail, Op::LegacyAlloc, |d| {
+            d.legacy_alloc(size)
+        }) {
+            Ok(p) => p,
+            Err(e) => return Err(self.restore(base, size, &chunks, temp, None, e)),
+        };
+        if new != base || fail == Some(MoveStep::Placement) {
+            let e = (
+                MoveStep::Placement,
+                if new != base { DrvError(0) } else { INJECTED },
+            );
+            return Err(self.restore(base, size, &chunks, temp, Some(new), e));
+        }
+        let copied = self
+            .step(MoveStep::Copy, fail, Op::Copy, |d| d.copy(base, temp, size))
+            .and_then(|()| {
+                self.step(MoveStep::Handle, fail, Op::IpcHandle, |d| {
+                    d.legacy_handle(base)
+                })
+            });
+        let handle = match copied {
+            Ok(h) => h,
+            Err(e) => return Err(self.restore(base, size, &chunks, temp, Some(new), e)),
+        };
+        // Committed: the VMM pages go, the pool forgets the allocation.
+        self.drop_temp(temp, size);
+        for c in &chunks {
+            if let Err(e) = self.timed(Op::Release, |d| d.release(c.handle)) {
+                log::warn!("releasing chunk of moved allocation {base:#x} failed: {e}");
+            }
+        }
+        self.blocks.remove(&base);
+        self.stats.on_moved(user, size);
+        Ok(handle)
+    }
+
+    /// Map `chunks` back to back at `va` with access for the pool's readers; on error unmap
+    /// what was mapped (the reservation stays).
+    fn map_chunks(
+        &mut self,
+        va: u64,
+        chunks: &[Chunk],
+        step: MoveStep,
+        fail: Option<MoveStep>,
+    ) -> Result<(), (MoveStep, DrvError)> {
+        let total: u64 = chunks.iter().map(|c| c.size).sum();
+        let mut off = 0;
+        let mut result = Ok(());
+        for c in chunks {
+            if let Err(e) = self.step(step, fail, Op::Map, |d| d.map(va + off, c.size, c.handle)) {
+                result = Err(e);
+                break;
+            }
+            off += c.size;
+        }
+        if result.is_ok() {
+            let readers = self.readers.clone();
+            result = self.step(step, None, Op::SetAccess, |d| {
+                d.set_access(va, total, &readers, &[])
+            });
+        }
+        if result.is_err() {
+            let mut at = 0;
+            for c in chunks {
+                if at >= off {
+                    break;
+                }
+                let _ = self.timed(Op::Unmap, |d| d.unmap(va + at, c.size));
+                at += c.size;
+            }
+        }
+        result
+    }
+
+    fn drop_temp(&mut self, temp: u64, size: u64) {
+        let _ = self.timed(Op::Unmap, |d| d.unmap(temp, size));
+        self.free_va(temp, size);
+    }
+
+    /// Put the allocation back where it was after a failed move, and drop the temporary
+    /// mapping. `legacy`: standard memory taken by the move, freed here (after the original
+    /// range is safely reserved again, unless it is in the way).
+    fn restore(
+        &mut self,
+        base: u64,
+        size: u64,
+        chunks: &[Chunk],
+        temp: u64,
+        legacy: Option<u64>,
+        (step, err): (MoveStep, DrvError),
+    ) -> MoveError {
+        let range_held = step == MoveStep::FreeRange;
+        let mut held = range_held;
+        let mut legacy = legacy;
+        if legacy == Some(base) {
+            // The new memory is the original range itself: give it back first.
+            let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(base));
+            legacy = None;
+        }
+        for attempt in 0..2 {
+            if held {
+                break;
+            }
+            match self.timed(Op::Reserve, |d| d.reserve_at(base, size)) {
+                Ok(r) if r == base => held = true,
+                Ok(r) => {
+                    let _ = self.timed(Op::FreeVa, |d| d.free_va(r, size));
+                }
+                Err(_) => {}
+            }
+            // The new memory may overlap the range: free it and try once more.
+            if !held && attempt == 0 {
+                if let Some(p) = legacy.take() {
+                    let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(p));
+                }
+            }
+        }
+        if let Some(p) = legacy {
+            let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(p));
+        }
+        if !held || self.map_chunks(base, chunks, step, None).is_err() {
+            // The data is intact at `temp`; keep that mapping and the chunks alive.
+            log::error!(
+                "IPC move of {base:#x} ({size} bytes) failed at {} ({err}) and the original range could not be restored; the data is kept at {temp:#x}",
+                step.name()
+            );
+            if held {
+                let _ = self.timed(Op::FreeVa, |d| d.free_va(base, size));
+            }
+            let b = self.blocks.remove(&base).expect("moving block");
+            self.blocks.insert(
+                temp,
+                Block {
+                    cached_at: None,
+                    ..b
+                },
+            );
+            return MoveError::Lost { kept: temp };
+        }
+        self.drop_temp(temp, size);
+        MoveError::NotMoved(step, err)
+    }
+}

@@ -1,0 +1,256 @@
+//! IPC export against the fake driver: moves, mirrors, and a failure at every step.
+
+use super::*;
+use crate::gpu::fake::{FakeDriver, Placement};
+
+const MIB: u64 = 1 << 20;
+const GRAN: u64 = 2 * MIB;
+
+fn pool(placement: Placement) -> Pool<FakeDriver> {
+    let mut d = FakeDriver::new(0, GRAN, 1 << 30);
+    d.legacy_placement = placement;
+    Pool::new(
+        d,
+        PoolConfig {
+            cache_max: 1 << 30,
+            max_chunk: 0,
+        },
+    )
+}
+
+const MOVE: ExportPolicy = ExportPolicy {
+    move_max: u64::MAX,
+    fail_move_at: None,
+};
+
+/// Write a distinct tag into each granule of the allocation.
+fn stamp(p: &mut Pool<FakeDriver>, base: u64, size: u64, seed: u64) {
+    for i in 0..size.div_ceil(GRAN) {
+        assert!(p.driver_mut().write(base + i * GRAN, GRAN, seed * 1000 + i));
+    }
+}
+
+fn stamped(p: &Pool<FakeDriver>, base: u64, size: u64, seed: u64) -> bool {
+    (0..size.div_ceil(GRAN)).all(|i| p.driver().read(base + i * GRAN) == Some(seed * 1000 + i))
+}
+
+fn check(p: &Pool<FakeDriver>) {
+    p.validate().unwrap();
+    let d = p.driver();
+    assert_eq!(p.stats().held_bytes(), d.used() - d.legacy_bytes());
+}
+
+#[test]
+fn a_move_in_place_keeps_address_and_data_and_leaves_the_pool() {
+    let mut p = pool(Placement::SharedLowHeap);
+    let a = p.alloc(6 * MIB).unwrap();
+    stamp(&mut p, a, 6 * MIB, 7);
+    let ex = p.export(a + 12345, MOVE).unwrap();
+    assert_eq!((ex.base, ex.size, ex.how), (a, 6 * MIB, Exported::Moved));
+    assert!(
+        p.driver().is_legacy(a),
+        "standard memory at the same address"
+    );
+    assert!(stamped(&p, a, 6 * MIB, 7));
+    assert_eq!(p.driver().chunk_count(), 0, "VMM pages dropped");
+    assert_eq!(p.driver().reservation_count(), 0, "temporary range freed");
+    assert_eq!(
+        p.free(a),
+        Err(FreeError::NotOwned),
+        "its cudaFree goes to the runtime"
+    );
+    assert_eq!(ex.handle, p.driver_mut().legacy_handle(a).unwrap());
+    assert_eq!(p.stats().ipc_moved, 1);
+    check(&p);
+}
+
+#[test]
+fn a_stitched_allocation_moves_with_its_data_in_order() {
+    let mut p = pool(Placement::SharedLowHeap);
+    p.driver_mut().set_capacity(8 * MIB);
+    let xs: Vec<u64> = (0..4).map(|_| p.alloc(2 * MIB).unwrap()).collect();
+    for x in xs {
+        p.free(x).unwrap();
+    }
+    let a = p.alloc(8 * MIB).unwrap(); // four chunks
+    stamp(&mut p, a, 8 * MIB, 3);
+    p.driver_mut().set_capacity(1 << 30);
+    assert_eq!(p.export(a, MOVE).unwrap().how, Exported::Moved);
+    assert!(stamped(&p, a, 8 * MIB, 3));
+    check(&p);
+}
+
+#[test]
+fn elsewhere_landing_restores_and_mirrors_with_one_way_refreshes() {
+    let mut p = pool(Placement::SeparateHeap);
+    let a = p.alloc(4 * MIB).unwrap();
+    stamp(&mut p, a, 4 * MIB, 1);
+    let ex = p.export(a, MOVE).unwrap();
+    let Exported::Mirror {
+        ptr: m,
+        first: true,
+    } = ex.how
+    else {
+        panic!("{ex:?}")
+    };
+    assert_eq!(p.stats().ipc_move_failures, 1);
+    assert!(p.driver().is_accessible(a, 4 * MIB, 0), "still pool memory");
+    assert!(stamped(&p, a, 4 * MIB, 1) && stamped(&p, m, 4 * MIB, 1));
+    // The producer writes, asks again: same bytes, refreshed data, no second mirror.
+    stamp(&mut p, a, 4 * MIB, 2);
+    let again = p.export(a + 1, MOVE).unwrap();
+    assert_eq!(again.handle, ex.handle);
+    assert_eq!(
+        again.how,
+        Exported::Mirror {
+            ptr: m,
+            first: false
+        }
+    );
+    assert!(stamped(&p, m, 4 * MIB, 2));
+    // A consumer's write to the mirror does not reach the allocation.
+    stamp(&mut p, m, 4 * MIB, 9);
+    assert!(stamped(&p, a, 4 * MIB, 2));
+    assert_eq!(p.stats().mirror_bytes, 4 * MIB);
+    check(&p);
+    p.free(a).unwrap();
+    assert_eq!(
+        p.driver().legacy_count(),
+        0,
+        "freeing the allocation freed its mirror"
+    );
+    check(&p);
+}
+
+#[test]
+fn move_max_zero_always_mirrors() {
+    let mut p = pool(Placement::SharedLowHeap);
+    let a = p.alloc(2 * MIB).unwrap();
+    let ex = p.export(a, ExportPolicy::default()).unwrap();
+    assert!(matches!(ex.how, Exported::Mirror { first: true, .. }));
+    assert_eq!(p.stats().ipc_move_failures, 0, "no move tried");
+    check(&p);
+}
+
+#[test]
+fn a_move_failing_at_each_step_is_rolled_back_with_data_intact() {
+    for step in MoveStep::ALL {
+        let mut p = pool(Placement::SharedLowHeap);
+        let keep = p.alloc(2 * MIB).unwrap();
+        let a = p.alloc(6 * MIB).unwrap();
+        stamp(&mut p, a, 6 * MIB, 5);
+        let policy = ExportPolicy {
+            move_max: u64::MAX,
+            fail_move_at: Some(step),
+        };
+        let ex = p.export(a, policy).unwrap();
+        assert!(matches!(ex.how, Exported::Mirror { .. }), "{step:?}");
+        assert!(
+            p.driver().is_accessible(a, 6 * MIB, 0),
+            "{step:?}: mapped again"
+        );
+        assert!(stamped(&p, a, 6 * MIB, 5), "{step:?}: data intact");
+        assert_eq!(p.find(a + 100), Some((a, 6 * MIB)), "{step:?}");
+        check(&p);
+        // Everything still works and nothing leaks.
+        p.free(a).unwrap();
+        p.free(keep).unwrap();
+        p.trim(0);
+        let d = p.driver();
+        assert_eq!(
+            (d.chunk_count(), d.reservation_count(), d.legacy_count()),
+            (0, 0, 0),
+            "{step:?}"
+        );
+    }
+}
+
+#[test]
+fn driver_failures_during_a_move_are_rolled_back_too() {
+    for op in [
+        Op::Sync,
+        Op::Reserve,
+        Op::Map,
+        Op::SetAccess,
+        Op::Unmap,
+        Op::FreeVa,
+        Op::LegacyAlloc,
+        Op::Copy,
+        Op::IpcHandle,
+    ] {
+        let mut p = pool(Placement::SharedLowHeap);
+        let a = p.alloc(4 * MIB).unwrap();
+        stamp(&mut p, a, 4 * MIB, 8);
+        p.driver_mut().fail(op, DrvError(700));
+        match p.export(a, MOVE) {
+            Ok(ex) if ex.how == Exported::Moved => panic!("{op:?}: moved despite the failure"),
+            Ok(_) => {}
+            // The failure hit the mirror that followed the rolled-back move.
+            Err(ExportError::Driver(DrvError(700))) => {}
+            Err(e) => panic!("{op:?}: {e:?}"),
+        }
+        assert!(p.driver().is_accessible(a, 4 * MIB, 0), "{op:?}");
+        assert!(stamped(&p, a, 4 * MIB, 8), "{op:?}");
+        check(&p);
+        p.driver_mut().clear_failures();
+        assert!(p.export(a, MOVE).is_ok(), "{op:?}: a second request works");
+        check(&p);
+    }
+}
+
+#[test]
+fn a_range_taken_meanwhile_is_reported_and_the_data_kept() {
+    let mut p = pool(Placement::SeparateHeap);
+    let a = p.alloc(4 * MIB).unwrap();
+    stamp(&mut p, a, 4 * MIB, 4);
+    // Both attempts to re-reserve the original range fail (after the temporary reserve).
+    p.driver_mut().fail_nth(Op::Reserve, 1, DrvError(2));
+    p.driver_mut().fail_nth(Op::Reserve, 0, DrvError(2));
+    let err = p.export(a, MOVE).unwrap_err();
+    let ExportError::RangeLost { base, kept } = err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(base, a);
+    assert!(
+        stamped(&p, kept, 4 * MIB, 4),
+        "data intact where it is kept"
+    );
+    assert_eq!(p.find(kept), Some((kept, 4 * MIB)));
+    check(&p);
+}
+
+#[test]
+fn a_mirror_without_memory_gives_the_cache_back_first() {
+    let mut p = pool(Placement::SeparateHeap);
+    p.driver_mut().set_capacity(8 * MIB);
+    let a = p.alloc(4 * MIB).unwrap();
+    let b = p.alloc(4 * MIB).unwrap();
+    p.free(b).unwrap(); // cached: the driver is full
+    let ex = p.export(a, ExportPolicy::default()).unwrap();
+    assert!(matches!(ex.how, Exported::Mirror { .. }));
+    assert_eq!(p.cached_bytes(), 0);
+    check(&p);
+    // With nothing left to give back: a clear out-of-memory, the allocation unchanged.
+    let mut p = pool(Placement::SeparateHeap);
+    p.driver_mut().set_capacity(4 * MIB);
+    let a = p.alloc(4 * MIB).unwrap();
+    assert_eq!(
+        p.export(a, ExportPolicy::default()),
+        Err(ExportError::OutOfMemory)
+    );
+    assert_eq!(p.find(a), Some((a, 4 * MIB)));
+    check(&p);
+}
+
+#[test]
+fn only_live_pool_memory_is_exported() {
+    let mut p = pool(Placement::SharedLowHeap);
+    assert_eq!(p.export(0x1234, MOVE), Err(ExportError::NotOwned));
+    let a = p.alloc(2 * MIB).unwrap();
+    p.free(a).unwrap();
+    assert_eq!(
+        p.export(a, MOVE),
+        Err(ExportError::NotOwned),
+        "cached is not live"
+    );
+}
