@@ -43,6 +43,28 @@ if [ -x "$build/alloc_test" ]; then
   grep -E '^(PASS|FAIL)|FAIL|skipped' "$logs/alloc_shim.log" | sed 's/^/    /'
 fi
 
+# IPC: cudaIpcGetMemHandle on pool memory, consumers with and without expseg.
+nvcc -O2 -cudart shared -o "$build/ipc_test" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1
+result build_ipc_test $? ""
+if [ -x "$build/ipc_test" ]; then
+  sizes="2 20 64 1024 8192"
+  "$build/ipc_test" run - $sizes >"$logs/ipc_native.log" 2>&1
+  result ipc_native_producer $? "$(tail -n 1 "$logs/ipc_native.log")"
+  for consumer in - "$lib"; do
+    name=ipc_expseg_producer_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
+    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test" run "$consumer" $sizes >"$logs/$name.log" 2>"$logs/$name.err"
+    result "$name" $? "$(tail -n 1 "$logs/$name.log")"
+    grep -E '^(PASS|FAIL|SKIP) ipc' "$logs/$name.log" | sed 's/^/    /'
+  done
+  # A move that fails at any step: data intact, a working handle (a mirror) all the same.
+  rc=0
+  for step in sync temp_reserve temp_map unmap free_range alloc placement copy handle; do
+    EXPSEG_TEST_FAIL_MOVE=$step LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_fail_$step.log" 2>&1 \
+      || { rc=1; echo "    move failing at $step: $(tail -n 1 "$logs/ipc_fail_$step.log")"; }
+  done
+  result ipc_move_failure_at_each_step $rc ""
+fi
+
 # PyTorch: same losses with and without expseg, and PyTorch's segments from the pool.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   python3 "$here/torch_train.py" "$logs/torch_native.json" 300 >"$logs/torch_native.log" 2>&1

@@ -1,0 +1,257 @@
+// GPU test and benchmark of cudaIpcGetMemHandle on pool memory. Built with
+// `nvcc -cudart shared`; shim-tests/run.sh runs it.
+//
+//   ipc_test run CONSUMER_PRELOAD SIZES_MIB...   producer (run under expseg); spawns a
+//       consumer (this binary, "consume") with LD_PRELOAD=CONSUMER_PRELOAD ("-" for none).
+//       Per size: share an interior pointer, the consumer opens the handle and checks all of
+//       the data, then ten refill-and-reshare rounds (weight sync) each checked by the
+//       consumer, then the consumer writes and the producer looks: shared (moved) or one-way
+//       (mirror). Last line: "N passed, M failed".
+//   ipc_test bench                               move success rate after a cluttered history,
+//       export time against a device-to-device copy of the same size, mirror refresh rate.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <algorithm>
+#include <string>
+#include <vector>
+
+extern char** environ;
+#define MIB ((size_t)1 << 20)
+static double now_ms() { timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
+
+__global__ void fill_k(uint32_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = (uint32_t)(i * 2654435761u) ^ seed;
+}
+__global__ void verify_k(const uint32_t* p, size_t n, uint32_t seed, unsigned long long* bad) {
+  unsigned long long b = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    b += p[i] != ((uint32_t)(i * 2654435761u) ^ seed);
+  if (b) atomicAdd(bad, b);
+}
+static void fill(void* p, size_t bytes, uint32_t seed) {
+  fill_k<<<2048, 256>>>((uint32_t*)p, bytes / 4, seed);
+  cudaDeviceSynchronize();
+}
+static unsigned long long mismatches(const void* p, size_t bytes, uint32_t seed) {
+  static unsigned long long* bad = 0;
+  if (!bad) cudaMallocHost(&bad, sizeof *bad);
+  *bad = 0;
+  verify_k<<<2048, 256>>>((const uint32_t*)p, bytes / 4, seed, bad);
+  if (cudaDeviceSynchronize() != cudaSuccess) return ~0ull;
+  return *bad;
+}
+static int legacy_capable(void* p) {
+  int cap = -1;
+  cuPointerGetAttribute(&cap, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, (CUdeviceptr)p);
+  return cap;
+}
+static void hex(const cudaIpcMemHandle_t& h, char* out) {
+  for (int i = 0; i < 64; i++) sprintf(out + 2 * i, "%02x", (unsigned char)h.reserved[i]);
+}
+static void unhex(const char* s, cudaIpcMemHandle_t* h) {
+  for (int i = 0; i < 64; i++) { unsigned v; sscanf(s + 2 * i, "%2x", &v); h->reserved[i] = (char)v; }
+}
+
+// The consumer: commands on stdin, one answer line each on stdout.
+static int consume() {
+  char line[512], arg[256];
+  void* q = 0;
+  size_t size = 0;
+  setvbuf(stdout, 0, _IOLBF, 0);
+  while (fgets(line, sizeof line, stdin)) {
+    unsigned long long a = 0, b = 0;
+    if (sscanf(line, "open %200s %llu", arg, &a) == 2) {
+      cudaIpcMemHandle_t h;
+      unhex(arg, &h);
+      size = a;
+      cudaError_t e = cudaIpcOpenMemHandle(&q, h, cudaIpcMemLazyEnablePeerAccess);
+      printf(e == cudaSuccess ? "ok\n" : "err %d\n", e);
+    } else if (sscanf(line, "check %llu", &b) == 1) {
+      unsigned long long bad = mismatches(q, size, (uint32_t)b);
+      printf(bad == 0 ? "ok\n" : "bad %llu\n", bad);
+    } else if (sscanf(line, "write %llu", &b) == 1) {
+      fill(q, size, (uint32_t)b);
+      printf("ok\n");
+    } else if (!strncmp(line, "close", 5)) {
+      cudaError_t e = cudaIpcCloseMemHandle(q);
+      printf(e == cudaSuccess ? "ok\n" : "err %d\n", e);
+    } else {
+      break;
+    }
+  }
+  return 0;
+}
+
+struct Consumer { pid_t pid; FILE* to; FILE* from; };
+static Consumer spawn_consumer(const char* self, const char* preload) {
+  int in[2], out[2];
+  if (pipe(in) || pipe(out)) { perror("pipe"); exit(2); }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_addclose(&fa, in[1]);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  std::vector<char*> env;
+  static char pre[1024];
+  for (char** e = environ; *e; e++)
+    if (strncmp(*e, "LD_PRELOAD=", 11) && strncmp(*e, "EXPSEG_REPORT=", 14)) env.push_back(*e);
+  if (strcmp(preload, "-")) { snprintf(pre, sizeof pre, "LD_PRELOAD=%s", preload); env.push_back(pre); }
+  env.push_back(0);
+  char* argv[] = {(char*)self, (char*)"consume", 0};
+  Consumer c;
+  if (posix_spawn(&c.pid, self, &fa, 0, argv, env.data())) { perror("spawn"); exit(2); }
+  close(in[0]);
+  close(out[1]);
+  c.to = fdopen(in[1], "w");
+  c.from = fdopen(out[0], "r");
+  setvbuf(c.to, 0, _IOLBF, 0);
+  return c;
+}
+static int ask(Consumer& c, const char* fmt, ...) {
+  char cmd[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cmd, sizeof cmd, fmt, ap);
+  va_end(ap);
+  fputs(cmd, c.to);
+  fflush(c.to);
+  char ans[128] = {0};
+  if (!fgets(ans, sizeof ans, c.from)) return 0;
+  if (strncmp(ans, "ok", 2)) printf("    consumer: %s -> %s", cmd, ans);
+  return !strncmp(ans, "ok", 2);
+}
+
+static int run(const char* self, const char* preload, int nsizes, char** sizes) {
+  int passed = 0, failed = 0;
+  Consumer c = spawn_consumer(self, preload);
+  size_t free_b, total;
+  cudaMemGetInfo(&free_b, &total);
+  for (int i = 0; i < nsizes; i++) {
+    size_t size = (size_t)atoll(sizes[i]) * MIB;
+    if (size * 3 > free_b) { printf("SKIP %zu MiB (too large for this GPU)\n", size >> 20); continue; }
+    uint32_t seed = 1000 * (i + 1);
+    void* p;
+    int ok = cudaMalloc(&p, size) == cudaSuccess;
+    int vmm = legacy_capable(p) == 0;
+    fill(p, size, seed);
+    cudaIpcMemHandle_t h, h2;
+    double t0 = now_ms();
+    cudaError_t e = cudaIpcGetMemHandle(&h, (char*)p + size / 2);
+    double t_export = now_ms() - t0;
+    ok &= e == cudaSuccess;
+    int moved = legacy_capable(p) == 1;  // standard memory now (or all along, natively)
+    ok &= mismatches(p, size, seed) == 0;  // the producer's own view is intact
+    char hx[129];
+    hex(h, hx);
+    ok &= ok && ask(c, "open %s %zu\n", hx, size) && ask(c, "check %u\n", seed);
+    // Weight sync: refill, re-share, the consumer checks every version.
+    int versions = 0;
+    for (int v = 1; ok && v <= 10; v++) {
+      fill(p, size, seed + v);
+      ok &= cudaIpcGetMemHandle(&h2, p) == cudaSuccess && memcmp(&h, &h2, sizeof h) == 0;
+      ok &= ask(c, "check %u\n", seed + v);
+      versions += ok;
+    }
+    // The consumer writes; shared memory shows it, a mirror does not.
+    ok &= ask(c, "write %u\n", seed + 77);
+    unsigned long long seen = mismatches(p, size, seed + 77);
+    int shared = seen == 0;
+    ok &= shared == moved;  // moved: shared both ways; mirror: one-way by design
+    ok &= ask(c, "close\n");
+    ok &= cudaFree(p) == cudaSuccess;
+    printf("%s ipc %6zu MiB: %s (was VMM: %d), export %.2f ms, %d/10 versions seen, consumer writes %s\n", ok ? "PASS" : "FAIL",
+           size >> 20, moved ? "moved/standard" : "mirror", vmm, t_export, versions, shared ? "shared" : "not shared (one-way)");
+    ok ? passed++ : failed++;
+  }
+  fputs("quit\n", c.to);
+  fclose(c.to);
+  int st;
+  waitpid(c.pid, &st, 0);
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed != 0;
+}
+
+static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0 : v[v.size() / 2]; }
+
+static int bench() {
+  // A cluttered history: 1000 mixed allocations and frees, about 100 left live.
+  std::vector<void*> live;
+  uint32_t s = 7;
+  for (int i = 0; i < 1000; i++) {
+    s = s * 1664525u + 1013904223u;
+    if (live.size() > 100 || (live.size() > 20 && s % 3 == 0)) {
+      size_t k = (s >> 8) % live.size();
+      cudaFree(live[k]);
+      live.erase(live.begin() + k);
+    } else {
+      void* p;
+      size_t n = (s >> 4) % 4 == 0 ? 1 + (s >> 6) % MIB : (1 + (s >> 6) % 48) * MIB;
+      if (cudaMalloc(&p, n) == cudaSuccess) live.push_back(p);
+    }
+  }
+  printf("| size | moved | export ms (moved) | export ms (mirror) | refresh ms | D2D copy ms | refresh / copy bandwidth |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+  size_t sizes[] = {2, 8, 20, 32, 40, 64, 256, 1024, 4096};
+  for (size_t mb : sizes) {
+    size_t size = mb * MIB;
+    int moved = 0, trials = 10;
+    std::vector<double> tm, tmi, tr, tc;
+    for (int t = 0; t < trials; t++) {
+      void* p;
+      if (cudaMalloc(&p, size)) break;
+      fill(p, size, t);
+      cudaIpcMemHandle_t h;
+      double t0 = now_ms();
+      cudaIpcGetMemHandle(&h, p);
+      double dt = now_ms() - t0;
+      if (legacy_capable(p) == 1) { moved++; tm.push_back(dt); }
+      else {
+        tmi.push_back(dt);
+        t0 = now_ms();
+        cudaIpcGetMemHandle(&h, p);  // refresh
+        tr.push_back(now_ms() - t0);
+      }
+      cudaFree(p);
+    }
+    void *a, *b;
+    if (cudaMalloc(&a, size) == cudaSuccess && cudaMalloc(&b, size) == cudaSuccess) {
+      for (int t = 0; t < 5; t++) {
+        double t0 = now_ms();
+        cudaMemcpy(b, a, size, cudaMemcpyDeviceToDevice);
+        cudaDeviceSynchronize();
+        tc.push_back(now_ms() - t0);
+      }
+      cudaFree(a);
+      cudaFree(b);
+    }
+    double r = median(tr), c = median(tc);
+    printf("| %zu MiB | %d/%d | %.3f | %.3f | %.3f | %.3f | %s |\n", mb, moved, trials, median(tm), median(tmi), r, c,
+           r > 0 ? (char*)std::to_string(c / r).c_str() : "-");
+  }
+  for (void* p : live) cudaFree(p);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && !strcmp(argv[1], "consume")) return consume();
+  cuInit(0);
+  cudaFree(0);
+  static char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) { perror("readlink"); return 2; }
+  self[n] = 0;
+  if (argc > 3 && !strcmp(argv[1], "run")) return run(self, argv[2], argc - 3, argv + 3);
+  if (argc > 1 && !strcmp(argv[1], "bench")) return bench();
+  fprintf(stderr, "usage: ipc_test run CONSUMER_PRELOAD|- SIZES_MIB... | bench\n");
+  return 2;
+}
