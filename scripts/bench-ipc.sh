@@ -12,6 +12,7 @@ out=${2:-$(mktemp -d)}
 mkdir -p "$out"
 nvcc -O2 -cudart shared -o "$out/ipc_test" "$here/../shim-tests/ipc_test.cu" -lcuda
 echo "move tried at every size (EXPSEG_IPC_MOVE_MAX=64G):"
-EXPSEG_IPC_MOVE_MAX=64G EXPSEG_LOG=error LD_PRELOAD="$lib" "$out/ipc_test" bench | tee "$out/ipc_bench_move.md"
+EXPSEG_IPC_MOVE_MAX=64G EXPSEG_LOG=error EXPSEG_REPORT="$out/ipc_bench_move_report.txt" LD_PRELOAD="$lib" "$out/ipc_test" bench | tee "$out/ipc_bench_move.md"
+grep -E "ipc_|driver call|cudaMalloc \(IPC\)" "$out/ipc_bench_move_report.txt"
 echo "default configuration:"
 EXPSEG_LOG=error LD_PRELOAD="$lib" "$out/ipc_test" bench | tee "$out/ipc_bench_default.md"

@@ -200,11 +200,11 @@ static int bench() {
       if (cudaMalloc(&p, n) == cudaSuccess) live.push_back(p);
     }
   }
-  printf("| size | moved | export ms (moved) | export ms (mirror) | refresh ms | D2D copy ms | refresh / copy bandwidth |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+  printf("| size | moved | mirror | failed | export ms (moved) | export ms (mirror) | refresh ms | D2D copy ms | refresh / copy bandwidth |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   size_t sizes[] = {2, 8, 20, 32, 40, 64, 256, 1024, 4096};
   for (size_t mb : sizes) {
     size_t size = mb * MIB;
-    int moved = 0, trials = 10;
+    int moved = 0, mirrored = 0, failures = 0, trials = 10;
     std::vector<double> tm, tmi, tr, tc;
     for (int t = 0; t < trials; t++) {
       void* p;
@@ -212,10 +212,12 @@ static int bench() {
       fill(p, size, t);
       cudaIpcMemHandle_t h;
       double t0 = now_ms();
-      cudaIpcGetMemHandle(&h, p);
+      cudaError_t e = cudaIpcGetMemHandle(&h, p);
       double dt = now_ms() - t0;
+      if (e != cudaSuccess) { failures++; cudaGetLastError(); continue; }
       if (legacy_capable(p) == 1) { moved++; tm.push_back(dt); }
       else {
+        mirrored++;
         tmi.push_back(dt);
         t0 = now_ms();
         cudaIpcGetMemHandle(&h, p);  // refresh
@@ -235,7 +237,7 @@ static int bench() {
       cudaFree(b);
     }
     double r = median(tr), c = median(tc);
-    printf("| %zu MiB | %d/%d | %.3f | %.3f | %.3f | %.3f | %s |\n", mb, moved, trials, median(tm), median(tmi), r, c,
+    printf("| %zu MiB | %d/%d | %d | %d | %.3f | %.3f | %.3f | %.3f | %s |\n", mb, moved, trials, mirrored, failures, median(tm), median(tmi), r, c,
            r > 0 ? (char*)std::to_string(c / r).c_str() : "-");
   }
   for (void* p : live) cudaFree(p);

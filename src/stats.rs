@@ -152,6 +152,7 @@ const POOL_ROWS: &[Row] = &[
     ("created_bytes", |s| s.created_bytes),
     ("released_bytes", |s| s.released_bytes),
     ("ipc_moved", |s| s.ipc_moved),
+    ("ipc_plugged", |s| s.ipc_plugged),
     ("ipc_move_failures", |s| s.ipc_move_failures),
     ("ipc_mirrored", |s| s.ipc_mirrored),
     ("mirror_bytes", |s| s.mirror_bytes),

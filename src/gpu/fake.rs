@@ -25,6 +25,11 @@ pub enum Placement {
     SharedLowHeap,
     /// A separate heap growing down from the top: never a reservation's address.
     SeparateHeap,
+    /// A sub-allocator: new memory comes from heap regions the runtime reserves (twice the
+    /// request, lowest free address) and keeps after frees; a new region's first allocation
+    /// sits at its end, later ones take the lowest free slot. A freed reservation can thus be
+    /// swallowed by a region without being handed out.
+    Suballocator,
 }
 
 #[derive(Debug)]
@@ -49,7 +54,11 @@ pub struct FakeDriver {
     access: HashMap<u64, Vec<i32>>,
     /// standard allocation start -> per-granule data
     legacy: BTreeMap<u64, Vec<u64>>,
+    /// the sub-allocator's regions: start -> size
+    regions: BTreeMap<u64, u64>,
     pub legacy_placement: Placement,
+    /// Lowest address `reserve` hands out (tests move reservations away from a hole).
+    pub reserve_floor: u64,
     /// calls per operation, in `Op::ALL` order
     pub calls: [u64; Op::ALL.len()],
     inject: Vec<(Op, DrvError)>,
@@ -67,7 +76,9 @@ impl FakeDriver {
             mappings: BTreeMap::new(),
             access: HashMap::new(),
             legacy: BTreeMap::new(),
+            regions: BTreeMap::new(),
             legacy_placement: Placement::SharedLowHeap,
+            reserve_floor: VA_BASE,
             calls: [0; Op::ALL.len()],
             inject: Vec::new(),
         }
@@ -236,12 +247,39 @@ impl FakeDriver {
             .iter()
             .map(|(s, d)| (*s, d.len() as u64 * self.gran))
             .collect();
-        hit(&self.reservations) || hit(&legacy)
+        hit(&self.reservations) || hit(&legacy) || hit(&self.regions)
+    }
+
+    /// The lowest free slot of `size` bytes inside a sub-allocator region.
+    fn region_slot(&self, size: u64) -> Option<u64> {
+        let legacy: BTreeMap<u64, u64> = self
+            .legacy
+            .iter()
+            .map(|(s, d)| (*s, d.len() as u64 * self.gran))
+            .collect();
+        for (start, len) in &self.regions {
+            let mut at = *start;
+            while at + size <= start + len {
+                let busy = legacy
+                    .range(..at + size)
+                    .next_back()
+                    .is_some_and(|(s, l)| s + l > at);
+                if !busy {
+                    return Some(at);
+                }
+                at += self.gran;
+            }
+        }
+        None
     }
 
     /// Lowest free range of `size` bytes at or above `VA_BASE`.
     fn first_fit(&self, size: u64) -> u64 {
-        let mut at = VA_BASE;
+        self.first_fit_from(VA_BASE, size)
+    }
+
+    fn first_fit_from(&self, from: u64, size: u64) -> u64 {
+        let mut at = from;
         while self.taken(at, size) {
             at += self.gran;
         }
@@ -312,7 +350,7 @@ impl Driver for FakeDriver {
         if size == 0 || !self.aligned(size) {
             return Err(INVALID);
         }
-        let at = self.first_fit(size);
+        let at = self.first_fit_from(self.reserve_floor, size);
         self.reservations.insert(at, size);
         Ok(at)
     }
@@ -325,7 +363,7 @@ impl Driver for FakeDriver {
         let at = if va != 0 && !self.taken(va, size) {
             va
         } else {
-            self.first_fit(size)
+            self.first_fit_from(self.reserve_floor, size)
         };
         self.reservations.insert(at, size);
         Ok(at)
@@ -409,6 +447,15 @@ impl Driver for FakeDriver {
                 }
                 at
             }
+            Placement::Suballocator => match self.region_slot(size) {
+                Some(at) => at,
+                None => {
+                    let len = 2 * size;
+                    let start = self.first_fit(len);
+                    self.regions.insert(start, len);
+                    start + len - size
+                }
+            },
         };
         self.legacy.insert(at, vec![0; (size / self.gran) as usize]);
         Ok(at)

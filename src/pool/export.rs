@@ -129,6 +129,11 @@ enum MoveError {
     },
 }
 
+/// How many `cudaMalloc`s a restore may take to get the original address back from the
+/// runtime's heap, and how many bytes they may hold at once.
+const PLUG_TRIES: usize = 64;
+const PLUG_BYTES: u64 = 4 << 30;
+
 /// An injected failure.
 const INJECTED: DrvError = DrvError(999);
 
@@ -251,37 +256,7 @@ impl<D: Driver> Pool<D> {
             self.drop_temp(temp, size);
             return Err(not_moved(e));
         }
-        if let Err(e) = self.step(MoveStep::FreeRange, fail, Op::FreeVa, |d| {
-            d.free_va(base, size)
-        }) {
-            // The range is still ours: map the chunks back.
-            return Err(self.restore(base, size, &chunks, temp, None, e));
-        }
-        // The original range is released: from here a failure must take it back.
-        let new = match self.step(MoveStep::Alloc, fail, Op::LegacyAlloc, |d| {
-            d.legacy_alloc(size)
-        }) {
-            Ok(p) => p,
-            Err(e) => return Err(self.restore(base, size, &chunks, temp, None, e)),
-        };
-        if new != base || fail == Some(MoveStep::Placement) {
-            let e = (
-                MoveStep::Placement,
-                if new != base { DrvError(0) } else { INJECTED },
-            );
-            return Err(self.restore(base, size, &chunks, temp, Some(new), e));
-        }
-        let copied = self
-            .step(MoveStep::Copy, fail, Op::Copy, |d| d.copy(base, temp, size))
-            .and_then(|()| {
-                self.step(MoveStep::Handle, fail, Op::IpcHandle, |d| {
-                    d.legacy_handle(base)
-                })
-            });
-        let handle = match copied {
-            Ok(h) => h,
-            Err(e) => return Err(self.restore(base, size, &chunks, temp, Some(new), e)),
-        };
+        let handle = self.release_and_land(base, size, &chunks, temp, fail)?;
         // Committed: the VMM pages go, the pool forgets the allocation.
         self.drop_temp(temp, size);
         for c in &chunks {
@@ -292,6 +267,64 @@ impl<D: Driver> Pool<D> {
         self.blocks.remove(&base);
         self.stats.on_moved(user, size);
         Ok(handle)
+    }
+
+    /// The part of a move after the original range is unmapped: release it, take standard
+    /// memory that lands on it, copy, take the handle. Any failure goes through `restore`,
+    /// which may still complete the move (`Ok`).
+    fn release_and_land(
+        &mut self,
+        base: u64,
+        size: u64,
+        chunks: &[Chunk],
+        temp: u64,
+        fail: Option<MoveStep>,
+    ) -> Result<IpcHandle, MoveError> {
+        if let Err(e) = self.step(MoveStep::FreeRange, fail, Op::FreeVa, |d| {
+            d.free_va(base, size)
+        }) {
+            // The range is still ours: map the chunks back.
+            return self.restore(base, size, chunks, temp, None, e);
+        }
+        // The original range is released: from here a failure must take it back.
+        let new = match self.step(MoveStep::Alloc, fail, Op::LegacyAlloc, |d| {
+            d.legacy_alloc(size)
+        }) {
+            Ok(p) => p,
+            Err(e) => return self.restore(base, size, chunks, temp, None, e),
+        };
+        if new != base {
+            log::debug!("IPC move of {base:#x}: cudaMalloc({size}) landed at {new:#x}");
+            return self.restore(
+                base,
+                size,
+                chunks,
+                temp,
+                Some(new),
+                (MoveStep::Placement, DrvError(0)),
+            );
+        }
+        if fail == Some(MoveStep::Placement) {
+            return self.restore(
+                base,
+                size,
+                chunks,
+                temp,
+                Some(new),
+                (MoveStep::Placement, INJECTED),
+            );
+        }
+        let copied = self
+            .step(MoveStep::Copy, fail, Op::Copy, |d| d.copy(base, temp, size))
+            .and_then(|()| {
+                self.step(MoveStep::Handle, fail, Op::IpcHandle, |d| {
+                    d.legacy_handle(base)
+                })
+            });
+        match copied {
+            Ok(h) => Ok(h),
+            Err(e) => self.restore(base, size, chunks, temp, Some(new), e),
+        }
     }
 
     /// Map `chunks` back to back at `va` with access for the pool's readers; on error unmap
@@ -340,6 +373,12 @@ impl<D: Driver> Pool<D> {
     /// Put the allocation back where it was after a failed move, and drop the temporary
     /// mapping. `legacy`: standard memory taken by the move, freed here (after the original
     /// range is safely reserved again, unless it is in the way).
+    ///
+    /// The runtime's heap may have swallowed the released range (its `cudaMalloc` reserved a
+    /// region covering it and placed the new memory elsewhere in it: seen on H200 for 8 MiB
+    /// after a cluttered history). Then the range cannot be reserved again, and the only way
+    /// back to the program's address is a `cudaMalloc` that lands on it: the restore takes
+    /// allocations until one does and completes the move there (`Ok`, with the handle).
     fn restore(
         &mut self,
         base: u64,
@@ -348,7 +387,7 @@ impl<D: Driver> Pool<D> {
         temp: u64,
         legacy: Option<u64>,
         (step, err): (MoveStep, DrvError),
-    ) -> MoveError {
+    ) -> Result<IpcHandle, MoveError> {
         let range_held = step == MoveStep::FreeRange;
         let mut held = range_held;
         let mut legacy = legacy;
@@ -378,6 +417,11 @@ impl<D: Driver> Pool<D> {
         if let Some(p) = legacy {
             let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(p));
         }
+        if !held {
+            if let Some(h) = self.plug(base, size, temp) {
+                return Ok(h);
+            }
+        }
         if !held || self.map_chunks(base, chunks, step, None).is_err() {
             // The data is intact at `temp`; keep that mapping and the chunks alive.
             log::error!(
@@ -395,9 +439,46 @@ impl<D: Driver> Pool<D> {
                     ..b
                 },
             );
-            return MoveError::Lost { kept: temp };
+            return Err(MoveError::Lost { kept: temp });
         }
         self.drop_temp(temp, size);
-        MoveError::NotMoved(step, err)
+        Err(MoveError::NotMoved(step, err))
+    }
+
+    /// Take `cudaMalloc`s of `size` until one lands on `base`, then copy the data there from
+    /// `temp` and take its handle. Frees every other allocation it took.
+    fn plug(&mut self, base: u64, size: u64, temp: u64) -> Option<IpcHandle> {
+        let mut plugs = Vec::new();
+        let mut landed = false;
+        while plugs.len() < PLUG_TRIES && (plugs.len() as u64) * size < PLUG_BYTES {
+            match self.timed(Op::LegacyAlloc, |d| d.legacy_alloc(size)) {
+                Ok(p) if p == base => {
+                    landed = true;
+                    break;
+                }
+                Ok(p) => plugs.push(p),
+                Err(_) => break,
+            }
+        }
+        for p in plugs {
+            let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(p));
+        }
+        if !landed {
+            return None;
+        }
+        let done = self
+            .timed(Op::Copy, |d| d.copy(base, temp, size))
+            .and_then(|()| self.timed(Op::IpcHandle, |d| d.legacy_handle(base)));
+        match done {
+            Ok(h) => {
+                self.stats.ipc_plugged += 1;
+                Some(h)
+            }
+            Err(e) => {
+                log::warn!("IPC move of {base:#x}: copy into the recovered address failed: {e}");
+                let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(base));
+                None
+            }
+        }
     }
 }

@@ -254,3 +254,28 @@ fn only_live_pool_memory_is_exported() {
         "cached is not live"
     );
 }
+
+#[test]
+fn a_range_swallowed_by_the_runtime_heap_is_won_back_by_plugging() {
+    // The runtime's cudaMalloc reserves a region over the released range and places the new
+    // memory at its end: the range cannot be reserved again, but a later cudaMalloc lands on it.
+    let mut p = pool(Placement::Suballocator);
+    let a = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, a, 8 * MIB, 6);
+    // Reservations from now on go far away, so the heap region can grow over a's range.
+    p.driver_mut().reserve_floor = a + (1 << 30);
+    let ex = p.export(a, MOVE).unwrap();
+    assert_eq!(ex.how, Exported::Moved);
+    assert_eq!(p.stats().ipc_plugged, 1);
+    assert!(p.driver().is_legacy(a));
+    assert!(
+        stamped(&p, a, 8 * MIB, 6),
+        "data copied to the recovered address"
+    );
+    assert_eq!(
+        p.driver().legacy_count(),
+        1,
+        "the first, misplaced allocation was freed"
+    );
+    check(&p);
+}

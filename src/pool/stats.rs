@@ -29,6 +29,8 @@ pub struct PoolStats {
     pub released_bytes: u64,
     /// IPC exports that moved the allocation into standard memory at the same address.
     pub ipc_moved: u64,
+    /// Moves whose address was recovered from the runtime's heap by plugging it.
+    pub ipc_plugged: u64,
     /// Moves that failed and were rolled back (the export then used a mirror).
     pub ipc_move_failures: u64,
     /// IPC exports served by a mirror (first requests and refreshes).
