@@ -25,6 +25,13 @@ pub struct Config {
     /// `EXPSEG_IPC_MOVE_MAX`: allocations up to this size are moved into standard memory in
     /// place when an IPC handle is asked for; larger ones get a mirror. 0: always a mirror.
     pub ipc_move_max: u64,
+    /// `EXPSEG_IPC_TICKETS`: put tickets in mirror handles, so consumers running expseg map the
+    /// original memory (two-way) instead of the mirror.
+    pub ipc_tickets: bool,
+    /// `EXPSEG_IPC_PEERS=expseg`: every consumer runs expseg: no mirror, only the ticket.
+    pub ipc_peers_expseg: bool,
+    /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
+    pub ipc_allow_uids: Vec<u32>,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
@@ -51,6 +58,9 @@ impl Default for Config {
             // Measured reliable up to 20 MiB: cudaMalloc of at most 20 MiB shares the address
             // heap of VMM reservations (../shared/notes/driver-facts.md).
             ipc_move_max: 20 * MIB,
+            ipc_tickets: true,
+            ipc_peers_expseg: false,
+            ipc_allow_uids: Vec::new(),
             report: None,
             test_panic: None,
             test_fail_move: None,
@@ -102,6 +112,46 @@ const VARS: &[Var] = &[
         name: "EXPSEG_IPC_MOVE_MAX",
         set: |c, v| parse_size(v).map(|s| c.ipc_move_max = s),
         show: |c| fmt_size(c.ipc_move_max),
+    },
+    Var {
+        name: "EXPSEG_IPC_TICKETS",
+        set: |c, v| parse_bool(v).map(|b| c.ipc_tickets = b),
+        show: |c| c.ipc_tickets.to_string(),
+    },
+    Var {
+        name: "EXPSEG_IPC_PEERS",
+        set: |c, v| match v.trim() {
+            "any" | "" => {
+                c.ipc_peers_expseg = false;
+                Ok(())
+            }
+            "expseg" => {
+                c.ipc_peers_expseg = true;
+                Ok(())
+            }
+            _ => Err("any or expseg"),
+        },
+        show: |c| if c.ipc_peers_expseg { "expseg" } else { "any" }.to_string(),
+    },
+    Var {
+        name: "EXPSEG_IPC_ALLOW_UIDS",
+        set: |c, v| {
+            let uids: Result<Vec<u32>, _> = v
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::parse)
+                .collect();
+            uids.map(|u| c.ipc_allow_uids = u)
+                .map_err(|_| "a comma-separated list of user ids")
+        },
+        show: |c| {
+            c.ipc_allow_uids
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        },
     },
     Var {
         name: "EXPSEG_REPORT",

@@ -7,7 +7,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use crate::api::{self, Answer, UNKNOWN};
-use crate::real::next;
+use crate::real::{next, CudaIpcMemHandle};
 use crate::stats::GLOBAL;
 use libc::{c_int, c_uint, c_void, size_t};
 use std::cell::Cell;
@@ -88,6 +88,41 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut 
             Answer::PassThrough => next::cudaIpcGetMemHandle(handle, dev_ptr),
         }
     })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cudaIpcOpenMemHandle(
+    dev_ptr: *mut *mut c_void,
+    handle: CudaIpcMemHandle,
+    flags: c_uint,
+) -> c_int {
+    let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
+        return next::cudaIpcOpenMemHandle(dev_ptr, handle, flags);
+    };
+    boundary("cudaIpcOpenMemHandle", || {
+        match api::cudaIpcOpenMemHandle(handle.reserved) {
+            Answer::Done(Ok(p)) => {
+                *dev_ptr = p as *mut c_void;
+                0
+            }
+            Answer::Done(Err(e)) => e,
+            Answer::PassThrough => next::cudaIpcOpenMemHandle(dev_ptr, handle, flags),
+        }
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
+    let Some(_g) = Guard::enter() else {
+        return next::cudaIpcCloseMemHandle(dev_ptr);
+    };
+    boundary(
+        "cudaIpcCloseMemHandle",
+        || match api::cudaIpcCloseMemHandle(dev_ptr as u64) {
+            Answer::Done(e) => e,
+            Answer::PassThrough => next::cudaIpcCloseMemHandle(dev_ptr),
+        },
+    )
 }
 
 #[cfg_attr(not(test), no_mangle)]

@@ -11,7 +11,8 @@
 //! | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling |
 //! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
 //! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
-//! | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting |
+//! | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting, IPC export |
+//! | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
 //! | [`config`] | the `EXPSEG_*` table |
 //! | [`stats`] | counters and the exit report |
 //!
@@ -19,8 +20,8 @@
 //! `hooks.rs`, the policy in `api.rs`; the pool behind it runs under `cargo test` against
 //! [`gpu::fake::FakeDriver`].
 //!
-//! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`, `real`
-//! and `gpu::cuda`.
+//! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`, `real`,
+//! `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;
@@ -28,6 +29,7 @@ pub mod config;
 pub mod gpu;
 #[allow(unsafe_code)]
 pub mod hooks;
+pub mod ipc;
 pub mod pool;
 #[allow(unsafe_code)]
 pub mod real;

@@ -135,6 +135,13 @@ macro_rules! next_runtime {
     };
 }
 
+/// `cudaIpcMemHandle_t`, passed by value as the C API does.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaIpcMemHandle {
+    pub reserved: [u8; 64],
+}
+
 next_runtime! {
     cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t);
     cudaFree(dev_ptr: *mut c_void);
@@ -146,6 +153,44 @@ next_runtime! {
     cudaSetDevice(dev: c_int);
     cudaDeviceSynchronize();
     cudaMemcpy(dst: *mut c_void, src: *const c_void, count: size_t, kind: c_int);
+    cudaIpcOpenMemHandle(dev_ptr: *mut *mut c_void, handle: CudaIpcMemHandle, flags: c_uint);
+    cudaIpcCloseMemHandle(dev_ptr: *mut c_void);
+}
+
+/// The file the next runtime's `cudaMalloc` lives in (for a helper process to load the same
+/// runtime), if it is found.
+pub fn runtime_path() -> Option<String> {
+    static F: Next = Next::new(c"cudaMalloc");
+    let p = F.get()?;
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
+    unsafe {
+        if libc::dladdr(p, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        Some(
+            CStr::from_ptr(info.dli_fname)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
+/// The directory expseg's own library was loaded from.
+pub fn self_dir() -> Option<std::path::PathBuf> {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above, for a function of this library.
+    unsafe {
+        if libc::dladdr(self_base as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        let f = std::path::PathBuf::from(
+            CStr::from_ptr(info.dli_fname)
+                .to_string_lossy()
+                .into_owned(),
+        );
+        f.parent().map(|d| d.to_path_buf())
+    }
 }
 
 /// Safe calls of the next runtime for the rest of the crate: values in, values out.
@@ -208,6 +253,20 @@ pub mod runtime {
         })
         .err()
         .unwrap_or(0)
+    }
+
+    /// `cudaMemcpy` host to device.
+    pub fn copy_h2d(dst: u64, src: &[u8]) -> i32 {
+        const HOST_TO_DEVICE: i32 = 1;
+        // SAFETY: `src` is readable for its length; `dst` is device memory of at least as much.
+        unsafe {
+            next::cudaMemcpy(
+                dst as *mut c_void,
+                src.as_ptr().cast(),
+                src.len(),
+                HOST_TO_DEVICE,
+            )
+        }
     }
 
     /// `cudaMemcpy` device to device.
@@ -304,6 +363,7 @@ driver_table! {
     }
     optional {
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);
+        cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, u32);
     }
 }
 

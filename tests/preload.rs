@@ -464,7 +464,8 @@ fn ipc_moves_in_place_when_cudamalloc_lands_on_the_address() {
 
 #[test]
 fn ipc_falls_back_to_a_mirror_and_says_so_once() {
-    let r = run("ipc", &[]).ok();
+    // Tickets off: the plain mirror behaviour (tickets have their own tests).
+    let r = run("ipc", &[("EXPSEG_IPC_TICKETS", "0")]).ok();
     assert_eq!(r.get("ipc_rc"), "0");
     assert_eq!(
         (r.get("same_address"), r.get("vmm_after")),
@@ -524,4 +525,110 @@ fn a_move_failing_at_any_step_keeps_the_data_and_still_gives_a_handle() {
         assert_eq!(r.get("refreshed"), "1", "{step}");
         assert_eq!(r.get("free_rc"), "0", "{step}");
     }
+}
+
+fn share(how: &str, extra: &[(&str, &str)]) -> Run {
+    let f = fixture();
+    let dir = f.dir.join(format!("sockets-{how}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let prog = f.dir.join("prog");
+    let mut env: Vec<(&str, &str)> = vec![("EXPSEG_IPC_DIR", dir.to_str().unwrap())];
+    env.extend_from_slice(extra);
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    run_in(&f.dir, prog.to_str().unwrap(), &["share", how], &env)
+}
+
+/// The `n`-th value of `key` in the output (several consumers print the same keys).
+fn nth(r: &Run, key: &str, n: usize) -> String {
+    let pat = format!("{key}=");
+    r.stdout()
+        .split_whitespace()
+        .filter_map(|t| t.strip_prefix(&pat).map(str::to_string))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no {key} #{n} in:\n{}\n{}", r.stdout(), r.stderr()))
+}
+
+#[test]
+fn a_consumer_running_expseg_maps_the_original_memory_through_the_ticket() {
+    let r = share("expseg", &[]).ok();
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+    assert_eq!(nth(&r, "open_rc", 0), "0");
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert_eq!(nth(&r, "close_rc", 0), "0");
+    assert_eq!(r.get("producer_sees_write"), "1", "shared both ways");
+    assert_eq!(nth(&r, "open_rc", 1), "400", "a forged nonce is refused");
+    assert_eq!(
+        nth(&r, "open_rc", 2),
+        "400",
+        "a freed allocation's ticket is refused"
+    );
+    assert!(
+        r.stderr().contains("refused the ticket (Unknown)"),
+        "{}",
+        r.stderr()
+    );
+    assert!(
+        r.stderr().contains("refused the ticket (Stale)"),
+        "{}",
+        r.stderr()
+    );
+}
+
+#[test]
+fn a_plain_consumer_opens_the_ticketed_mirror() {
+    let r = share("plain", &[]).ok();
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+    assert_eq!(
+        nth(&r, "open_rc", 0),
+        "0",
+        "the driver ignores the ticket bytes"
+    );
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert_eq!(r.get("producer_sees_write"), "0", "a mirror is one-way");
+}
+
+#[test]
+fn when_every_peer_runs_expseg_no_mirror_is_made() {
+    let r = share("expseg", &[("EXPSEG_IPC_PEERS", "expseg")]).ok();
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert_eq!(r.get("producer_sees_write"), "1");
+    assert_eq!(nth(&r, "open_rc", 2), "400");
+    assert!(!r.stderr().contains("mirror at"), "{}", r.stderr());
+}
+
+#[test]
+fn only_allowed_users_map_shared_memory() {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc_geteuid() } != 0 {
+        eprintln!("not root: cannot start a consumer as another user; skipping");
+        return;
+    }
+    // Default: the socket directory is closed to other users, and the fallback mirror of the
+    // fake runtime is too: another user gets an error, never the memory.
+    let r = share("nobody", &[]).ok();
+    assert_eq!(nth(&r, "open_rc", 0), "400");
+    assert_eq!(r.get("producer_sees_write"), "0");
+    // Allowed by uid: the ticket maps the memory, both ways.
+    let r = share("nobody", &[("EXPSEG_IPC_ALLOW_UIDS", "65534")]).ok();
+    assert_eq!(nth(&r, "open_rc", 0), "0", "{}", r.stderr());
+    assert_eq!(r.get("producer_sees_write"), "1");
+    // Reachable but not allowed: refused by the producer's uid check.
+    let r = share("nobody", &[("EXPSEG_IPC_ALLOW_UIDS", "12345")]).ok();
+    assert_eq!(nth(&r, "open_rc", 0), "400");
+    assert!(
+        r.stderr().contains("refused a ticket from uid 65534"),
+        "{}",
+        r.stderr()
+    );
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
 }

@@ -10,6 +10,13 @@ use cudarc::driver::sys::{
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
     CUmemAllocationType, CUmemLocationType,
 };
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as the table's functions take it.
+const POSIX_FD: u32 = 1;
+
+/// `CUDA_ERROR_NOT_FOUND`: an optional driver function is missing.
+const NOT_FOUND: u32 = 500;
 
 fn check(code: u32) -> DrvResult<()> {
     match code {
@@ -125,6 +132,78 @@ pub fn has_context(t: &DriverTable) -> bool {
     unsafe { (t.cuCtxGetCurrent)(&mut c) == 0 && !c.is_null() }
 }
 
+/// Memory another process shared with us through an IPC ticket, mapped here.
+#[derive(Debug)]
+pub struct Imported {
+    pub va: u64,
+    pub size: u64,
+    handles: Vec<(u64, u64)>,
+}
+
+/// Import `chunks` (descriptor and size each), map them back to back at a new range and give
+/// `dev` access. All or nothing.
+pub fn import(t: &DriverTable, chunks: &[(OwnedFd, u64)], dev: i32) -> DrvResult<Imported> {
+    let imp = t
+        .cuMemImportFromShareableHandle
+        .ok_or(DrvError(NOT_FOUND))?;
+    let total: u64 = chunks.iter().map(|c| c.1).sum();
+    let mut out = Imported {
+        va: 0,
+        size: total,
+        handles: Vec::new(),
+    };
+    let r = (|| {
+        for (fd, size) in chunks {
+            let mut h = 0;
+            // SAFETY: for POSIX-fd handles the "OS handle" is the descriptor number itself.
+            check(unsafe {
+                imp(
+                    &mut h,
+                    fd.as_raw_fd() as usize as *mut libc::c_void,
+                    POSIX_FD,
+                )
+            })?;
+            out.handles.push((h, *size));
+        }
+        // SAFETY: valid out-pointer.
+        check(unsafe { (t.cuMemAddressReserve)(&mut out.va, total as usize, 0, 0, 0) })?;
+        let mut off = 0;
+        for (h, size) in &out.handles {
+            // SAFETY: inside our fresh reservation.
+            check(unsafe { (t.cuMemMap)(out.va + off, *size as usize, 0, *h, 0) })?;
+            off += size;
+        }
+        let a = access(dev, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+        // SAFETY: the whole range is mapped.
+        check(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
+    })();
+    match r {
+        Ok(()) => Ok(out),
+        Err(e) => {
+            unmap_imported(t, out);
+            Err(e)
+        }
+    }
+}
+
+/// Undo `import` (also of a partial one): unmap, release the handles, free the range.
+pub fn unmap_imported(t: &DriverTable, imp: Imported) {
+    // SAFETY: only ranges and handles `import` created; unmapping unmapped parts fails harmlessly.
+    unsafe {
+        if imp.va != 0 {
+            let mut off = 0;
+            for (_, size) in &imp.handles {
+                (t.cuMemUnmap)(imp.va + off, *size as usize);
+                off += size;
+            }
+            (t.cuMemAddressFree)(imp.va, imp.size as usize);
+        }
+        for (h, _) in &imp.handles {
+            (t.cuMemRelease)(*h);
+        }
+    }
+}
+
 impl Driver for CudaDriver {
     fn device(&self) -> i32 {
         self.dev
@@ -190,6 +269,18 @@ impl Driver for CudaDriver {
             0 => Ok(()),
             e => Err(rt(e)),
         }
+    }
+
+    fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<OwnedFd> {
+        let f = self
+            .t
+            .cuMemExportToShareableHandle
+            .ok_or(DrvError(NOT_FOUND))?;
+        let mut fd: libc::c_int = -1;
+        // SAFETY: `fd` receives an int for POSIX-fd handles.
+        check(unsafe { f((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) })?;
+        // SAFETY: the driver handed us a new descriptor we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     fn reserve(&mut self, size: u64) -> DrvResult<u64> {

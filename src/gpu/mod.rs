@@ -132,4 +132,7 @@ pub trait Driver {
     fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle>;
     /// Wait for all work on the device.
     fn synchronize(&mut self) -> DrvResult<()>;
+
+    /// A POSIX file descriptor for a chunk, for another process to import (IPC tickets).
+    fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<std::os::fd::OwnedFd>;
 }

@@ -17,6 +17,10 @@
 
 use super::{Block, Chunk, Pool};
 use crate::gpu::{Driver, DrvError, IpcHandle, Op};
+use std::os::fd::OwnedFd;
+
+/// A shared allocation's size and its chunks as descriptors with their sizes, in order.
+pub type SharedChunks = (u64, Vec<(OwnedFd, u64)>);
 
 /// A standard buffer that mirrors a block.
 #[derive(Clone, Copy, Debug)]
@@ -142,7 +146,7 @@ impl<D: Driver> Pool<D> {
     pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
         let (base, user) = self.find(ptr).ok_or(ExportError::NotOwned)?;
         let b = &self.blocks[&base];
-        if b.mirror.is_none() && b.size <= policy.move_max {
+        if b.mirror.is_none() && !b.shared && b.size <= policy.move_max {
             match self.move_in_place(base, policy.fail_move_at) {
                 Ok(handle) => {
                     return Ok(Export {
@@ -212,6 +216,51 @@ impl<D: Driver> Pool<D> {
                 Err(ExportError::Driver(e))
             }
         }
+    }
+
+    /// Mark the live allocation containing `ptr` as shared with other processes: from now on
+    /// its chunks may be mapped elsewhere, so they are never reused. Returns base and size.
+    pub fn share(&mut self, ptr: u64) -> Option<(u64, u64)> {
+        let (base, user) = self.find(ptr)?;
+        self.blocks.get_mut(&base).expect("live block").shared = true;
+        Some((base, user))
+    }
+
+    /// File descriptors for the chunks of the shared live allocation at `base`, in mapping
+    /// order, with its size; `None` if it is no longer live and shared.
+    pub fn export_fds(&mut self, base: u64) -> Option<Result<SharedChunks, DrvError>> {
+        let b = self
+            .blocks
+            .get(&base)
+            .filter(|b| b.cached_at.is_none() && b.shared)?;
+        let (user, chunks) = (b.user, b.chunks.clone());
+        let mut fds = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            match self.drv.export_fd(c.handle) {
+                Ok(fd) => fds.push((fd, c.size)),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok((user, fds)))
+    }
+
+    /// Free a shared allocation: unmap it and give its chunks back to the driver, which keeps
+    /// the pages alive while other processes still map them.
+    pub(super) fn free_shared(&mut self, base: u64) -> u64 {
+        let b = self.blocks.remove(&base).expect("live block");
+        self.stats.on_free(b.user, b.size);
+        if let Some(m) = b.mirror {
+            self.drop_mirror(m);
+        }
+        let _ = self.timed(Op::Unmap, |d| d.unmap(base, b.size));
+        self.free_va(base, b.size);
+        for c in &b.chunks {
+            if self.timed(Op::Release, |d| d.release(c.handle)).is_err() {
+                log::warn!("releasing a chunk of shared allocation {base:#x} failed");
+            }
+        }
+        self.stats.on_released(b.size);
+        b.user
     }
 
     pub(super) fn drop_mirror(&mut self, m: Mirror) {

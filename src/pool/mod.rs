@@ -76,6 +76,8 @@ struct Block {
     cached_at: Option<u64>,
     /// Standard memory mirroring this allocation for IPC, once a handle was asked for.
     mirror: Option<export::Mirror>,
+    /// Its chunks were given to other processes (IPC tickets): never reused after the free.
+    shared: bool,
 }
 
 /// Where a chunk chosen for a new allocation comes from.
@@ -420,6 +422,7 @@ impl<D: Driver> Pool<D> {
                         chunks,
                         cached_at: None,
                         mirror: None,
+                        shared: false,
                     },
                 );
                 Ok(base)
@@ -495,6 +498,9 @@ impl<D: Driver> Pool<D> {
             Some(b) if b.cached_at.is_none() => b,
             _ => return Err(FreeError::NotOwned),
         };
+        if b.shared {
+            return Ok(self.free_shared(ptr));
+        }
         self.tick += 1;
         let (user, size) = (b.user, b.size);
         let mirror = b.mirror.take();

@@ -147,6 +147,24 @@ CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* d, s
   mprotect((void*)va, size, any ? PROT_READ | PROT_WRITE : PROT_NONE);
   return 0;
 }
+/* POSIX-fd sharing: the chunk's memfd, duplicated; importing makes a handle of the fd. */
+CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h, int type, unsigned long long f) {
+  (void)f;
+  if (type != 1 || h == 0 || h >= MAXH || !handles[h].size) return 1;
+  *(int*)out = dup(handles[h].fd);
+  return *(int*)out < 0 ? 2 : 0;
+}
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* os, int type) {
+  if (type != 1) return 1;
+  int fd = dup((int)(intptr_t)os);
+  off_t size = fd < 0 ? -1 : lseek(fd, 0, SEEK_END);
+  if (size <= 0) return 1;
+  pthread_mutex_lock(&mu);
+  int i = 1; while (i < MAXH && handles[i].size) i++;
+  handles[i].fd = fd; handles[i].size = (size_t)size; handles[i].mapped = 0;
+  pthread_mutex_unlock(&mu);
+  *h = (uint64_t)i; return 0;
+}
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */
 long fakecu_access(uint64_t va) {
   pthread_mutex_lock(&mu); long r = -1;

@@ -7,13 +7,19 @@
 #include <string.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
 
 void fakecu_bind(void);
 uint64_t fakecu_take_freed(size_t size) __attribute__((weak));
 static __thread int last_error, cur_dev;
 static long n_malloc, n_free, n_sync, n_ipc, n_peer_on, n_peer_off;
 #define MAXA 65536
-static struct { void* p; size_t n; int mapped; } allocs[MAXA];
+/* Allocations are memfd mappings, so another process can open them by handle
+ * (/proc/PID/fd/FD): the fake's legacy IPC. */
+static struct { void* p; size_t n; int fd; } allocs[MAXA];
+static struct { void* p; size_t n; } opened[256];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev(void) { const char* v = getenv("FAKE_DEVICES"); return v ? atoi(v) : 1; }
 static int err(int e) { if (e) last_error = e; return e; }
@@ -34,22 +40,24 @@ int cudaMalloc(void** p, size_t n) {
   __atomic_add_fetch(&n_malloc, 1, __ATOMIC_RELAXED);
   if (n == 0) { *p = 0; return 0; }
   if (n >= ((size_t)1 << 48)) return err(2);
-  void* m = 0; int mapped = 0;
+  int fd = memfd_create("fakert", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)n)) return err(2);
+  void* m = MAP_FAILED;
   /* FAKE_MALLOC_REUSES_VA: land on a just-freed reservation of the same size, as the real
    * cudaMalloc does for small sizes (what makes an IPC move in place possible). */
   if (getenv("FAKE_MALLOC_REUSES_VA") && fakecu_take_freed) {
     uint64_t va = fakecu_take_freed(n);
     if (va) {
-      void* p = mmap((void*)va, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
-      if (p == (void*)va) { m = p; mapped = 1; } else if (p != MAP_FAILED) munmap(p, n);
+      m = mmap((void*)va, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+      if (m != MAP_FAILED && m != (void*)va) { munmap(m, n); m = MAP_FAILED; }
     }
   }
-  if (!m) m = aligned_alloc(256, (n + 255) & ~(size_t)255);
-  if (!m) return err(2);
+  if (m == MAP_FAILED) m = mmap(0, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) { close(fd); return err(2); }
   pthread_mutex_lock(&mu);
   int i = 0; while (i < MAXA && allocs[i].p) i++;
-  if (i == MAXA) { pthread_mutex_unlock(&mu); free(m); return err(2); }
-  allocs[i].p = m; allocs[i].n = n; allocs[i].mapped = mapped;
+  if (i == MAXA) { pthread_mutex_unlock(&mu); munmap(m, n); close(fd); return err(2); }
+  allocs[i].p = m; allocs[i].n = n; allocs[i].fd = fd;
   pthread_mutex_unlock(&mu);
   *p = m; return 0;
 }
@@ -59,8 +67,9 @@ int cudaFree(void* p) {
   if (!p) return 0;
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) {
+    size_t n = allocs[i].n; int fd = allocs[i].fd;
     allocs[i].p = 0; pthread_mutex_unlock(&mu);
-    if (allocs[i].mapped) munmap(p, allocs[i].n); else free(p);
+    munmap(p, n); close(fd);
     return 0;
   }
   pthread_mutex_unlock(&mu);
@@ -75,12 +84,36 @@ int cudaIpcGetMemHandle(void* h, void* p) {
   __atomic_add_fetch(&n_ipc, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXA; i++) if (allocs[i].p && (char*)p >= (char*)allocs[i].p && (char*)p < (char*)allocs[i].p + allocs[i].n) {
-    /* bytes 24..31 carry the allocation's start, so tests can "open" the handle */
-    pthread_mutex_unlock(&mu); memset(h, 0xAB, 64); memcpy((char*)h + 24, &allocs[i].p, 8); return 0; }
+    /* Bytes 0..23 are ignored on open, as on the real driver. 24..31: the allocation's start
+     * (tests read it); 32..35 pid; 36..39 memfd; 40..47 size; 48..55 a checked magic. */
+    int pid = getpid(); uint64_t sz = allocs[i].n;
+    memset(h, 0xAB, 64); memcpy((char*)h + 24, &allocs[i].p, 8); memcpy((char*)h + 32, &pid, 4);
+    memcpy((char*)h + 36, &allocs[i].fd, 4); memcpy((char*)h + 40, &sz, 8); memcpy((char*)h + 48, "FAKEIPC!", 8);
+    pthread_mutex_unlock(&mu); return 0; }
   pthread_mutex_unlock(&mu);
   return err(1);
 }
 int cudaMemcpy(void* d, const void* s, size_t n, int kind) { (void)kind; memmove(d, s, n); return 0; }
+typedef struct { unsigned char b[64]; } IpcHandle;
+int cudaIpcOpenMemHandle(void** p, IpcHandle h, unsigned flags) {
+  (void)flags;
+  int pid, fd; uint64_t sz;
+  if (memcmp(h.b + 48, "FAKEIPC!", 8)) return err(400);
+  memcpy(&pid, h.b + 32, 4); memcpy(&fd, h.b + 36, 4); memcpy(&sz, h.b + 40, 8);
+  if (pid == getpid()) return err(1);
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+  int f = open(path, O_RDWR);
+  if (f < 0) return err(400);
+  void* m = mmap(0, sz, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  close(f);
+  if (m == MAP_FAILED) return err(2);
+  for (int i = 0; i < 256; i++) if (!opened[i].p) { opened[i].p = m; opened[i].n = sz; break; }
+  *p = m; return 0;
+}
+int cudaIpcCloseMemHandle(void* p) {
+  for (int i = 0; i < 256; i++) if (opened[i].p == p) { munmap(p, opened[i].n); opened[i].p = 0; return 0; }
+  return err(1);
+}
 int cudaDeviceEnablePeerAccess(int peer, unsigned f) {
   (void)f; n_peer_on++;
   if (peer < 0 || peer >= ndev()) return err(101);

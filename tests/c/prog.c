@@ -19,6 +19,9 @@ int cudaGetDevice(int*);
 int cudaMemGetInfo(size_t*, size_t*);
 int cudaIpcGetMemHandle(void*, void*);
 int cudaDeviceEnablePeerAccess(int, unsigned);
+typedef struct { unsigned char b[64]; } IpcHandle;
+int cudaIpcOpenMemHandle(void**, IpcHandle, unsigned);
+int cudaIpcCloseMemHandle(void*);
 int cudaDeviceDisablePeerAccess(int);
 long fakert_count(const char*);
 long fakecu_count(const char*);
@@ -168,6 +171,53 @@ static int forked(void) {
   return 0;
 }
 
+/* Consumer half of "share": open the handle, check, write, close. */
+static int consume(const char* hex, int expect, int write) {
+  IpcHandle h;
+  for (int i = 0; i < 64; i++) { unsigned v; sscanf(hex + 2 * i, "%2x", &v); h.b[i] = (unsigned char)v; }
+  unsigned char* q = 0;
+  int rc = cudaIpcOpenMemHandle((void**)&q, h, 1);
+  printf("open_rc=%d", rc);
+  if (rc == 0) {
+    printf(" consumer_sees=%d", holds(q, 32 * MIB, (unsigned char)expect));
+    fill(q, 32 * MIB, (unsigned char)write);
+    printf(" close_rc=%d", cudaIpcCloseMemHandle(q));
+  }
+  printf("\n");
+  return 0;
+}
+
+static void run_consumer(const char* self, const char* how, const unsigned char* h, int expect, int write) {
+  char hex[129], e[8], w[8];
+  for (int i = 0; i < 64; i++) sprintf(hex + 2 * i, "%02x", h[i]);
+  snprintf(e, sizeof e, "%d", expect); snprintf(w, sizeof w, "%d", write);
+  fflush(stdout);
+  pid_t k = fork();
+  if (k == 0) {
+    if (!strcmp(how, "plain")) unsetenv("LD_PRELOAD");
+    if (!strcmp(how, "nobody") && (setgid(65534) || setuid(65534))) _exit(126);
+    execl(self, self, "consume", hex, e, w, (char*)0);
+    _exit(127);
+  }
+  int st; waitpid(k, &st, 0);
+}
+
+/* Producer: a 32 MiB pool allocation (above the move limit) shared with consumers. */
+static int share(const char* self, const char* how) {
+  unsigned char* p = 0; unsigned char h[64];
+  CHECK(cudaMalloc((void**)&p, 32 * MIB) == 0);
+  fill(p, 32 * MIB, 0x41);
+  printf("get_rc=%d", cudaIpcGetMemHandle(h, p));
+  printf(" ticket=%d\n", memcmp(h, "XSG1", 4) == 0);
+  run_consumer(self, how, h, 0x41, 0x42);
+  printf("producer_sees_write=%d\n", holds(p, 32 * MIB, 0x42));
+  unsigned char forged[64]; memcpy(forged, h, 64); forged[16] ^= 1; /* nonce */
+  run_consumer(self, how, forged, 0x41, 0x43);
+  CHECK(cudaFree(p) == 0);
+  run_consumer(self, how, h, 0x41, 0x44); /* the allocation is gone */
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -180,6 +230,8 @@ static int simple(void) {
 
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
+  if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (!strcmp(s, "share") && argc > 2) return share(argv[0], argv[2]);
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "threads")) return threads();

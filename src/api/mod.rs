@@ -12,13 +12,14 @@
 //! device synchronisation (which may wait for long kernels) never does.
 #![allow(non_snake_case)]
 
+mod ipc;
+
+pub use ipc::{cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle};
+
 use crate::config::Config;
 use crate::gpu::cuda::{self, CudaDriver};
 use crate::gpu::Driver as _;
-use crate::gpu::IpcHandle;
-use crate::pool::{
-    AllocError, ExportError, ExportPolicy, Exported, MoveStep, Pool, PoolConfig, PoolStats,
-};
+use crate::pool::{AllocError, Pool, PoolConfig, PoolStats};
 use crate::real::{self, runtime, DriverTable};
 use crate::stats::{self, GLOBAL};
 use once_cell::sync::Lazy;
@@ -81,6 +82,8 @@ struct State {
     pools: Vec<Slot>,
     /// Per owning device, the devices granted peer access to its memory.
     grants: Vec<Vec<i32>>,
+    /// IPC tickets issued and memory opened through tickets.
+    ipc: ipc::IpcState,
 }
 
 static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
@@ -100,6 +103,7 @@ impl State {
                     driver: Ok(t),
                     pools: (0..n).map(|_| Slot::Unopened).collect(),
                     grants: vec![Vec::new(); n.max(0) as usize],
+                    ipc: Default::default(),
                 }
             }
             Err(why) => {
@@ -110,6 +114,7 @@ impl State {
                     driver: Err(why),
                     pools: Vec::new(),
                     grants: Vec::new(),
+                    ipc: Default::default(),
                 }
             }
         }
@@ -289,7 +294,10 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
     }
     let mut st = lock();
     match st.pool(dev).map(|p| p.free(ptr)) {
-        Some(Ok(_)) => Answer::Done(0),
+        Some(Ok(_)) => {
+            st.ipc.forget(dev, ptr);
+            Answer::Done(0)
+        }
         // Freed by another thread meanwhile: let the runtime answer the double free.
         _ => Answer::PassThrough,
     }
@@ -360,55 +368,6 @@ pub fn cudaDeviceDisablePeerAccess(peer: i32) -> i32 {
         }
     }
     e
-}
-
-/// `cudaIpcGetMemHandle`: a pointer inside a pool allocation gets a working legacy handle,
-/// by moving the allocation into standard memory at the same address, or else through a
-/// standard mirror (see `pool::export`). Anything else passes through.
-pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
-    GLOBAL.ipc_handle_requests.add(1);
-    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
-        return Answer::PassThrough;
-    }
-    let c = config();
-    let policy = ExportPolicy {
-        move_max: c.ipc_move_max,
-        fail_move_at: c.test_fail_move.as_deref().and_then(MoveStep::from_name),
-    };
-    let mut st = lock();
-    let Some(dev) = st
-        .open_pools()
-        .find(|(_, p)| p.find(ptr).is_some())
-        .map(|(d, _)| d)
-    else {
-        return Answer::PassThrough;
-    };
-    let pool = st.open_pool(dev).expect("found above");
-    match pool.export(ptr, policy) {
-        Ok(ex) => {
-            match ex.how {
-                Exported::Moved => log::debug!("IPC: moved {:#x} ({} bytes) into standard memory in place", ex.base, ex.size),
-                Exported::Mirror { ptr: m, first: true } => log::warn!(
-                    "IPC: allocation {:#x} ({} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process",
-                    ex.base, ex.size
-                ),
-                Exported::Mirror { .. } => {}
-            }
-            Answer::Done(Ok(ex.handle))
-        }
-        Err(ExportError::NotOwned) => Answer::PassThrough,
-        Err(ExportError::OutOfMemory) => Answer::Done(Err(OUT_OF_MEMORY)),
-        Err(ExportError::Driver(e)) => {
-            log::error!("IPC export of {ptr:#x} failed: {e}; the allocation is unchanged");
-            Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
-        }
-        Err(ExportError::RangeLost { base, kept }) => {
-            log::error!(
-                "IPC export of {base:#x} lost its address range; its data is kept at {kept:#x}"
-            );
-            Answer::Done(Err(UNKNOWN))
-        }
-    }
 }
 
 fn ensure_state() -> MutexGuard<'static, State> {

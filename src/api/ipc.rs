@@ -1,0 +1,357 @@
+//! The IPC calls: `cudaIpcGetMemHandle` (producer), `cudaIpcOpenMemHandle` and
+//! `cudaIpcCloseMemHandle` (consumer), and the producer's answers to tickets.
+
+use super::{
+    bypass, config, ensure_state, lock, Answer, State, OUT_OF_MEMORY, STATE_STARTED, UNKNOWN,
+};
+use crate::gpu::cuda::{self, Imported};
+use crate::gpu::IpcHandle;
+use crate::ipc::transport::{self, AskError, Decision};
+use crate::ipc::{random_u64, Grant, Refusal, Ticket};
+use crate::pool::{ExportError, ExportPolicy, Exported, MoveStep};
+use crate::real::runtime;
+use crate::stats::GLOBAL;
+use once_cell::sync::OnceCell;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+/// `cudaErrorInvalidResourceHandle`: a ticket that cannot be honoured.
+const INVALID_HANDLE: i32 = 400;
+
+/// Tickets this process issued, and memory it opened through other processes' tickets.
+#[derive(Default)]
+pub(super) struct IpcState {
+    next_id: u32,
+    /// ticket id -> (device, allocation base, nonce)
+    by_id: HashMap<u32, (i32, u64, u64)>,
+    /// (device, base) -> ticket id: one ticket per allocation, so repeated requests return
+    /// the same 64 bytes
+    by_alloc: HashMap<(i32, u64), u32>,
+    /// Tickets of freed allocations: refused as stale, not as unknown.
+    freed: std::collections::HashSet<u32>,
+    /// Whether the ticket socket is serving (`None`: not tried yet).
+    server: Option<bool>,
+    /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
+    opened: HashMap<u64, Imported>,
+}
+
+impl IpcState {
+    /// The ticket of allocation `base` on `dev`, issued on first use.
+    fn ticket(&mut self, dev: i32, base: u64) -> Ticket {
+        let id = match self.by_alloc.get(&(dev, base)) {
+            Some(id) => *id,
+            None => {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.by_id.insert(id, (dev, base, random_u64()));
+                self.by_alloc.insert((dev, base), id);
+                id
+            }
+        };
+        Ticket {
+            pid: std::process::id(),
+            uid: transport::current_uid(),
+            id,
+            nonce: self.by_id[&id].2,
+        }
+    }
+
+    /// The allocation was freed: its tickets are stale from now on.
+    pub(super) fn forget(&mut self, dev: i32, base: u64) {
+        if let Some(id) = self.by_alloc.remove(&(dev, base)) {
+            self.by_id.remove(&id);
+            self.freed.insert(id);
+        }
+    }
+}
+
+/// `cudaIpcGetMemHandle`: a pointer inside a pool allocation gets a working legacy handle,
+/// by moving the allocation into standard memory at the same address, or else through a
+/// standard mirror (see `pool::export`) whose handle carries a ticket for consumers running
+/// expseg. Anything else passes through.
+pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
+    GLOBAL.ipc_handle_requests.add(1);
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return Answer::PassThrough;
+    }
+    let c = config();
+    let mut st = lock();
+    let Some(dev) = st
+        .open_pools()
+        .find(|(_, p)| p.find(ptr).is_some())
+        .map(|(d, _)| d)
+    else {
+        return Answer::PassThrough;
+    };
+    if c.ipc_peers_expseg && c.ipc_tickets && tickets_ready(&mut st, dev) {
+        // Every consumer runs expseg: no mirror, the ticket alone.
+        let pool = st.open_pool(dev).expect("found above");
+        let (base, _) = pool.share(ptr).expect("found above");
+        let mut h = [0u8; 64];
+        st.ipc.ticket(dev, base).stamp(&mut h);
+        return Answer::Done(Ok(h));
+    }
+    let policy = ExportPolicy {
+        move_max: c.ipc_move_max,
+        fail_move_at: c.test_fail_move.as_deref().and_then(MoveStep::from_name),
+    };
+    let pool = st.open_pool(dev).expect("found above");
+    match pool.export(ptr, policy) {
+        Ok(ex) => {
+            let mut handle = ex.handle;
+            if let Exported::Mirror { ptr: m, first } = ex.how {
+                let ticketed = c.ipc_tickets && tickets_ready(&mut st, dev);
+                if ticketed {
+                    st.open_pool(dev).expect("found above").share(ex.base);
+                    st.ipc.ticket(dev, ex.base).stamp(&mut handle);
+                }
+                if first {
+                    log::warn!(
+                        "IPC: allocation {:#x} ({} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
+                        ex.base,
+                        ex.size,
+                        if ticketed { " (consumers running expseg share it both ways)" } else { "" }
+                    );
+                }
+            } else {
+                log::debug!(
+                    "IPC: moved {:#x} ({} bytes) into standard memory in place",
+                    ex.base,
+                    ex.size
+                );
+            }
+            Answer::Done(Ok(handle))
+        }
+        Err(ExportError::NotOwned) => Answer::PassThrough,
+        Err(ExportError::OutOfMemory) => Answer::Done(Err(OUT_OF_MEMORY)),
+        Err(ExportError::Driver(e)) => {
+            log::error!("IPC export of {ptr:#x} failed: {e}; the allocation is unchanged");
+            Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
+        }
+        Err(ExportError::RangeLost { base, kept }) => {
+            log::error!(
+                "IPC export of {base:#x} lost its address range; its data is kept at {kept:#x}"
+            );
+            Answer::Done(Err(UNKNOWN))
+        }
+    }
+}
+
+/// Whether tickets can be issued: the device's chunks are exportable, the socket serves, and
+/// a ticketed handle still opens with the plain driver (checked once, in a child process).
+fn tickets_ready(st: &mut State, dev: i32) -> bool {
+    if !st.open_pool(dev).is_some_and(|p| p.driver().shareable) {
+        return false;
+    }
+    if st.ipc.server.is_none() {
+        let started = start_server();
+        if let Err(e) = &started {
+            log::warn!("IPC tickets disabled: {e}");
+        }
+        st.ipc.server = Some(started.is_ok());
+    }
+    st.ipc.server == Some(true) && plain_driver_ignores_tickets(dev)
+}
+
+fn start_server() -> Result<(), String> {
+    let uid = transport::current_uid();
+    let others = !config().ipc_allow_uids.is_empty();
+    transport::prepare_dir(uid, others)?;
+    let path = transport::socket_path(uid, std::process::id());
+    transport::serve(&path, others, decide)?;
+    extern "C" fn remove_socket() {
+        let _ = std::fs::remove_file(transport::socket_path(
+            transport::current_uid(),
+            std::process::id(),
+        ));
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: registers a plain extern "C" function that removes one file.
+    unsafe {
+        libc::atexit(remove_socket);
+    }
+    Ok(())
+}
+
+/// The producer's answer to a ticket: runs on the socket thread.
+fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+    if peer != transport::current_uid() && !config().ipc_allow_uids.contains(&peer) {
+        log::warn!("IPC: refused a ticket from uid {peer} (EXPSEG_IPC_ALLOW_UIDS)");
+        return Err(Refusal::Forbidden);
+    }
+    let mut st = lock();
+    let Some(&(dev, base, n)) = st.ipc.by_id.get(&id) else {
+        return Err(if st.ipc.freed.contains(&id) {
+            Refusal::Stale
+        } else {
+            Refusal::Unknown
+        });
+    };
+    if n != nonce {
+        return Err(Refusal::Unknown);
+    }
+    let Some(pool) = st.open_pool(dev) else {
+        return Err(Refusal::Stale);
+    };
+    match pool.export_fds(base) {
+        None => Err(Refusal::Stale),
+        Some(Err(e)) => {
+            log::error!("IPC: exporting the chunks of {base:#x} failed: {e}");
+            Err(Refusal::Failed)
+        }
+        Some(Ok((size, fds))) => {
+            let chunks = fds.iter().map(|f| f.1).collect();
+            Ok((
+                Grant { size, chunks },
+                fds.into_iter().map(|f| f.0).collect(),
+            ))
+        }
+    }
+}
+
+/// Run the ticket check once per process: a child process without expseg opens a ticketed
+/// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
+/// `expseg-ipc-check` next to libexpseg.so.
+fn plain_driver_ignores_tickets(dev: i32) -> bool {
+    static OK: OnceCell<bool> = OnceCell::new();
+    *OK.get_or_init(|| match check_in_child(dev) {
+        Ok(()) => {
+            log::info!("IPC: a ticketed handle opens with the plain driver; tickets enabled");
+            true
+        }
+        Err(e) => {
+            log::warn!("IPC tickets disabled: {e}; mirrors carry plain handles");
+            false
+        }
+    })
+}
+
+fn check_in_child(dev: i32) -> Result<(), String> {
+    let helper = crate::real::self_dir()
+        .map(|d| d.join("expseg-ipc-check"))
+        .filter(|p| p.exists())
+        .ok_or("the helper expseg-ipc-check is not next to libexpseg.so")?;
+    let lib = crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?;
+    let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+    let (e, buf) = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
+        (0, p) => Ok((0, p)),
+        (e, _) => Err(e),
+    })
+    .unwrap_or_else(|e| (e, 0));
+    if e != 0 {
+        return Err(format!("cudaMalloc for the check failed ({e})"));
+    }
+    let result = (|| {
+        if runtime::copy_h2d(buf, &pattern) != 0 {
+            return Err("copy for the check failed".to_string());
+        }
+        let mut h = runtime::ipc_get_mem_handle(buf)
+            .map_err(|e| format!("cudaIpcGetMemHandle failed ({e})"))?;
+        Ticket {
+            pid: 0,
+            uid: 0,
+            id: 0,
+            nonce: random_u64(),
+        }
+        .stamp(&mut h);
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let mut child = std::process::Command::new(&helper)
+            .args([lib.as_str(), &hex(&h), &hex(&pattern)])
+            .env_remove("LD_PRELOAD")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", helper.display()))?;
+        for _ in 0..600 {
+            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "a ticketed handle did not open in a child process ({status})"
+                    ))
+                };
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        Err("the check in a child process timed out".into())
+    })();
+    runtime::free(buf);
+    result
+}
+
+/// `cudaIpcOpenMemHandle`: a handle with an expseg ticket maps the producer's original memory
+/// (two-way sharing); plain handles pass through. If the producer cannot be reached, a handle
+/// that also carries a mirror opens the mirror; a refused ticket is an error.
+pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
+    if bypass() {
+        return Answer::PassThrough;
+    }
+    let Some(t) = Ticket::read(&handle) else {
+        return Answer::PassThrough;
+    };
+    let ticket_only = handle[24..].iter().all(|b| *b == 0);
+    let path = transport::socket_path(t.uid, t.pid);
+    let (grant, fds) = match transport::ask(&path, t.id, t.nonce) {
+        Ok(g) => g,
+        Err(AskError::Refused(r)) => {
+            log::error!("IPC: process {} refused the ticket ({r:?}): the handle is stale, forged or not ours to open", t.pid);
+            return Answer::Done(Err(INVALID_HANDLE));
+        }
+        Err(e) if ticket_only => {
+            log::error!("IPC: cannot reach process {} for its ticket ({e:?})", t.pid);
+            return Answer::Done(Err(INVALID_HANDLE));
+        }
+        Err(e) => {
+            log::warn!(
+                "IPC: cannot reach process {} for its ticket ({e:?}); opening its mirror (one-way)",
+                t.pid
+            );
+            return Answer::PassThrough;
+        }
+    };
+    let Ok(dev) = runtime::get_device() else {
+        return Answer::Done(Err(INVALID_HANDLE));
+    };
+    let Some(drv) = ensure_state().driver.as_ref().ok().copied() else {
+        return Answer::Done(Err(INVALID_HANDLE));
+    };
+    if !cuda::has_context(drv) && runtime::free(0) != 0 {
+        return Answer::Done(Err(INVALID_HANDLE));
+    }
+    let chunks: Vec<_> = fds.into_iter().zip(grant.chunks.iter().copied()).collect();
+    match cuda::import(drv, &chunks, dev) {
+        Ok(imp) => {
+            let va = imp.va;
+            lock().ipc.opened.insert(va, imp);
+            Answer::Done(Ok(va))
+        }
+        Err(e) => {
+            log::error!("IPC: mapping the memory of process {} failed: {e}", t.pid);
+            if ticket_only {
+                Answer::Done(Err(INVALID_HANDLE))
+            } else {
+                Answer::PassThrough
+            }
+        }
+    }
+    // The received descriptors close here: the imported handles keep the memory.
+}
+
+/// `cudaIpcCloseMemHandle`: unmap memory opened through a ticket; others pass through.
+pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return Answer::PassThrough;
+    }
+    let Some(imp) = lock().ipc.opened.remove(&ptr) else {
+        return Answer::PassThrough;
+    };
+    // Work of this process may still use the mapping.
+    let e = runtime::device_synchronize();
+    if let Ok(t) = crate::real::driver() {
+        cuda::unmap_imported(t, imp);
+    }
+    Answer::Done(e)
+}

@@ -1,0 +1,128 @@
+//! IPC tickets: two-way sharing of pool memory with consumers that run expseg.
+//!
+//! A mirror's legacy handle (see `pool::export`) opens with the plain driver, but the consumer
+//! then sees a copy. Its first 24 bytes, which the opener ignores on the drivers measured
+//! (docs/ipc-handle.md), carry a *ticket*. A consumer running expseg recognises it in
+//! `cudaIpcOpenMemHandle`, asks the producer over a Unix socket, receives the allocation's
+//! physical chunks as POSIX file descriptors (`SCM_RIGHTS`), and maps the original memory:
+//! producer and consumer then share it both ways, as with native IPC.
+//!
+//! Security: the socket lives in a directory only the user can enter (0700, checked), the
+//! producer checks the peer's uid (`SO_PEERCRED`; same user, or `EXPSEG_IPC_ALLOW_UIDS`), and
+//! every ticket carries a random nonce the producer checks. A forged, stale (freed) or foreign
+//! ticket gets an error, never memory.
+
+pub mod transport;
+
+/// Bytes 0..4 of a ticketed handle.
+pub const MAGIC: [u8; 4] = *b"XSG1";
+
+/// What bytes 0..24 of a ticketed handle say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    /// The producer's process id: names its socket.
+    pub pid: u32,
+    /// The producer's user id: names its socket directory.
+    pub uid: u32,
+    /// The producer's number for the shared allocation.
+    pub id: u32,
+    /// Random, checked by the producer: a ticket cannot be guessed from the others.
+    pub nonce: u64,
+}
+
+impl Ticket {
+    /// Write the ticket into the leading 24 bytes of `handle`.
+    pub fn stamp(&self, handle: &mut [u8; 64]) {
+        handle[0..4].copy_from_slice(&MAGIC);
+        handle[4..8].copy_from_slice(&self.pid.to_le_bytes());
+        handle[8..12].copy_from_slice(&self.uid.to_le_bytes());
+        handle[12..16].copy_from_slice(&self.id.to_le_bytes());
+        handle[16..24].copy_from_slice(&self.nonce.to_le_bytes());
+    }
+
+    /// The ticket in `handle`, if it carries one.
+    pub fn read(handle: &[u8; 64]) -> Option<Ticket> {
+        if handle[0..4] != MAGIC {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(handle[i..i + 4].try_into().unwrap());
+        Some(Ticket {
+            pid: u32_at(4),
+            uid: u32_at(8),
+            id: u32_at(12),
+            nonce: u64::from_le_bytes(handle[16..24].try_into().unwrap()),
+        })
+    }
+}
+
+/// Why a producer refused a ticket (sent on the wire as a number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such ticket, or the nonce does not match: forged or from another run.
+    Unknown = 1,
+    /// The allocation was freed.
+    Stale = 2,
+    /// The peer's user is not allowed.
+    Forbidden = 3,
+    /// The chunks could not be exported.
+    Failed = 4,
+}
+
+impl Refusal {
+    pub fn from_code(c: u32) -> Refusal {
+        match c {
+            1 => Refusal::Unknown,
+            2 => Refusal::Stale,
+            3 => Refusal::Forbidden,
+            _ => Refusal::Failed,
+        }
+    }
+}
+
+/// What a producer sends for an accepted ticket, besides the file descriptors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The allocation's size as the program asked for it.
+    pub size: u64,
+    /// Size of each chunk, in mapping order (one descriptor each).
+    pub chunks: Vec<u64>,
+}
+
+/// A 64-bit random number from the kernel (the nonce source).
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    transport::fill_random(&mut b);
+    u64::from_le_bytes(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_round_trip_and_leave_the_validated_bytes_alone() {
+        let mut h = [0xEEu8; 64];
+        let t = Ticket {
+            pid: 4242,
+            uid: 1000,
+            id: 7,
+            nonce: 0x0123_4567_89ab_cdef,
+        };
+        t.stamp(&mut h);
+        assert_eq!(Ticket::read(&h), Some(t));
+        assert!(
+            h[24..].iter().all(|b| *b == 0xEE),
+            "bytes 24..64 are the driver's"
+        );
+        assert_eq!(Ticket::read(&[0u8; 64]), None);
+    }
+
+    #[test]
+    fn nonces_differ() {
+        let a: Vec<u64> = (0..16).map(|_| random_u64()).collect();
+        let mut b = a.clone();
+        b.sort_unstable();
+        b.dedup();
+        assert_eq!(a.len(), b.len());
+    }
+}

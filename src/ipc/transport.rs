@@ -1,0 +1,360 @@
+//! The ticket transport: a Unix socket per producer process, one request per connection,
+//! file descriptors passed with `SCM_RIGHTS`. Only this file touches sockets.
+//!
+//! Request (16 bytes): ticket id (u32), zero (u32), nonce (u64).
+//! Reply: status (u32, 0 = granted, else a `Refusal`), chunk count (u32), allocation size
+//! (u64), then one u64 per chunk, with one descriptor per chunk attached. Little-endian.
+#![allow(unsafe_code)]
+
+use super::{Grant, Refusal};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Most chunks one grant carries.
+pub const MAX_CHUNKS: usize = 64;
+
+/// Fill `buf` from the kernel's random source.
+pub fn fill_random(buf: &mut [u8]) {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: writes at most the remaining length into `buf`.
+        let n = unsafe { libc::getrandom(buf[done..].as_mut_ptr().cast(), buf.len() - done, 0) };
+        if n <= 0 {
+            // No getrandom (very old kernels): fall back to urandom, then to the clock.
+            if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+                if f.read_exact(&mut buf[done..]).is_ok() {
+                    return;
+                }
+            }
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            for (i, b) in buf[done..].iter_mut().enumerate() {
+                *b = (t >> ((i % 8) * 8)) as u8 ^ (i as u8);
+            }
+            return;
+        }
+        done += n as usize;
+    }
+}
+
+/// The directory holding the sockets of user `uid`: `${EXPSEG_IPC_DIR:-/tmp}/expseg-<uid>`.
+pub fn socket_dir(uid: u32) -> PathBuf {
+    let base = std::env::var_os("EXPSEG_IPC_DIR").unwrap_or_else(|| "/tmp".into());
+    Path::new(&base).join(format!("expseg-{uid}"))
+}
+
+/// The socket of producer `pid` of user `uid`.
+pub fn socket_path(uid: u32, pid: u32) -> PathBuf {
+    socket_dir(uid).join(format!("{pid}.sock"))
+}
+
+pub fn current_uid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Create (or check) this user's socket directory: owned by us, closed to everyone else
+/// (0700); with `others` (EXPSEG_IPC_ALLOW_UIDS), others may pass through it but not list it
+/// (0711), and the producer's uid check decides.
+pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
+    let mode = if others { 0o711 } else { 0o700 };
+    let dir = socket_dir(uid);
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    match std::fs::DirBuilder::new().mode(mode).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    }
+    let md = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if !md.is_dir() || md.uid() != uid || md.permissions().mode() & 0o066 != 0 {
+        return Err(format!(
+            "{} must be a directory owned by uid {uid} that others cannot read or write",
+            dir.display()
+        ));
+    }
+    if md.permissions().mode() & 0o777 != mode {
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    Ok(dir)
+}
+
+/// The uid of the process at the other end of `s`.
+fn peer_uid(s: &UnixStream) -> Option<u32> {
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for the size given.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
+}
+
+/// What the producer decides for a request: a grant with its descriptors, or a refusal.
+pub type Decision = Result<(Grant, Vec<OwnedFd>), Refusal>;
+
+/// Listen at `path` on a thread of its own; `decide(id, nonce, peer_uid)` answers each request.
+pub fn serve(
+    path: &Path,
+    others: bool,
+    decide: impl Fn(u32, u64, u32) -> Decision + Send + 'static,
+) -> Result<(), String> {
+    let _ = std::fs::remove_file(path); // a stale socket of a dead process with our pid
+    let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Connecting needs write permission on the socket: for allowed other users, everyone may
+    // connect, and the uid check decides.
+    let mode = if others { 0o666 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    std::thread::Builder::new()
+        .name("expseg-ipc".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { continue };
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+                let mut req = [0u8; 16];
+                if s.read_exact(&mut req).is_err() {
+                    continue;
+                }
+                let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
+                let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
+                let decision = match peer_uid(&s) {
+                    Some(uid) => decide(id, nonce, uid),
+                    None => Err(Refusal::Forbidden),
+                };
+                let _ = reply(&mut s, decision);
+            }
+        })
+        .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
+    Ok(())
+}
+
+fn reply(s: &mut UnixStream, decision: Decision) -> std::io::Result<()> {
+    let (grant, fds) = match decision {
+        Ok(g) => g,
+        Err(r) => {
+            let mut msg = [0u8; 16];
+            msg[0..4].copy_from_slice(&(r as u32).to_le_bytes());
+            return s.write_all(&msg);
+        }
+    };
+    let mut msg = Vec::with_capacity(16 + 8 * grant.chunks.len());
+    msg.extend_from_slice(&0u32.to_le_bytes());
+    msg.extend_from_slice(&(grant.chunks.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&grant.size.to_le_bytes());
+    for c in &grant.chunks {
+        msg.extend_from_slice(&c.to_le_bytes());
+    }
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    send_with_fds(s.as_raw_fd(), &msg, &raw)
+    // `fds` drop here: the producer's copies are closed once sent.
+}
+
+fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    let fd_bytes = std::mem::size_of_val(fds) as u32;
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    let mut cbuf = vec![0u8; space.max(1)];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: the control buffer has room for one header with `fds.len()` descriptors.
+        unsafe {
+            let h = libc::CMSG_FIRSTHDR(&msg);
+            (*h).cmsg_level = libc::SOL_SOCKET;
+            (*h).cmsg_type = libc::SCM_RIGHTS;
+            (*h).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(h).cast(), fds.len());
+        }
+    }
+    // SAFETY: `msg` points at live buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if n as usize != data.len() {
+        return Err(std::io::Error::other("short send"));
+    }
+    Ok(())
+}
+
+/// Why a request did not get memory.
+#[derive(Debug)]
+pub enum AskError {
+    /// No producer socket or no answer: the producer is gone or out of reach.
+    Unreachable(std::io::Error),
+    /// The producer answered no.
+    Refused(Refusal),
+    /// A malformed answer.
+    Protocol(&'static str),
+}
+
+/// Ask the producer behind `path` for ticket (`id`, `nonce`).
+pub fn ask(path: &Path, id: u32, nonce: u64) -> Result<(Grant, Vec<OwnedFd>), AskError> {
+    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut req = [0u8; 16];
+    req[0..4].copy_from_slice(&id.to_le_bytes());
+    req[8..16].copy_from_slice(&nonce.to_le_bytes());
+    s.write_all(&req).map_err(AskError::Unreachable)?;
+    let mut data = vec![0u8; 16 + 8 * MAX_CHUNKS];
+    let (n, fds) = recv_with_fds(s.as_raw_fd(), &mut data).map_err(AskError::Unreachable)?;
+    if n < 16 {
+        return Err(AskError::Protocol("short reply"));
+    }
+    let status = u32::from_le_bytes(data[0..4].try_into().unwrap());
+    if status != 0 {
+        return Err(AskError::Refused(Refusal::from_code(status)));
+    }
+    let count = u32::from_le_bytes(data[4..8].try_into().unwrap()) as usize;
+    let size = u64::from_le_bytes(data[8..16].try_into().unwrap());
+    if count == 0 || count > MAX_CHUNKS || n != 16 + 8 * count || fds.len() != count {
+        return Err(AskError::Protocol("reply does not match its descriptors"));
+    }
+    let chunks = (0..count)
+        .map(|i| u64::from_le_bytes(data[16 + 8 * i..24 + 8 * i].try_into().unwrap()))
+        .collect();
+    Ok((Grant { size, chunks }, fds))
+}
+
+fn recv_with_fds(sock: RawFd, data: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    let max_fd_bytes = (MAX_CHUNKS * std::mem::size_of::<RawFd>()) as u32;
+    // SAFETY: pure computation.
+    let space = unsafe { libc::CMSG_SPACE(max_fd_bytes) } as usize;
+    let mut cbuf = vec![0u8; space];
+    let mut got = 0;
+    let mut fds = Vec::new();
+    // The reply may arrive in pieces; descriptors come with the first.
+    loop {
+        let mut iov = libc::iovec {
+            iov_base: data[got..].as_mut_ptr().cast(),
+            iov_len: data.len() - got,
+        };
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: `msg` points at live buffers for the duration of the call.
+        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: walking the control messages the kernel wrote into `cbuf`.
+        unsafe {
+            let mut h = libc::CMSG_FIRSTHDR(&msg);
+            while !h.is_null() {
+                if (*h).cmsg_level == libc::SOL_SOCKET && (*h).cmsg_type == libc::SCM_RIGHTS {
+                    let count = ((*h).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                        / std::mem::size_of::<RawFd>();
+                    let p = libc::CMSG_DATA(h) as *const RawFd;
+                    for i in 0..count {
+                        fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(p.add(i))));
+                    }
+                }
+                h = libc::CMSG_NXTHDR(&msg, h);
+            }
+        }
+        if n == 0 {
+            return Ok((got, fds));
+        }
+        got += n as usize;
+        if got >= 16 {
+            let status = u32::from_le_bytes(data[0..4].try_into().unwrap());
+            let count = u32::from_le_bytes(data[4..8].try_into().unwrap()) as usize;
+            if status != 0 || got >= 16 + 8 * count.min(MAX_CHUNKS) {
+                return Ok((got, fds));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_carries_its_descriptors_and_refusals_carry_none() {
+        let dir = std::env::temp_dir().join(format!("expseg-transport-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.sock");
+        serve(&path, false, |id, nonce, uid| {
+            if uid != current_uid() {
+                return Err(Refusal::Forbidden);
+            }
+            if id != 3 || nonce != 99 {
+                return Err(Refusal::Unknown);
+            }
+            let f: Vec<OwnedFd> = (0..2)
+                .map(|_| std::fs::File::open("/dev/null").unwrap().into())
+                .collect();
+            Ok((
+                Grant {
+                    size: 5 << 20,
+                    chunks: vec![2 << 20, 4 << 20],
+                },
+                f,
+            ))
+        })
+        .unwrap();
+        let (g, fds) = ask(&path, 3, 99).unwrap();
+        assert_eq!(g.size, 5 << 20);
+        assert_eq!(g.chunks, vec![2 << 20, 4 << 20]);
+        assert_eq!(fds.len(), 2);
+        assert!(matches!(
+            ask(&path, 3, 98),
+            Err(AskError::Refused(Refusal::Unknown))
+        ));
+        assert!(matches!(
+            ask(&dir.join("none.sock"), 3, 99),
+            Err(AskError::Unreachable(_))
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_socket_directory_must_be_private() {
+        let base = std::env::temp_dir().join(format!("expseg-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        std::env::set_var("EXPSEG_IPC_DIR", &base);
+        let uid = current_uid();
+        let dir = prepare_dir(uid, false).unwrap();
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        assert!(prepare_dir(uid, true).is_ok());
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o711
+        );
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(
+            prepare_dir(uid, false).is_err(),
+            "a directory others can list is refused"
+        );
+        std::env::remove_var("EXPSEG_IPC_DIR");
+        let _ = std::fs::remove_dir_all(&base);
+    }
+}
