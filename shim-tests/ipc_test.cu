@@ -74,8 +74,10 @@ static int consume() {
       cudaIpcMemHandle_t h;
       unhex(arg, &h);
       size = a;
+      double t0 = now_ms();
       cudaError_t e = cudaIpcOpenMemHandle(&q, h, cudaIpcMemLazyEnablePeerAccess);
-      printf(e == cudaSuccess ? "ok\n" : "err %d\n", e);
+      double t = now_ms() - t0;
+      if (e == cudaSuccess) printf("ok %.3f\n", t); else printf("err %d\n", e);
     } else if (sscanf(line, "check %llu", &b) == 1) {
       unsigned long long bad = mismatches(q, size, (uint32_t)b);
       printf(bad == 0 ? "ok\n" : "bad %llu\n", bad);
@@ -118,6 +120,7 @@ static Consumer spawn_consumer(const char* self, const char* preload) {
   setvbuf(c.to, 0, _IOLBF, 0);
   return c;
 }
+static char last_answer[128];
 static int ask(Consumer& c, const char* fmt, ...) {
   char cmd[512];
   va_list ap;
@@ -126,14 +129,16 @@ static int ask(Consumer& c, const char* fmt, ...) {
   va_end(ap);
   fputs(cmd, c.to);
   fflush(c.to);
-  char ans[128] = {0};
-  if (!fgets(ans, sizeof ans, c.from)) return 0;
+  char* ans = last_answer;
+  memset(last_answer, 0, sizeof last_answer);
+  if (!fgets(ans, sizeof last_answer, c.from)) return 0;
   if (strncmp(ans, "ok", 2)) printf("    consumer: %s -> %s", cmd, ans);
   return !strncmp(ans, "ok", 2);
 }
 
 static int run(const char* self, const char* preload, int nsizes, char** sizes) {
   int passed = 0, failed = 0;
+  int consumer_expseg = strcmp(preload, "-") != 0;
   Consumer c = spawn_consumer(self, preload);
   size_t free_b, total;
   cudaMemGetInfo(&free_b, &total);
@@ -154,7 +159,9 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
     ok &= mismatches(p, size, seed) == 0;  // the producer's own view is intact
     char hx[129];
     hex(h, hx);
-    ok &= ok && ask(c, "open %s %zu\n", hx, size) && ask(c, "check %u\n", seed);
+    ok &= ok && ask(c, "open %s %zu\n", hx, size);
+    double t_open = atof(last_answer + 2);
+    ok &= ask(c, "check %u\n", seed);
     // Weight sync: refill, re-share, the consumer checks every version.
     int versions = 0;
     for (int v = 1; ok && v <= 10; v++) {
@@ -163,15 +170,38 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
       ok &= ask(c, "check %u\n", seed + v);
       versions += ok;
     }
-    // The consumer writes; shared memory shows it, a mirror does not.
+    // The consumer writes. Moved memory is shared both ways; a mirror is one-way for a plain
+    // consumer, while a consumer running expseg maps the original through the ticket.
     ok &= ask(c, "write %u\n", seed + 77);
     unsigned long long seen = mismatches(p, size, seed + 77);
     int shared = seen == 0;
-    ok &= shared == moved;  // moved: shared both ways; mirror: one-way by design
+    int expect_shared = moved || consumer_expseg;
+    ok &= shared == expect_shared;
     ok &= ask(c, "close\n");
     ok &= cudaFree(p) == cudaSuccess;
-    printf("%s ipc %6zu MiB: %s (was VMM: %d), export %.2f ms, %d/10 versions seen, consumer writes %s\n", ok ? "PASS" : "FAIL",
-           size >> 20, moved ? "moved/standard" : "mirror", vmm, t_export, versions, shared ? "shared" : "not shared (one-way)");
+    printf("%s ipc %6zu MiB: %s (was VMM: %d), export %.2f ms, open %.3f ms, %d/10 versions seen, consumer writes %s\n",
+           ok ? "PASS" : "FAIL", size >> 20, moved ? "moved/standard" : (consumer_expseg ? "mirror+ticket" : "mirror"), vmm,
+           t_export, t_open, versions,
+           shared ? "shared" : "not shared (one-way)");
+    ok ? passed++ : failed++;
+  }
+  // A consumer running expseg refuses a ticket with a forged nonce and the ticket of a freed
+  // allocation: an error, never memory.
+  if (consumer_expseg && getenv("LD_PRELOAD")) {
+    size_t size = 64 * MIB;
+    void* p;
+    cudaIpcMemHandle_t h;
+    int ok = cudaMalloc(&p, size) == cudaSuccess && cudaIpcGetMemHandle(&h, p) == cudaSuccess;
+    int ticketed = ok && !memcmp(&h, "XSG1", 4);
+    char hx[129];
+    cudaIpcMemHandle_t forged = h;
+    forged.reserved[16] ^= 1;
+    hex(forged, hx);
+    ok &= ticketed && !ask(c, "open %s %zu\n", hx, size);
+    cudaFree(p);
+    hex(h, hx);
+    ok &= !ask(c, "open %s %zu\n", hx, size);
+    printf("%s ipc tickets: forged nonce and freed allocation refused (ticketed handle: %d)\n", ok ? "PASS" : "FAIL", ticketed);
     ok ? passed++ : failed++;
   }
   fputs("quit\n", c.to);
