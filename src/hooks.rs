@@ -9,7 +9,7 @@
 use crate::api::{self, Answer, UNKNOWN};
 use crate::real::{next, CudaIpcMemHandle};
 use crate::stats::GLOBAL;
-use libc::{c_int, c_uint, c_void, size_t};
+use libc::{c_char, c_int, c_uint, c_void, size_t};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -155,5 +155,148 @@ pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> c_int {
     };
     boundary("cudaDeviceDisablePeerAccess", || {
         api::cudaDeviceDisablePeerAccess(peer)
+    })
+}
+
+// Driver queries that must describe the allocation the program made, not one chunk's mapping.
+
+/// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and `..._RANGE_SIZE`.
+const RANGE_START_ADDR: c_int = 11;
+const RANGE_SIZE: c_int = 12;
+/// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
+const NO_DRIVER: u32 = 3;
+
+/// The allocation containing `ptr` if expseg made it (pool memory or a ticket mapping).
+fn ours(ptr: u64) -> Option<(u64, u64)> {
+    let _g = Guard::enter()?;
+    catch_unwind(|| api::allocation_range(ptr)).ok().flatten()
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    base: *mut u64,
+    size: *mut size_t,
+    ptr: u64,
+) -> u32 {
+    if let Some((b, s)) = ours(ptr) {
+        if !base.is_null() {
+            *base = b;
+        }
+        if !size.is_null() {
+            *size = s as size_t;
+        }
+        return 0;
+    }
+    match crate::real::driver()
+        .ok()
+        .and_then(|t| t.cuMemGetAddressRange_v2)
+    {
+        Some(f) => f(base, size, ptr),
+        None => NO_DRIVER,
+    }
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, ptr: u64) -> u32 {
+    if attr == RANGE_START_ADDR || attr == RANGE_SIZE {
+        if let Some((b, s)) = ours(ptr).filter(|_| !data.is_null()) {
+            *(data as *mut u64) = if attr == RANGE_START_ADDR { b } else { s };
+            return 0;
+        }
+    }
+    match crate::real::driver()
+        .ok()
+        .and_then(|t| t.cuPointerGetAttribute)
+    {
+        Some(f) => f(data, attr, ptr),
+        None => NO_DRIVER,
+    }
+}
+
+/// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
+/// the functions it interposes, so programs that fetch driver functions at run time
+/// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too.
+unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+    if symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
+        return;
+    }
+    let name = std::ffi::CStr::from_ptr(symbol).to_bytes();
+    let ours: *mut c_void = match name {
+        // Version 3020 introduced the size_t signature that the hook has.
+        b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,
+        b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
+        _ => return,
+    };
+    *pfn = ours;
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_void,
+) -> u32 {
+    let Some(f) = crate::real::driver()
+        .ok()
+        .and_then(|t| t.cuGetProcAddress_v2)
+    else {
+        return NO_DRIVER;
+    };
+    let r = f(symbol, pfn, version, flags, status);
+    if r == 0 {
+        redirect_entry_point(symbol, pfn, version);
+    }
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cudaGetDriverEntryPoint(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    flags: u64,
+    status: *mut c_void,
+) -> c_int {
+    let r = next::cudaGetDriverEntryPoint(symbol, pfn, flags, status);
+    if r == 0 {
+        redirect_entry_point(symbol, pfn, i32::MAX);
+    }
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_uint,
+    flags: u64,
+    status: *mut c_void,
+) -> c_int {
+    let r = next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status);
+    if r == 0 {
+        redirect_entry_point(symbol, pfn, version as c_int);
+    }
+    r
+}
+
+/// expseg's hook for an interposed function name, for `dlsym` on a runtime or driver handle
+/// (see `crate::dlsym`).
+pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
+    Some(match name {
+        b"cudaMalloc" => cudaMalloc as *mut c_void,
+        b"cudaFree" => cudaFree as *mut c_void,
+        b"cudaIpcGetMemHandle" => cudaIpcGetMemHandle as *mut c_void,
+        b"cudaIpcOpenMemHandle" => cudaIpcOpenMemHandle as *mut c_void,
+        b"cudaIpcCloseMemHandle" => cudaIpcCloseMemHandle as *mut c_void,
+        b"cudaMemGetInfo" => cudaMemGetInfo as *mut c_void,
+        b"cudaDeviceEnablePeerAccess" => cudaDeviceEnablePeerAccess as *mut c_void,
+        b"cudaDeviceDisablePeerAccess" => cudaDeviceDisablePeerAccess as *mut c_void,
+        b"cudaGetDriverEntryPoint" => cudaGetDriverEntryPoint as *mut c_void,
+        b"cudaGetDriverEntryPointByVersion" => cudaGetDriverEntryPointByVersion as *mut c_void,
+        b"cuMemGetAddressRange_v2" => cuMemGetAddressRange_v2 as *mut c_void,
+        b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
+        b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
+        _ => return None,
     })
 }

@@ -26,6 +26,7 @@
 
 pub mod api;
 pub mod config;
+pub mod dlsym;
 pub mod gpu;
 #[allow(unsafe_code)]
 pub mod hooks;

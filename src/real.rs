@@ -51,7 +51,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
     // SAFETY: dlsym/dlopen with valid NUL-terminated strings; handles are closed again
     // (RTLD_NOLOAD only raised their reference count).
     unsafe {
-        let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr());
+        let p = crate::dlsym::real(libc::RTLD_NEXT, name);
         if !p.is_null() && !is_self(p) {
             return p;
         }
@@ -60,7 +60,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
             if h.is_null() {
                 continue;
             }
-            let p = libc::dlsym(h, name.as_ptr());
+            let p = crate::dlsym::real(h, name);
             libc::dlclose(h);
             if !p.is_null() && !is_self(p) {
                 return p;
@@ -155,6 +155,8 @@ next_runtime! {
     cudaMemcpy(dst: *mut c_void, src: *const c_void, count: size_t, kind: c_int);
     cudaIpcOpenMemHandle(dev_ptr: *mut *mut c_void, handle: CudaIpcMemHandle, flags: c_uint);
     cudaIpcCloseMemHandle(dev_ptr: *mut c_void);
+    cudaGetDriverEntryPoint(symbol: *const c_char, func: *mut *mut c_void, flags: u64, status: *mut c_void);
+    cudaGetDriverEntryPointByVersion(symbol: *const c_char, func: *mut *mut c_void, version: c_uint, flags: u64, status: *mut c_void);
 }
 
 /// The file the next runtime's `cudaMalloc` lives in (for a helper process to load the same
@@ -324,14 +326,14 @@ macro_rules! driver_table {
             unsafe fn resolve(lib: *mut c_void) -> Result<DriverTable, &'static str> {
                 Ok(DriverTable {
                     $( $r: {
-                        let p = libc::dlsym(lib, concat!(stringify!($r), "\0").as_ptr() as *const c_char);
+                        let p = crate::dlsym::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($r), "\0").as_bytes()));
                         if p.is_null() {
                             return Err(stringify!($r));
                         }
                         std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rt),*) -> u32>(p)
                     }, )*
                     $( $o: {
-                        let p = libc::dlsym(lib, concat!(stringify!($o), "\0").as_ptr() as *const c_char);
+                        let p = crate::dlsym::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($o), "\0").as_bytes()));
                         (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ot),*) -> u32>(p))
                     }, )*
                 })
@@ -362,6 +364,9 @@ driver_table! {
         cuMemSetAccess(CUdeviceptr, size_t, *const CUmemAccessDesc, size_t);
     }
     optional {
+        cuMemGetAddressRange_v2(*mut CUdeviceptr, *mut size_t, CUdeviceptr);
+        cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_void);
+        cuPointerGetAttribute(*mut c_void, c_int, CUdeviceptr);
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);
         cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, u32);
     }

@@ -632,3 +632,34 @@ extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
 }
+
+#[test]
+fn lookups_through_a_runtime_handle_reach_expseg_and_ranges_describe_the_allocation() {
+    // 2 MiB chunks: the 6 MiB allocation is three mappings, each of which the driver alone
+    // would report as the range.
+    let r = run(
+        "lookup",
+        &[("EXPSEG_IPC_TICKETS", "0"), ("EXPSEG_MAX_CHUNK", "2M")],
+    )
+    .ok();
+    assert_eq!(
+        r.get("handle_lookup_is_hook"),
+        "1",
+        "dlsym(libcudart handle) gives expseg's hook"
+    );
+    assert_eq!(r.get("pooled_through_handle"), "1");
+    assert_eq!(r.get("ipc_through_handle_rc"), "0");
+    assert_eq!(
+        (r.get("range_rc"), r.get("range_ok")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (r.get("attr_rc"), r.get("attr_ok")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        r.get("other_lookup_ok"),
+        "1",
+        "other lookups, RTLD_NEXT included, untouched"
+    );
+}

@@ -32,7 +32,7 @@ pub(super) struct IpcState {
     /// Whether the ticket socket is serving (`None`: not tried yet).
     server: Option<bool>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
-    opened: HashMap<u64, Imported>,
+    opened: std::collections::BTreeMap<u64, Imported>,
 }
 
 impl IpcState {
@@ -322,7 +322,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let chunks: Vec<_> = fds.into_iter().zip(grant.chunks.iter().copied()).collect();
-    match cuda::import(drv, &chunks, dev) {
+    match cuda::import(drv, &chunks, grant.size, dev) {
         Ok(imp) => {
             let va = imp.va;
             lock().ipc.opened.insert(va, imp);
@@ -338,6 +338,21 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         }
     }
     // The received descriptors close here: the imported handles keep the memory.
+}
+
+/// The allocation containing `ptr` as the program sees it — a pool allocation or memory opened
+/// through a ticket — for `cuMemGetAddressRange` and `cuPointerGetAttribute`, which would
+/// otherwise report one chunk's mapping. `None`: not ours, ask the driver.
+pub fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return None;
+    }
+    let mut st = lock();
+    if let Some(r) = st.open_pools().find_map(|(_, p)| p.find(ptr)) {
+        return Some(r);
+    }
+    let (va, imp) = st.ipc.opened.range(..=ptr).next_back()?;
+    (ptr < va + imp.size).then_some((*va, imp.user))
 }
 
 /// `cudaIpcCloseMemHandle`: unmap memory opened through a ticket; others pass through.

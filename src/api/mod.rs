@@ -14,7 +14,7 @@
 
 mod ipc;
 
-pub use ipc::{cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle};
+pub use ipc::{allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle};
 
 use crate::config::Config;
 use crate::gpu::cuda::{self, CudaDriver};

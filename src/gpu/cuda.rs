@@ -136,13 +136,21 @@ pub fn has_context(t: &DriverTable) -> bool {
 #[derive(Debug)]
 pub struct Imported {
     pub va: u64,
+    /// Mapped bytes (whole chunks).
     pub size: u64,
+    /// The allocation's size as the producer's program asked for it.
+    pub user: u64,
     handles: Vec<(u64, u64)>,
 }
 
 /// Import `chunks` (descriptor and size each), map them back to back at a new range and give
 /// `dev` access. All or nothing.
-pub fn import(t: &DriverTable, chunks: &[(OwnedFd, u64)], dev: i32) -> DrvResult<Imported> {
+pub fn import(
+    t: &DriverTable,
+    chunks: &[(OwnedFd, u64)],
+    user: u64,
+    dev: i32,
+) -> DrvResult<Imported> {
     let imp = t
         .cuMemImportFromShareableHandle
         .ok_or(DrvError(NOT_FOUND))?;
@@ -150,6 +158,7 @@ pub fn import(t: &DriverTable, chunks: &[(OwnedFd, u64)], dev: i32) -> DrvResult
     let mut out = Imported {
         va: 0,
         size: total,
+        user,
         handles: Vec::new(),
     };
     let r = (|| {

@@ -165,6 +165,20 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* o
   pthread_mutex_unlock(&mu);
   *h = (uint64_t)i; return 0;
 }
+/* Like the real driver on VMM memory: the range of the one mapping that contains ptr. */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && ptr >= maps[i].va && ptr < maps[i].va + maps[i].size) {
+    if (base) *base = maps[i].va; if (size) *size = maps[i].size;
+    pthread_mutex_unlock(&mu); return 0;
+  }
+  pthread_mutex_unlock(&mu); return 1;
+}
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
+  CUdeviceptr b; size_t n;
+  if ((attr != 11 && attr != 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
+  *(uint64_t*)data = attr == 11 ? b : n; return 0;
+}
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */
 long fakecu_access(uint64_t va) {
   pthread_mutex_lock(&mu); long r = -1;

@@ -218,6 +218,32 @@ static int share(const char* self, const char* how) {
   return 0;
 }
 
+int cuMemGetAddressRange_v2(uint64_t*, size_t*, uint64_t);
+int cuPointerGetAttribute(void*, int, uint64_t);
+
+/* Functions fetched through a runtime handle reach expseg; the driver's range queries
+ * describe the allocation; other lookups are untouched. */
+static int lookup(void) {
+  void* rt = dlopen("libcudart.so.13", RTLD_NOW | RTLD_NOLOAD);
+  CHECK(rt);
+  int (*m)(void**, size_t) = (int (*)(void**, size_t))dlsym(rt, "cudaMalloc");
+  int (*get)(void*, void*) = (int (*)(void*, void*))dlsym(rt, "cudaIpcGetMemHandle");
+  printf("handle_lookup_is_hook=%d\n", (void*)m == dlsym(RTLD_DEFAULT, "cudaMalloc") && (void*)m != 0);
+  long creates = fakecu_count("cuMemCreate");
+  unsigned char* p = 0;
+  CHECK(m((void**)&p, 6 * MIB) == 0);
+  printf("pooled_through_handle=%d\n", fakecu_count("cuMemCreate") > creates);
+  unsigned char h[64];
+  printf("ipc_through_handle_rc=%d\n", get(h, p));
+  uint64_t base = 0, start = 0, rsize = 0; size_t size = 0;
+  int rc = cuMemGetAddressRange_v2(&base, &size, (uint64_t)(p + 12345));
+  printf("range_rc=%d range_ok=%d\n", rc, base == (uint64_t)p && size == 6 * MIB);
+  rc = cuPointerGetAttribute(&start, 11, (uint64_t)(p + 5)) | cuPointerGetAttribute(&rsize, 12, (uint64_t)(p + 5));
+  printf("attr_rc=%d attr_ok=%d\n", rc, start == (uint64_t)p && rsize == 6 * MIB);
+  printf("other_lookup_ok=%d\n", dlsym(rt, "cudaGetLastError") != 0 && dlsym(RTLD_NEXT, "malloc") != 0);
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -239,6 +265,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
   if (!strcmp(s, "ipc")) return ipc();
+  if (!strcmp(s, "lookup")) return lookup();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
 }

@@ -1,0 +1,150 @@
+//! `dlsym` interposition: programs that fetch CUDA functions through a library handle —
+//! `dlsym(dlopen("libcudart.so.13"), "cudaIpcGetMemHandle")`, as Python's
+//! `ctypes.CDLL("libcudart.so.13").cudaIpcGetMemHandle` does in vLLM — would get the runtime's
+//! own function, because a handle lookup searches that library, not the preloaded ones. The
+//! exported `dlsym` gives them expseg's hook instead, for exactly the functions expseg
+//! interposes and only on a `libcudart`/`libcuda` handle.
+//!
+//! Every other lookup must behave as if expseg were not there, including `RTLD_NEXT`, whose
+//! meaning depends on the caller's address. So `dlsym` is a few instructions of assembly: ask
+//! [`expseg_dlsym_redirect`] (which never calls `dlsym`), return its answer if there is one,
+//! else *jump* to the real `dlsym` with the caller's arguments and return address untouched.
+//! x86-64 only; on other architectures nothing is interposed (programs then reach expseg only
+//! through the dynamic linker).
+#![allow(unsafe_code)]
+
+use libc::{c_char, c_int, c_void};
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+/// The real `dlsym`, read by the trampoline.
+static EXPSEG_REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// glibc's own `dlsym`, found with `dlvsym` (which expseg does not interpose).
+fn real_ptr() -> *mut c_void {
+    let p = EXPSEG_REAL_DLSYM.load(Ordering::Acquire);
+    if !p.is_null() {
+        return p;
+    }
+    let mut found = std::ptr::null_mut();
+    // SAFETY: dlopen/dlvsym with constant NUL-terminated strings.
+    let libc_handle =
+        unsafe { libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    'search: for h in [libc::RTLD_NEXT, libc_handle] {
+        for v in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+            if h.is_null() {
+                continue;
+            }
+            // SAFETY: as above.
+            found = unsafe { libc::dlvsym(h, c"dlsym".as_ptr(), v.as_ptr()) };
+            if !found.is_null() {
+                break 'search;
+            }
+        }
+    }
+    EXPSEG_REAL_DLSYM.store(found, Ordering::Release);
+    found
+}
+
+/// Look `name` up in `handle` with the real `dlsym`, never redirected: what expseg uses to
+/// find the functions it stands in front of.
+///
+/// # Safety
+/// `handle` must be `RTLD_DEFAULT`, `RTLD_NEXT` or a live `dlopen` handle.
+pub unsafe fn real(handle: *mut c_void, name: &CStr) -> *mut c_void {
+    let p = real_ptr();
+    if p.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `p` is glibc's dlsym; `name` is NUL-terminated.
+    unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(p)(handle, name.as_ptr()) }
+}
+
+extern "C" {
+    fn dlinfo(handle: *mut c_void, request: c_int, arg: *mut c_void) -> c_int;
+}
+const RTLD_DI_LINKMAP: c_int = 2;
+
+#[repr(C)]
+struct LinkMap {
+    l_addr: usize,
+    l_name: *const c_char,
+}
+
+/// expseg's replacement for `name` looked up in `handle`, or null for "ask the real dlsym".
+/// Called by the trampoline for every `dlsym` in the process: it makes no `dlsym` call, takes
+/// no lock, allocates nothing.
+extern "C" fn expseg_dlsym_redirect(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    if real_ptr().is_null() {
+        return std::ptr::null_mut();
+    }
+    if handle.is_null() || handle == libc::RTLD_NEXT || name.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `name` is the caller's NUL-terminated symbol name.
+    let name = unsafe { CStr::from_ptr(name) }.to_bytes();
+    let Some(replacement) = crate::hooks::replacement(name) else {
+        return std::ptr::null_mut();
+    };
+    let mut lm: *const LinkMap = std::ptr::null();
+    // SAFETY: `handle` is the caller's dlopen handle, as the real dlsym would read it.
+    if unsafe {
+        dlinfo(
+            handle,
+            RTLD_DI_LINKMAP,
+            (&mut lm as *mut *const LinkMap).cast(),
+        )
+    } != 0
+        || lm.is_null()
+    {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the link map of a loaded object; l_name is a NUL-terminated path ("" for the
+    // main program).
+    let path = unsafe {
+        let n = (*lm).l_name;
+        if n.is_null() {
+            return std::ptr::null_mut();
+        }
+        CStr::from_ptr(n).to_bytes()
+    };
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    let runtime = file.starts_with(b"libcudart.so");
+    let driver = file.starts_with(b"libcuda.so");
+    if (runtime && name.starts_with(b"cuda"))
+        || (driver && name.starts_with(b"cu") && !name.starts_with(b"cuda"))
+    {
+        replacement
+    } else {
+        std::ptr::null_mut()
+    }
+}
+
+/// The exported `dlsym`: the redirect check, then a jump to the real one.
+///
+/// # Safety
+/// As `dlsym(3)`.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    std::arch::naked_asm!(
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "call {redirect}@PLT",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 2f",
+        "ret",
+        "2:",
+        "mov rax, qword ptr [rip + {real}@GOTPCREL]",
+        "jmp qword ptr [rax]",
+        redirect = sym expseg_dlsym_redirect,
+        real = sym EXPSEG_REAL_DLSYM,
+    )
+}
