@@ -78,6 +78,16 @@ else
   echo "SKIP torch tests: no PyTorch with CUDA in python3"
 fi
 
+# PyTorch IPC side by side: ctypes cudaIpcGetMemHandle, torch.multiprocessing both ways,
+# weight sync; default allocator, expandable_segments, expseg. Only expseg must pass all.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  MODE=default python3 "$here/torch_ipc.py" >"$logs/torch_ipc_default.log" 2>&1
+  MODE=expandable_segments PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable.log" 2>&1
+  MODE=expseg LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
+  result torch_ipc_expseg $? ""
+  for m in default expandable expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+fi
+
 # A process that never touches CUDA stays undisturbed under the shim.
 out=$(EXPSEG_REPORT="$logs/quiet_%p.txt" LD_PRELOAD="$lib" python3 -c 'print("hello")' 2>&1)
 [ "$out" = hello ] && ! ls "$logs"/quiet_* >/dev/null 2>&1
