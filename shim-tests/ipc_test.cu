@@ -38,6 +38,32 @@ __global__ void verify_k(const uint32_t* p, size_t n, uint32_t seed, unsigned lo
     b += p[i] != ((uint32_t)(i * 2654435761u) ^ seed);
   if (b) atomicAdd(bad, b);
 }
+// Flags ping-pong, like a custom all-reduce: each side waits for its turn on word 0 of the
+// shared buffer and hands the turn over; works only if both sides see one memory.
+__global__ void pingpong_k(volatile unsigned* flag, int rounds, unsigned me, int* ok) {
+  long long t0 = clock64();
+  for (int i = 0; i < rounds; i++) {
+    unsigned want = 2 * i + me;
+    while (*flag != want) {
+      if (clock64() - t0 > 20000000000ll) { *ok = 0; return; }  // ~10 s
+    }
+    __threadfence_system();
+    *flag = want + 1;
+    __threadfence_system();
+  }
+  *ok = 1;
+}
+static int* pingpong_ok;
+static void pingpong_start(void* p, int rounds, unsigned me) {
+  if (!pingpong_ok) cudaMallocHost(&pingpong_ok, sizeof *pingpong_ok);
+  *pingpong_ok = -1;
+  pingpong_k<<<1, 1>>>((volatile unsigned*)p, rounds, me, pingpong_ok);
+}
+static int pingpong_wait() {
+  cudaDeviceSynchronize();
+  return *pingpong_ok == 1;
+}
+
 static void fill(void* p, size_t bytes, uint32_t seed) {
   fill_k<<<2048, 256>>>((uint32_t*)p, bytes / 4, seed);
   cudaDeviceSynchronize();
@@ -84,6 +110,11 @@ static int consume() {
     } else if (sscanf(line, "write %llu", &b) == 1) {
       fill(q, size, (uint32_t)b);
       printf("ok\n");
+    } else if (sscanf(line, "pingpong %llu", &b) == 1) {
+      pingpong_start(q, (int)b, 1);
+      printf("ok\n");
+    } else if (!strncmp(line, "wait", 4)) {
+      printf(pingpong_wait() ? "ok\n" : "bad pingpong\n");
     } else if (!strncmp(line, "close", 5)) {
       cudaError_t e = cudaIpcCloseMemHandle(q);
       printf(e == cudaSuccess ? "ok\n" : "err %d\n", e);
@@ -177,12 +208,23 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
     int shared = seen == 0;
     int expect_shared = moved || consumer_expseg;
     ok &= shared == expect_shared;
+    // Both sides take turns on a flag word while running concurrently: shared memory only.
+    int pingpong = -1;
+    if (ok && expect_shared) {
+      cudaMemset(p, 0, 4);
+      cudaDeviceSynchronize();
+      ok &= ask(c, "pingpong 100\n");
+      pingpong_start(p, 100, 0);
+      pingpong = pingpong_wait();
+      pingpong &= ask(c, "wait\n");
+      ok &= pingpong;
+    }
     ok &= ask(c, "close\n");
     ok &= cudaFree(p) == cudaSuccess;
     printf("%s ipc %6zu MiB: %s (was VMM: %d), export %.2f ms, open %.3f ms, %d/10 versions seen, consumer writes %s\n",
            ok ? "PASS" : "FAIL", size >> 20, moved ? "moved/standard" : (consumer_expseg ? "mirror+ticket" : "mirror"), vmm,
            t_export, t_open, versions,
-           shared ? "shared" : "not shared (one-way)");
+           shared ? (pingpong == 1 ? "shared, 100 ping-pong rounds" : "shared") : "not shared (one-way)");
     ok ? passed++ : failed++;
   }
   // A consumer running expseg refuses a ticket with a forged nonce and the ticket of a freed
@@ -234,7 +276,7 @@ static int bench() {
   size_t sizes[] = {2, 8, 20, 32, 40, 64, 256, 1024, 4096};
   for (size_t mb : sizes) {
     size_t size = mb * MIB;
-    int moved = 0, mirrored = 0, failures = 0, trials = 10;
+    int moved = 0, mirrored = 0, failures = 0, trials = mb <= 40 ? 100 : 10;
     std::vector<double> tm, tmi, tr, tc;
     for (int t = 0; t < trials; t++) {
       void* p;

@@ -52,10 +52,11 @@ if [ -x "$build/ipc_test" ]; then
   result ipc_native_producer $? "$(tail -n 1 "$logs/ipc_native.log")"
   for consumer in - "$lib"; do
     name=ipc_expseg_producer_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test" run "$consumer" $sizes >"$logs/$name.log" 2>"$logs/$name.err"
+    EXPSEG_LOG=expseg=debug EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test" run "$consumer" $sizes >"$logs/$name.log" 2>"$logs/$name.err"
     result "$name" $? "$(tail -n 1 "$logs/$name.log")"
     grep -E '^(PASS|FAIL|SKIP) ipc' "$logs/$name.log" | sed 's/^/    /'
   done
+  grep -h "ticket .* opened" "$logs"/ipc_expseg_producer_expseg_consumer.err | sed 's/^/    /' 
   # A move that fails at any step: data intact, a working handle (a mirror) all the same.
   rc=0
   for step in sync temp_reserve temp_map unmap free_range alloc placement copy handle; do
@@ -85,7 +86,11 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   MODE=expandable_segments PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable.log" 2>&1
   MODE=expseg LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
   result torch_ipc_expseg $? ""
-  for m in default expandable expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+  # expandable_segments under expseg: its VMM memory is not the pool's; IPC handles come from
+  # mirrors of the mappings (ctypes), torch.multiprocessing keeps PyTorch's own path.
+  MODE=expandable_segments+expseg PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LD_PRELOAD="$lib" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable_expseg.log" 2>&1
+  result torch_ipc_expandable_under_expseg $? ""
+  for m in default expandable expseg expandable_expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
 fi
 
 # A process that never touches CUDA stays undisturbed under the shim.

@@ -85,7 +85,26 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut 
                 0
             }
             Answer::Done(Err(e)) => e,
-            Answer::PassThrough => next::cudaIpcGetMemHandle(handle, dev_ptr),
+            Answer::PassThrough => {
+                let e = next::cudaIpcGetMemHandle(handle, dev_ptr);
+                if e != INVALID_VALUE {
+                    return e;
+                }
+                // VMM memory of another allocator: a mirror (see api::mirror_foreign).
+                match api::mirror_foreign(dev_ptr as u64) {
+                    Some(Ok(bytes)) => {
+                        next::cudaGetLastError();
+                        std::ptr::copy_nonoverlapping(
+                            bytes.as_ptr(),
+                            handle as *mut u8,
+                            bytes.len(),
+                        );
+                        0
+                    }
+                    Some(Err(e)) => e,
+                    None => e,
+                }
+            }
         }
     })
 }
@@ -159,6 +178,9 @@ pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> c_int {
 }
 
 // Driver queries that must describe the allocation the program made, not one chunk's mapping.
+
+/// `cudaErrorInvalidValue`: what the runtime answers for IPC of VMM memory.
+const INVALID_VALUE: c_int = 1;
 
 /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and `..._RANGE_SIZE`.
 const RANGE_START_ADDR: c_int = 11;

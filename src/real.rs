@@ -155,6 +155,7 @@ next_runtime! {
     cudaMemcpy(dst: *mut c_void, src: *const c_void, count: size_t, kind: c_int);
     cudaIpcOpenMemHandle(dev_ptr: *mut *mut c_void, handle: CudaIpcMemHandle, flags: c_uint);
     cudaIpcCloseMemHandle(dev_ptr: *mut c_void);
+    cudaGetLastError();
     cudaGetDriverEntryPoint(symbol: *const c_char, func: *mut *mut c_void, flags: u64, status: *mut c_void);
     cudaGetDriverEntryPointByVersion(symbol: *const c_char, func: *mut *mut c_void, version: c_uint, flags: u64, status: *mut c_void);
 }

@@ -663,3 +663,28 @@ fn lookups_through_a_runtime_handle_reach_expseg_and_ranges_describe_the_allocat
         "other lookups, RTLD_NEXT included, untouched"
     );
 }
+
+#[test]
+fn vmm_memory_of_another_allocator_is_shared_through_a_mirror() {
+    let r = run("foreign", &[]).ok();
+    assert_eq!(
+        (r.get("foreign_rc"), r.get("lasterr")),
+        ("0".into(), "0".into())
+    );
+    assert_eq!(r.get("foreign_data"), "1");
+    assert_eq!(r.get("foreign_again_rc"), "0");
+    assert_eq!(
+        (r.get("same"), r.get("refreshed")),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(
+        r.get("host_rc"),
+        "1",
+        "a host pointer still gets the runtime's error"
+    );
+    assert!(
+        r.stderr().contains("VMM memory expseg does not own"),
+        "{}",
+        r.stderr()
+    );
+}

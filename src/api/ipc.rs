@@ -31,6 +31,8 @@ pub(super) struct IpcState {
     freed: std::collections::HashSet<u32>,
     /// Whether the ticket socket is serving (`None`: not tried yet).
     server: Option<bool>,
+    /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
+    foreign: HashMap<u64, ForeignMirror>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
     opened: std::collections::BTreeMap<u64, Imported>,
 }
@@ -62,6 +64,96 @@ impl IpcState {
             self.by_id.remove(&id);
             self.freed.insert(id);
         }
+    }
+}
+
+struct ForeignMirror {
+    ptr: u64,
+    size: u64,
+    handle: IpcHandle,
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
+const DEVICE_ORDINAL: libc::c_int = 9;
+
+/// `cudaIpcGetMemHandle` on VMM memory expseg does not own (PyTorch's expandable segments,
+/// vLLM's cumem pool), after the runtime refused it: a mirror of the mapping the driver
+/// reports for `ptr`, refreshed at each request. `None`: not such memory, keep the runtime's
+/// answer. One-way and point-in-time, like every mirror; a range spanning several mappings
+/// is not covered (docs/contract.md).
+pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
+    if bypass() {
+        return None;
+    }
+    let t = crate::real::driver().ok()?;
+    let (range, attr) = (t.cuMemGetAddressRange_v2?, t.cuPointerGetAttribute?);
+    let (mut base, mut size, mut dev) = (0u64, 0usize, 0 as libc::c_int);
+    #[allow(unsafe_code)]
+    // SAFETY: valid out-pointers; the driver validates `ptr`.
+    let found = unsafe {
+        range(&mut base, &mut size, ptr) == 0
+            && attr((&mut dev as *mut libc::c_int).cast(), DEVICE_ORDINAL, ptr) == 0
+    };
+    if !found || size == 0 {
+        return None;
+    }
+    let size = size as u64;
+    let mut st = ensure_state();
+    if let Some(m) = st.ipc.foreign.get(&base).filter(|m| m.size == size) {
+        let (p, h) = (m.ptr, m.handle);
+        drop(st);
+        let refreshed =
+            runtime::on_device(dev, || match runtime::copy_d2d(p, base, size as usize) {
+                0 => match runtime::device_synchronize() {
+                    0 => Ok(()),
+                    e => Err(e),
+                },
+                e => Err(e),
+            });
+        return Some(refreshed.map(|()| h));
+    }
+    if let Some(old) = st.ipc.foreign.remove(&base) {
+        runtime::free(old.ptr);
+    }
+    let made = runtime::on_device(dev, || {
+        let (e, p) = runtime::malloc(size as usize);
+        if e != 0 {
+            return Err(e);
+        }
+        let r = match runtime::device_synchronize() {
+            0 => match runtime::copy_d2d(p, base, size as usize) {
+                0 => match runtime::device_synchronize() {
+                    0 => runtime::ipc_get_mem_handle(p),
+                    e => Err(e),
+                },
+                e => Err(e),
+            },
+            e => Err(e),
+        };
+        match r {
+            Ok(h) => Ok((p, h)),
+            Err(e) => {
+                runtime::free(p);
+                Err(e)
+            }
+        }
+    });
+    match made {
+        Ok((p, handle)) => {
+            log::warn!(
+                "IPC: {base:#x} ({size} bytes) is VMM memory expseg does not own (expandable_segments or another VMM allocator); shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"
+            );
+            st.ipc.foreign.insert(
+                base,
+                ForeignMirror {
+                    ptr: p,
+                    size,
+                    handle,
+                },
+            );
+            Some(Ok(handle))
+        }
+        Err(e) => Some(Err(e)),
     }
 }
 
@@ -294,6 +386,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     };
     let ticket_only = handle[24..].iter().all(|b| *b == 0);
     let path = transport::socket_path(t.uid, t.pid);
+    let started = std::time::Instant::now();
     let (grant, fds) = match transport::ask(&path, t.id, t.nonce) {
         Ok(g) => g,
         Err(AskError::Refused(r)) => {
@@ -321,10 +414,20 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     if !cuda::has_context(drv) && runtime::free(0) != 0 {
         return Answer::Done(Err(INVALID_HANDLE));
     }
+    let asked = started.elapsed();
     let chunks: Vec<_> = fds.into_iter().zip(grant.chunks.iter().copied()).collect();
     match cuda::import(drv, &chunks, grant.size, dev) {
         Ok(imp) => {
             let va = imp.va;
+            log::debug!(
+                "IPC: ticket {} of process {} opened: {} bytes in {} chunk(s); ask {:.3} ms, import and map {:.3} ms",
+                t.id,
+                t.pid,
+                grant.size,
+                chunks.len(),
+                asked.as_secs_f64() * 1e3,
+                (started.elapsed() - asked).as_secs_f64() * 1e3
+            );
             lock().ipc.opened.insert(va, imp);
             Answer::Done(Ok(va))
         }

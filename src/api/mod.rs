@@ -14,7 +14,10 @@
 
 mod ipc;
 
-pub use ipc::{allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle};
+pub use ipc::{
+    allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
+    mirror_foreign,
+};
 
 use crate::config::Config;
 use crate::gpu::cuda::{self, CudaDriver};

@@ -176,7 +176,8 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr pt
 }
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   CUdeviceptr b; size_t n;
-  if ((attr != 11 && attr != 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
+  if ((attr != 9 && attr != 11 && attr != 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
+  if (attr == 9) { *(int*)data = 0; return 0; }
   *(uint64_t*)data = attr == 11 ? b : n; return 0;
 }
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */

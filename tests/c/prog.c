@@ -244,6 +244,34 @@ static int lookup(void) {
   return 0;
 }
 
+typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void* win32; unsigned char flags[8]; } Prop;
+typedef struct { struct { int type; int id; } location; int flags; } Access;
+int cuMemCreate(uint64_t*, size_t, const Prop*, unsigned long long);
+int cuMemAddressReserve(uint64_t*, size_t, size_t, uint64_t, unsigned long long);
+int cuMemMap(uint64_t, size_t, size_t, uint64_t, unsigned long long);
+int cuMemSetAccess(uint64_t, size_t, const Access*, size_t);
+
+/* VMM memory made by another allocator (as PyTorch's expandable segments do): IPC gets a
+ * mirror of the mapping. */
+static int foreign(void) {
+  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1;
+  Access a; memset(&a, 0, sizeof a); a.location.type = 1; a.flags = 3;
+  uint64_t h, va;
+  CHECK(cuMemCreate(&h, 4 * MIB, &p, 0) == 0 && cuMemAddressReserve(&va, 4 * MIB, 0, 0, 0) == 0);
+  CHECK(cuMemMap(va, 4 * MIB, 0, h, 0) == 0 && cuMemSetAccess(va, 4 * MIB, &a, 1) == 0);
+  unsigned char* m = (unsigned char*)va;
+  fill(m, 4 * MIB, 0x61);
+  unsigned char hd[64], hd2[64];
+  int rc = cudaIpcGetMemHandle(hd, m + 100);
+  printf("foreign_rc=%d lasterr=%d\n", rc, cudaGetLastError());
+  printf("foreign_data=%d\n", rc == 0 && holds(opened(hd), 4 * MIB, 0x61));
+  fill(m, 4 * MIB, 0x62);
+  rc = cudaIpcGetMemHandle(hd2, m);
+  printf("foreign_again_rc=%d same=%d refreshed=%d\n", rc, !memcmp(hd, hd2, 64), holds(opened(hd2), 4 * MIB, 0x62));
+  int x; printf("host_rc=%d\n", cudaIpcGetMemHandle(hd, &x));
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -266,6 +294,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "simple")) return simple();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
+  if (!strcmp(s, "foreign")) return foreign();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
 }
