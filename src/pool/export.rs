@@ -222,7 +222,18 @@ impl<D: Driver> Pool<D> {
     /// its chunks may be mapped elsewhere, so they are never reused. Returns base and size.
     pub fn share(&mut self, ptr: u64) -> Option<(u64, u64)> {
         let (base, user) = self.find(ptr)?;
-        self.blocks.get_mut(&base).expect("live block").shared = true;
+        let b = self.blocks.get_mut(&base).expect("live block");
+        b.shared = true;
+        if b.fds.is_empty() {
+            let handles: Vec<_> = b.chunks.iter().map(|c| c.handle).collect();
+            let fds: Result<Vec<_>, _> =
+                handles.into_iter().map(|h| self.drv.export_fd(h)).collect();
+            match fds {
+                Ok(f) => self.blocks.get_mut(&base).expect("live block").fds = f,
+                // Tried again when a consumer asks.
+                Err(e) => log::warn!("exporting the chunks of {base:#x} failed: {e}"),
+            }
+        }
         Some((base, user))
     }
 
@@ -234,11 +245,19 @@ impl<D: Driver> Pool<D> {
             .get(&base)
             .filter(|b| b.cached_at.is_none() && b.shared)?;
         let (user, chunks) = (b.user, b.chunks.clone());
+        let cached: std::io::Result<Vec<OwnedFd>> = b.fds.iter().map(OwnedFd::try_clone).collect();
         let mut fds = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            match self.drv.export_fd(c.handle) {
-                Ok(fd) => fds.push((fd, c.size)),
-                Err(e) => return Some(Err(e)),
+        match cached {
+            Ok(c) if c.len() == chunks.len() => {
+                fds.extend(c.into_iter().zip(chunks.iter().map(|c| c.size)));
+            }
+            _ => {
+                for c in chunks {
+                    match self.drv.export_fd(c.handle) {
+                        Ok(fd) => fds.push((fd, c.size)),
+                        Err(e) => return Some(Err(e)),
+                    }
+                }
             }
         }
         Some(Ok((user, fds)))

@@ -279,3 +279,34 @@ fn a_range_swallowed_by_the_runtime_heap_is_won_back_by_plugging() {
     );
     check(&p);
 }
+
+#[test]
+fn shared_allocations_hand_out_their_chunks_and_are_never_reused() {
+    let mut p = Pool::new(
+        FakeDriver::new(0, GRAN, 1 << 30),
+        PoolConfig {
+            cache_max: 1 << 30,
+            max_chunk: 2 * MIB,
+        },
+    );
+    let a = p.alloc(6 * MIB).unwrap();
+    assert!(p.export_fds(a).is_none(), "not shared yet");
+    assert_eq!(p.share(a + 1), Some((a, 6 * MIB)));
+    for _ in 0..2 {
+        let (size, fds) = p.export_fds(a).unwrap().unwrap();
+        assert_eq!(size, 6 * MIB);
+        assert_eq!(
+            fds.iter().map(|f| f.1).collect::<Vec<_>>(),
+            vec![2 * MIB; 3]
+        );
+    }
+    p.free(a).unwrap();
+    assert_eq!(
+        p.cached_bytes(),
+        0,
+        "shared chunks go back to the driver, not the cache"
+    );
+    assert_eq!(p.driver().chunk_count(), 0);
+    assert!(p.export_fds(a).is_none(), "stale");
+    check(&p);
+}

@@ -78,6 +78,9 @@ struct Block {
     mirror: Option<export::Mirror>,
     /// Its chunks were given to other processes (IPC tickets): never reused after the free.
     shared: bool,
+    /// The chunks as POSIX descriptors, exported once when the block is first shared, so a
+    /// consumer's request costs a `dup`, not a driver call.
+    fds: Vec<std::os::fd::OwnedFd>,
 }
 
 /// Where a chunk chosen for a new allocation comes from.
@@ -423,6 +426,7 @@ impl<D: Driver> Pool<D> {
                         cached_at: None,
                         mirror: None,
                         shared: false,
+                        fds: Vec::new(),
                     },
                 );
                 Ok(base)
