@@ -195,6 +195,28 @@ static int t_meminfo(void) {
   return 1;
 }
 
+// The driver's range queries describe the allocation the program made (also when expseg
+// built it of several chunks: run with EXPSEG_MAX_CHUNK=2M).
+static int t_ranges(void) {
+  size_t sizes[] = {6 * MIB, 64 * MIB + 4096};
+  for (size_t n : sizes) {
+    char* p;
+    CHECK(cudaMalloc((void**)&p, n) == cudaSuccess, "alloc");
+    CUdeviceptr base = 0, start = 0;
+    size_t size = 0;
+    unsigned long long rsize = 0;
+    CHECK(cuMemGetAddressRange(&base, &size, (CUdeviceptr)(p + n - 1)) == CUDA_SUCCESS, "cuMemGetAddressRange");
+    CHECK(base == (CUdeviceptr)p && size >= n && size < n + 2 * MIB, "range %zu: base off %lld size %zu", n,
+          (long long)(base - (CUdeviceptr)p), size);
+    CHECK(cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)(p + n / 2)) == CUDA_SUCCESS &&
+              start == (CUdeviceptr)p, "range start attribute");
+    CHECK(cuPointerGetAttribute(&rsize, CU_POINTER_ATTRIBUTE_RANGE_SIZE, (CUdeviceptr)(p + n / 2)) == CUDA_SUCCESS &&
+              rsize == size, "range size attribute %llu vs %zu", rsize, size);
+    CHECK(cudaFree(p) == cudaSuccess, "free");
+  }
+  return 1;
+}
+
 struct Th { int id; int ok; };
 static void* thread_main(void* arg) {
   Th* t = (Th*)arg;
@@ -271,7 +293,7 @@ int main() {
   struct { const char* name; int (*f)(void); } tests[] = {
       {"sizes_1B_to_16GiB", t_sizes}, {"semantics", t_semantics}, {"free_waits_for_gpu", t_free_waits_for_gpu},
       {"stitch", t_stitch}, {"random_history", t_random_history}, {"meminfo", t_meminfo},
-      {"threads", t_threads}, {"two_gpus", t_two_gpus},
+      {"threads", t_threads}, {"two_gpus", t_two_gpus}, {"ranges", t_ranges},
   };
   for (size_t i = 0; i < sizeof tests / sizeof *tests; i++) {
     struct timespec t0, t1;

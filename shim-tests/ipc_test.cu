@@ -11,6 +11,7 @@
 //       export time against a device-to-device copy of the same size, mirror refresh rate.
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <spawn.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -151,6 +152,13 @@ static Consumer spawn_consumer(const char* self, const char* preload) {
   setvbuf(c.to, 0, _IOLBF, 0);
   return c;
 }
+static int count_fds() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; fd++)
+    if (fcntl(fd, F_GETFD) != -1) n++;
+  return n;
+}
+
 static char last_answer[128];
 static int ask(Consumer& c, const char* fmt, ...) {
   char cmd[512];
@@ -219,12 +227,22 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
       pingpong &= ask(c, "wait\n");
       ok &= pingpong;
     }
+    // A consumer mapping outlives the producer's free (ticket path): the memory stays valid.
+    int outlived = -1;
+    if (ok && consumer_expseg && !moved) {
+      fill(p, size, seed + 99);
+      ok &= cudaFree(p) == cudaSuccess;
+      p = 0;
+      outlived = ask(c, "check %u\n", seed + 99);
+      ok &= outlived;
+    }
     ok &= ask(c, "close\n");
-    ok &= cudaFree(p) == cudaSuccess;
+    if (p) ok &= cudaFree(p) == cudaSuccess;
     printf("%s ipc %6zu MiB: %s (was VMM: %d), export %.2f ms, open %.3f ms, %d/10 versions seen, consumer writes %s\n",
            ok ? "PASS" : "FAIL", size >> 20, moved ? "moved/standard" : (consumer_expseg ? "mirror+ticket" : "mirror"), vmm,
            t_export, t_open, versions,
            shared ? (pingpong == 1 ? "shared, 100 ping-pong rounds" : "shared") : "not shared (one-way)");
+    if (outlived == 1) printf("     (consumer still read it after the producer freed it)\n");
     ok ? passed++ : failed++;
   }
   // A consumer running expseg refuses a ticket with a forged nonce and the ticket of a freed
@@ -244,6 +262,29 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
     hex(h, hx);
     ok &= !ask(c, "open %s %zu\n", hx, size);
     printf("%s ipc tickets: forged nonce and freed allocation refused (ticketed handle: %d)\n", ok ? "PASS" : "FAIL", ticketed);
+    ok ? passed++ : failed++;
+  }
+  // No descriptor or memory leaks: 20 more share/open/close/free cycles leave the producer with
+  // the descriptors and free memory it had before them.
+  {
+    size_t size = 64 * MIB, f0, f1, total;
+    int ok = 1;
+    int fds0 = count_fds();
+    cudaMemGetInfo(&f0, &total);
+    for (int i = 0; ok && i < 20; i++) {
+      void* p;
+      cudaIpcMemHandle_t h;
+      char hx[129];
+      ok &= cudaMalloc(&p, size) == cudaSuccess && cudaIpcGetMemHandle(&h, p) == cudaSuccess;
+      hex(h, hx);
+      ok &= ask(c, "open %s %zu\n", hx, size) && ask(c, "close\n");
+      ok &= cudaFree(p) == cudaSuccess;
+    }
+    int fds1 = count_fds();
+    cudaMemGetInfo(&f1, &total);
+    ok &= fds1 <= fds0 && f1 + 4 * MIB >= f0;
+    printf("%s ipc: 20 share cycles: producer descriptors %d -> %d, free memory %zu -> %zu MiB\n", ok ? "PASS" : "FAIL", fds0,
+           fds1, f0 >> 20, f1 >> 20);
     ok ? passed++ : failed++;
   }
   fputs("quit\n", c.to);

@@ -41,6 +41,9 @@ if [ -x "$build/alloc_test" ]; then
   grep -q '"allocs":[1-9]' "$logs/alloc_report.txt.json" 2>/dev/null || { echo "  report shows no pool allocations"; rc=1; }
   result alloc_test_expseg $rc "$(tail -n 1 "$logs/alloc_shim.log")"
   grep -E '^(PASS|FAIL)|FAIL|skipped' "$logs/alloc_shim.log" | sed 's/^/    /'
+  # The same with every allocation built of 2 MiB chunks (stitched-like blocks everywhere).
+  EXPSEG_MAX_CHUNK=2M EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test" >"$logs/alloc_shim_chunks.log" 2>&1
+  result alloc_test_expseg_2MiB_chunks $? "$(tail -n 1 "$logs/alloc_shim_chunks.log")"
 fi
 
 # IPC: cudaIpcGetMemHandle on pool memory, consumers with and without expseg.
