@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""PyTorch under expseg, side by side with PyTorch's own allocator settings.
+
+    python3 scripts/bench_torch.py [--lib path/to/libexpseg.so] [--out DIR] [--workloads ...]
+
+Each workload runs in a fresh process per mode, under a fixed memory budget made real by a
+filler process that holds the rest of the card:
+  frag   step-2 fragmentation: a transient buffer of 55 % of the budget, then 40 medium buffers
+         of 0.4-2 %, every fourth kept into the next step (the seed's OOM at step 2);
+  moe    MoE-like: per-step activation sizes that follow random expert loads;
+  churn  ~48 GiB per step in 0.05-0.6 GiB tensors, a third touched, all freed, and
+         torch.cuda.empty_cache() every step (frameworks handing memory to a colocated engine);
+  train  a small GPT-like model, a few hundred steps: step time and losses.
+Modes: default, expandable (expandable_segments:True), max_split (max_split_size_mb:64),
+expseg (LD_PRELOAD only) and expseg-run (scripts/expseg-run: LD_PRELOAD plus its PyTorch
+defaults). Prints a table (completed steps or OOM, peak device memory, peak reserved, median
+step time, ratios to expandable_segments), writes results.json and memory.png to DIR.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GIB = 1 << 30
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKLOADS = {  # name: (budget GiB, steps)
+    "frag": (24, 5),
+    "moe": (24, 30),
+    "churn": (56, 20),
+    "train": (24, 300),
+}
+MODES = ["default", "expandable", "max_split", "expseg", "expseg-run"]
+
+
+def mode_env(mode, lib):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF"))}
+    env.pop("LD_PRELOAD", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    cmd = []
+    if mode == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    elif mode == "max_split":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
+    elif mode == "expseg":
+        env["LD_PRELOAD"] = lib
+    elif mode == "expseg-run":
+        env["EXPSEG_LIB"] = lib
+        env["EXPSEG_REPORT"] = "none"
+        cmd = [os.path.join(HERE, "expseg-run")]
+    return env, cmd
+
+
+# ---------------------------------------------------------------- the worker side
+
+
+def device_used():
+    import pynvml
+
+    h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("BENCH_NVML_INDEX", "0")))
+    return pynvml.nvmlDeviceGetMemoryInfo(h).used
+
+
+def gpt(torch, dim=512, layers=6, vocab=8192, heads=8):
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            att = (q @ k.transpose(-1, -2)) / (dim // heads) ** 0.5
+            mask = torch.ones(t, t, device=x.device, dtype=torch.bool).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+            x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, dim))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(2048, dim)
+            self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            return self.head(self.blocks(self.tok(idx) + self.pos(pos)))
+
+    return GPT(), vocab
+
+
+def worker(name):
+    import pynvml
+    import random
+
+    import torch
+
+    pynvml.nvmlInit()
+    budget, steps = WORKLOADS[name]
+    B = budget * GIB
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    base_used = device_used()
+    rng = random.Random(1234)
+    u8 = torch.uint8
+    res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": []}
+    state = {}
+    if name == "train":
+        torch.manual_seed(0)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        model, vocab = gpt(torch)
+        model = model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        gen = torch.Generator().manual_seed(1)
+
+    def step(i):
+        if name == "frag":
+            big = torch.empty(int(0.55 * B), dtype=u8, device="cuda")
+            big[:: 1 << 20].fill_(1)
+            del big
+            keep = []
+            for j in range(40):
+                t = torch.empty(int(rng.uniform(0.004, 0.02) * B), dtype=u8, device="cuda")
+                t[:: 1 << 20].fill_(2)
+                if j % 4 == 0:
+                    keep.append(t)
+            state["keep"] = keep  # the previous step's keepers go now
+        elif name == "moe":
+            experts = 32
+            loads = [rng.random() ** 3 for _ in range(experts)]
+            total = sum(loads)
+            acts = []
+            for layer in range(4):
+                for e in range(experts):
+                    n = int(0.5 * B / 4 * loads[e] / total) // 2 * 2 + 4096
+                    a = torch.empty(n, dtype=u8, device="cuda")
+                    a[:: 1 << 20].fill_(3)
+                    acts.append(a)
+                if layer % 2 == 1:
+                    acts = acts[len(acts) // 2 :]  # half the activations live on
+            state["kept"] = acts[: experts // 4]
+        elif name == "churn":
+            ts, total = [], 0
+            while total < 48 * GIB:
+                n = int(rng.uniform(0.05, 0.6) * GIB)
+                t = torch.empty(n, dtype=u8, device="cuda")
+                if len(ts) % 3 == 0:
+                    t.fill_(4)
+                ts.append(t)
+                total += n
+            del ts
+            torch.cuda.empty_cache()
+        elif name == "train":
+            batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
+            data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
+            logits = model(data[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+
+    try:
+        for i in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(i)
+            torch.cuda.synchronize()
+            res["step_ms"].append((time.perf_counter() - t0) * 1e3)
+            res["mem"].append((device_used() - base_used, torch.cuda.memory_reserved()))
+            res["steps"] = i + 1
+    except torch.OutOfMemoryError as e:
+        res["oom"] = str(e).split("\n")[0][:200]
+    res["peak_device"] = max((m[0] for m in res["mem"]), default=0)
+    res["peak_reserved"] = torch.cuda.max_memory_reserved()
+    res["median_step_ms"] = statistics.median(res["step_ms"][1:] or res["step_ms"] or [0])
+    print("RESULT " + json.dumps(res))
+
+
+def filler(gib):
+    import torch
+
+    x = torch.empty(int(gib * GIB), dtype=torch.uint8, device="cuda")
+    x[:: 1 << 20].fill_(9)
+    torch.cuda.synchronize()
+    print("FILLED", flush=True)
+    sys.stdin.read()  # hold until the orchestrator closes our stdin
+
+
+# ---------------------------------------------------------------- the orchestrator
+
+
+def free_now():
+    import pynvml
+
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    return pynvml.nvmlDeviceGetMemoryInfo(h).free
+
+
+def run_all(args):
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for w in args.workloads:
+        budget, _ = WORKLOADS[w]
+        # Hold everything but the budget (plus room for one CUDA context) in another process.
+        fill = free_now() / GIB - budget - 0.75
+        fp = None
+        if fill > 0:
+            fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            fp.stdout.readline()
+        for m in args.modes:
+            env, pre = mode_env(m, args.lib)
+            t0 = time.time()
+            p = subprocess.run(pre + [sys.executable, __file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
+            line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+            r = json.loads(line[-1][7:]) if line else {"steps": 0, "oom": None, "error": (p.stderr or p.stdout)[-400:]}
+            r["wall_s"] = round(time.time() - t0, 1)
+            results.setdefault(w, {})[m] = r
+            print(f"{w:6} {m:11} steps {r['steps']:4} {'OOM' if r.get('oom') else ''} {r.get('error', '')[:200]}", flush=True)
+        if fp:
+            fp.stdin.close()
+            fp.wait()
+    json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
+    table(results)
+    plot(results, os.path.join(args.out, "memory.png"))
+
+
+def table(results):
+    print("\n| workload | mode | steps | peak device GiB | peak reserved GiB | median step ms | device vs expandable | step vs expandable | step vs default |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for w, modes in results.items():
+        ref, dflt = modes.get("expandable", {}), modes.get("default", {})
+        for m, r in modes.items():
+            steps = f"{r['steps']}/{WORKLOADS[w][1]}" + (" OOM" if r.get("oom") else "") + (" error" if r.get("error") else "")
+            pd, pr, st = r.get("peak_device", 0) / GIB, r.get("peak_reserved", 0) / GIB, r.get("median_step_ms", 0)
+
+            def ratio(a, b):
+                return f"{a / b:.3f}" if a and b else "-"
+
+            print(
+                f"| {w} | {m} | {steps} | {pd:.2f} | {pr:.2f} | {st:.1f} | {ratio(r.get('peak_device', 0), ref.get('peak_device', 0))}"
+                f" | {ratio(st, ref.get('median_step_ms', 0))} | {ratio(st, dflt.get('median_step_ms', 0))} |"
+            )
+    if "train" in results:
+        d = results["train"].get("default", {}).get("losses")
+        for m, r in results["train"].items():
+            if d and r.get("losses"):
+                print(f"train losses, {m} vs default: {'identical' if r['losses'] == d else 'DIFFERENT'} ({len(r['losses'])} steps)")
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (w, modes) in zip(axes[0], results.items()):
+        for m, r in modes.items():
+            ax.plot([x[0] / GIB for x in r.get("mem", [])], label=m + (" (OOM)" if r.get("oom") else ""))
+        ax.set_title(f"{w}: device memory of the process")
+        ax.set_xlabel("step")
+        ax.set_ylabel("GiB")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default=os.path.join(HERE, "..", "target", "release", "libexpseg.so"))
+    ap.add_argument("--out", default="bench-torch-out")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--modes", nargs="*", default=MODES)
+    ap.add_argument("--worker")
+    ap.add_argument("--fill", type=float)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker)
+    elif args.fill is not None:
+        filler(args.fill)
+    else:
+        args.lib = os.path.abspath(args.lib)
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()
