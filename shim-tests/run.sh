@@ -96,6 +96,31 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   for m in default expandable expseg expandable_expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
 fi
 
+# The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under
+# expseg and writes its own report; the reports merge into one table; expseg doctor passes.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  for n in 1 2; do
+    if [ "$n" -gt "$ngpu" ]; then echo "SKIP torchrun with $n processes: $ngpu GPU"; continue; fi
+    rdir="$logs/torchrun$n-reports"
+    EXPSEG_LIB="$lib" EXPSEG_REPORT_DIR="$rdir" "$root/scripts/expseg-run" \
+      python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$here/torchrun_test.py" >"$logs/torchrun$n.log" 2>&1
+    rc=$?
+    [ "$(ls "$rdir"/*.json 2>/dev/null | wc -l)" -ge "$n" ] || { echo "    missing per-rank reports in $rdir"; rc=1; }
+    result "torchrun_${n}_processes_under_expseg_run" $rc "$(grep -c 'all_reduce ok' "$logs/torchrun$n.log") ranks ok"
+    grep '^rank' "$logs/torchrun$n.log" | sed 's/^/    /'
+    python3 "$root/scripts/expseg-report-merge" "$rdir" 2>&1 | sed 's/^/    /'
+  done
+fi
+doctor=$(dirname "$lib")/expseg
+if [ -x "$doctor" ]; then
+  EXPSEG_LIB="$lib" "$doctor" doctor >"$logs/doctor.log" 2>&1
+  result expseg_doctor $? ""
+  sed 's/^/    /' "$logs/doctor.log"
+else
+  echo "SKIP expseg doctor: $doctor not built"
+fi
+
 # A process that never touches CUDA stays undisturbed under the shim.
 out=$(EXPSEG_REPORT="$logs/quiet_%p.txt" LD_PRELOAD="$lib" python3 -c 'print("hello")' 2>&1)
 [ "$out" = hello ] && ! ls "$logs"/quiet_* >/dev/null 2>&1

@@ -27,6 +27,7 @@
 pub mod api;
 pub mod config;
 pub mod dlsym;
+pub mod elf;
 pub mod gpu;
 #[allow(unsafe_code)]
 pub mod hooks;

@@ -366,6 +366,8 @@ driver_table! {
     }
     optional {
         cuMemGetAddressRange_v2(*mut CUdeviceptr, *mut size_t, CUdeviceptr);
+        cuDriverGetVersion(*mut c_int);
+        cuDeviceGetName(*mut c_char, c_int, CUdevice);
         cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_void);
         cuPointerGetAttribute(*mut c_void, c_int, CUdeviceptr);
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);

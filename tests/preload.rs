@@ -688,3 +688,255 @@ fn vmm_memory_of_another_allocator_is_shared_through_a_mirror() {
         r.stderr()
     );
 }
+
+// ---- launching: scripts/expseg-run, expseg-srun, the report merge, expseg doctor
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(name)
+}
+
+/// Run `scripts/expseg-run env` (or another command) with a clean environment plus `extra`.
+fn wrapped(cmd: &[&str], extra: &[(&str, &str)]) -> Output {
+    let f = fixture();
+    let mut c = Command::new(script("expseg-run"));
+    c.args(cmd)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("EXPSEG_LIB", &f.shim);
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn env_of(out: &Output, key: &str) -> Option<String> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")).map(str::to_string))
+}
+
+#[test]
+fn the_wrapper_prepends_the_library_once_and_keeps_what_was_there() {
+    let f = fixture();
+    let lib = f.shim.to_str().unwrap();
+    let dir = f.dir.join("wrap-reports");
+    let d = dir.to_str().unwrap();
+    let out = wrapped(&["env"], &[("EXPSEG_REPORT_DIR", d)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        env_of(&out, "LD_PRELOAD").as_deref(),
+        Some(lib),
+        "empty before"
+    );
+    let m = "/lib/x86_64-linux-gnu/libm.so.6";
+    if Path::new(m).exists() {
+        let out = wrapped(&["env"], &[("LD_PRELOAD", m), ("EXPSEG_REPORT_DIR", d)]);
+        assert_eq!(
+            env_of(&out, "LD_PRELOAD"),
+            Some(format!("{lib}:{m}")),
+            "existing entry kept"
+        );
+        let spaced = format!("{m} {m}");
+        let out = wrapped(
+            &["env"],
+            &[("LD_PRELOAD", &spaced), ("EXPSEG_REPORT_DIR", d)],
+        );
+        assert_eq!(
+            env_of(&out, "LD_PRELOAD"),
+            Some(format!("{lib}:{spaced}")),
+            "space-separated list kept"
+        );
+    }
+    // Wrapping twice (a wrapped launcher starting wrapped workers) adds it once.
+    let twice = script("expseg-run");
+    let out = wrapped(
+        &[twice.to_str().unwrap(), "env"],
+        &[("EXPSEG_REPORT_DIR", d)],
+    );
+    assert_eq!(env_of(&out, "LD_PRELOAD").as_deref(), Some(lib));
+    // A per-rank, per-process report path in the report directory, created.
+    assert_eq!(
+        env_of(&out, "EXPSEG_REPORT"),
+        Some(format!("{d}/rank%r-pid%p.txt"))
+    );
+    assert!(dir.is_dir());
+    let out = wrapped(&["env"], &[("EXPSEG_REPORT", "/x/r.txt")]);
+    assert_eq!(
+        env_of(&out, "EXPSEG_REPORT").as_deref(),
+        Some("/x/r.txt"),
+        "the user's path wins"
+    );
+    let out = wrapped(&["env"], &[("EXPSEG_REPORT", "none")]);
+    assert_eq!(env_of(&out, "EXPSEG_REPORT"), None, "none turns it off");
+}
+
+#[test]
+fn the_wrapper_sets_pytorch_defaults_only_when_none_are_set() {
+    let d = fixture().dir.join("wrap-reports");
+    let d = d.to_str().unwrap();
+    let out = wrapped(&["env"], &[("EXPSEG_REPORT_DIR", d)]);
+    assert_eq!(
+        env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
+        Some("max_split_size_mb:64")
+    );
+    let out = wrapped(
+        &["env"],
+        &[
+            ("EXPSEG_REPORT_DIR", d),
+            ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ],
+    );
+    assert_eq!(
+        env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
+        Some("expandable_segments:True")
+    );
+    let out = wrapped(
+        &["env"],
+        &[("EXPSEG_REPORT_DIR", d), ("EXPSEG_TORCH_DEFAULTS", "0")],
+    );
+    assert_eq!(env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"), None);
+}
+
+#[test]
+fn the_wrapper_fails_clearly_without_a_usable_library() {
+    let out = wrapped(&["true"], &[("EXPSEG_LIB", "/nonexistent/libexpseg.so")]);
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("libexpseg.so not found"));
+    // Not a loadable library at all (here: a text file): the loader's reason is passed on.
+    let bogus = fixture().dir.join("bogus.so");
+    std::fs::write(&bogus, "not an ELF file").unwrap();
+    let out = wrapped(&["true"], &[("EXPSEG_LIB", bogus.to_str().unwrap())]);
+    assert_eq!(out.status.code(), Some(127));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot be preloaded"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A path LD_PRELOAD cannot carry.
+    let spaced = fixture().dir.join("with space");
+    std::fs::create_dir_all(&spaced).unwrap();
+    std::fs::copy(&fixture().shim, spaced.join("libexpseg.so")).unwrap();
+    let out = wrapped(
+        &["true"],
+        &[("EXPSEG_LIB", spaced.join("libexpseg.so").to_str().unwrap())],
+    );
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("space"));
+}
+
+#[test]
+fn srun_tasks_get_rank_aware_reports_and_the_sbatch_template_parses() {
+    let f = fixture();
+    // A stand-in srun: runs the task once as Slurm rank 3, local rank 1.
+    let bin = f.dir.join("fake-slurm");
+    std::fs::create_dir_all(&bin).unwrap();
+    let srun = bin.join("srun");
+    std::fs::write(&srun, "#!/bin/sh\nwhile [ \"${1#-}\" != \"$1\" ]; do shift; done\nSLURM_PROCID=3 SLURM_LOCALID=1 exec \"$@\"\n").unwrap();
+    Command::new("chmod").arg("+x").arg(&srun).status().unwrap();
+    let dir = f.dir.join("srun-reports");
+    let out = Command::new(script("expseg-srun"))
+        .args(["-N1", "--", "env"])
+        .env_clear()
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .env("EXPSEG_LIB", &f.shim)
+        .env("EXPSEG_REPORT_DIR", &dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        env_of(&out, "EXPSEG_REPORT"),
+        Some(format!("{}/rank3-local1-pid%p.txt", dir.display()))
+    );
+    assert!(env_of(&out, "LD_PRELOAD").unwrap().contains("libexpseg.so"));
+    let st = Command::new("bash")
+        .arg("-n")
+        .arg(script("expseg.sbatch"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "bash -n expseg.sbatch");
+}
+
+#[test]
+fn per_rank_reports_merge_into_one_table() {
+    let f = fixture();
+    let dir = f.dir.join("merge-reports");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for rank in ["0", "1"] {
+        let tpl = format!("{}/rank%r-pid%p.txt", dir.display());
+        run("simple", &[("EXPSEG_REPORT", &tpl), ("RANK", rank)]).ok();
+    }
+    let out = Command::new("python3")
+        .arg(script("expseg-report-merge"))
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{t}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        t.lines().any(|l| l.starts_with("| 0 |")) && t.lines().any(|l| l.starts_with("| 1 |")),
+        "{t}"
+    );
+    assert!(t.contains("| all |") && t.contains("pool active"), "{t}");
+}
+
+fn doctor(libdir: &Path, extra: &[(&str, &str)]) -> Output {
+    let f = fixture();
+    let exe = f.shim.parent().unwrap().join("expseg");
+    let mut c = Command::new(exe);
+    c.arg("doctor")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", libdir)
+        .env("EXPSEG_CUDART", f.dir.join("libcudart.so.13"));
+    for (k, v) in extra {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+#[test]
+fn doctor_passes_on_a_working_driver_and_names_bad_values() {
+    let out = doctor(&fixture().dir, &[("EXPSEG_CACHE_MAX", "lots")]);
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("device 0 VMM") && t.contains("expseg can work here"),
+        "{t}"
+    );
+    assert!(t.contains("ticketed IPC handle (child process)  ok"), "{t}");
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("EXPSEG_CACHE_MAX") && l.contains("warn") && l.contains("lots")),
+        "{t}"
+    );
+    assert!(t.contains("glibc needed by libexpseg.so"), "{t}");
+}
+
+#[test]
+fn doctor_fails_without_vmm() {
+    let f = fixture();
+    let dirs = std::env::join_paths([f.dir.join("novmm"), f.dir.clone()]).unwrap();
+    let out = doctor(Path::new(&dirs), &[]);
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(t.contains("FAIL") && t.contains("lacks cuMem"), "{t}");
+    let out = doctor(&f.dir, &[("FAKE_NO_VMM_ATTR", "1")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("not supported: its allocations pass through"));
+}

@@ -321,54 +321,21 @@ fn plain_driver_ignores_tickets(dev: i32) -> bool {
 fn check_in_child(dev: i32) -> Result<(), String> {
     let helper = crate::real::self_dir()
         .map(|d| d.join("expseg-ipc-check"))
-        .filter(|p| p.exists())
-        .ok_or("the helper expseg-ipc-check is not next to libexpseg.so")?;
+        .ok_or("cannot tell where libexpseg.so is")?;
     let lib = crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?;
     let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
-    let (e, buf) = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
-        (0, p) => Ok((0, p)),
+    let buf = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
+        (0, p) => Ok(p),
         (e, _) => Err(e),
     })
-    .unwrap_or_else(|e| (e, 0));
-    if e != 0 {
-        return Err(format!("cudaMalloc for the check failed ({e})"));
-    }
+    .map_err(|e| format!("cudaMalloc for the check failed ({e})"))?;
     let result = (|| {
         if runtime::copy_h2d(buf, &pattern) != 0 {
             return Err("copy for the check failed".to_string());
         }
-        let mut h = runtime::ipc_get_mem_handle(buf)
+        let h = runtime::ipc_get_mem_handle(buf)
             .map_err(|e| format!("cudaIpcGetMemHandle failed ({e})"))?;
-        Ticket {
-            pid: 0,
-            uid: 0,
-            id: 0,
-            nonce: random_u64(),
-        }
-        .stamp(&mut h);
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-        let mut child = std::process::Command::new(&helper)
-            .args([lib.as_str(), &hex(&h), &hex(&pattern)])
-            .env_remove("LD_PRELOAD")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", helper.display()))?;
-        for _ in 0..600 {
-            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-                return if status.success() {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "a ticketed handle did not open in a child process ({status})"
-                    ))
-                };
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        Err("the check in a child process timed out".into())
+        crate::ipc::check_ticketed_handle(&helper, &lib, h, &pattern)
     })();
     runtime::free(buf);
     result

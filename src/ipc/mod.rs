@@ -88,6 +88,50 @@ pub struct Grant {
     pub chunks: Vec<u64>,
 }
 
+/// Check that a ticketed copy of `handle` (a legacy handle of standard memory whose first
+/// bytes are `pattern`) still opens with the plain runtime at `runtime_lib`, in a child process
+/// without expseg: the helper `expseg-ipc-check` at `helper` opens it and reads it back.
+pub fn check_ticketed_handle(
+    helper: &std::path::Path,
+    runtime_lib: &str,
+    mut handle: [u8; 64],
+    pattern: &[u8],
+) -> Result<(), String> {
+    if !helper.exists() {
+        return Err(format!("the helper {} is missing", helper.display()));
+    }
+    Ticket {
+        pid: 0,
+        uid: 0,
+        id: 0,
+        nonce: random_u64(),
+    }
+    .stamp(&mut handle);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let mut child = std::process::Command::new(helper)
+        .args([runtime_lib, &hex(&handle), &hex(pattern)])
+        .env_remove("LD_PRELOAD")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", helper.display()))?;
+    for _ in 0..600 {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return if status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "a ticketed handle did not open in a child process ({status})"
+                ))
+            };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    Err("the check in a child process timed out".into())
+}
+
 /// A 64-bit random number from the kernel (the nonce source).
 pub fn random_u64() -> u64 {
     let mut b = [0u8; 8];

@@ -1,0 +1,398 @@
+//! `expseg doctor`: can expseg work on this machine? A table with a verdict per line; exits 1
+//! when it cannot (no driver, no VMM on any device, a library built for a newer glibc).
+//!
+//! `expseg glibc FILE`: the highest glibc version FILE requires (the portable-build check).
+
+use expseg::config::Config;
+use expseg::real::{self, DriverTable};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Verdict {
+    Info,
+    Ok,
+    Warn,
+    Fail,
+}
+
+struct Report {
+    rows: Vec<(String, String, Verdict)>,
+}
+
+impl Report {
+    fn add(&mut self, check: impl Into<String>, value: impl Into<String>, v: Verdict) {
+        self.rows.push((check.into(), value.into(), v));
+    }
+
+    fn print(&self) -> bool {
+        let w = self.rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+        println!("{:<w$}  {:<7}  value", "check", "verdict");
+        for (check, value, v) in &self.rows {
+            let tag = match v {
+                Verdict::Info => "info",
+                Verdict::Ok => "ok",
+                Verdict::Warn => "warn",
+                Verdict::Fail => "FAIL",
+            };
+            println!("{check:<w$}  {tag:<7}  {value}");
+        }
+        let failed = self.rows.iter().any(|r| r.2 == Verdict::Fail);
+        println!(
+            "\n{}",
+            if failed {
+                "expseg cannot work here (FAIL lines); programs run under it pass everything through."
+            } else {
+                "expseg can work here."
+            }
+        );
+        !failed
+    }
+}
+
+fn exe_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn libc_version() -> String {
+    extern "C" {
+        fn gnu_get_libc_version() -> *const c_char;
+    }
+    // SAFETY: returns a static NUL-terminated string.
+    unsafe { CStr::from_ptr(gnu_get_libc_version()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check_glibc(r: &mut Report, lib: &Path) {
+    let system = libc_version();
+    r.add("glibc (system)", system.clone(), Verdict::Info);
+    match std::fs::read(lib)
+        .map_err(|e| e.to_string())
+        .and_then(|b| expseg::elf::glibc_requirement(&b).map_err(str::to_string))
+    {
+        Ok(Some(need)) => {
+            let ok = expseg::elf::parse_version(&system) >= expseg::elf::parse_version(&need);
+            r.add(
+                "glibc needed by libexpseg.so",
+                format!("{need} ({})", lib.display()),
+                if ok { Verdict::Ok } else { Verdict::Fail },
+            );
+        }
+        Ok(None) => r.add("glibc needed by libexpseg.so", "none", Verdict::Ok),
+        Err(e) => r.add(
+            "libexpseg.so",
+            format!("{}: {e}", lib.display()),
+            Verdict::Fail,
+        ),
+    }
+}
+
+fn check_driver(r: &mut Report) -> Option<(&'static DriverTable, i32)> {
+    let t = match real::driver() {
+        Ok(t) => t,
+        Err(e) => {
+            r.add("NVIDIA driver", e, Verdict::Fail);
+            return None;
+        }
+    };
+    // SAFETY: driver calls with valid out-pointers.
+    unsafe {
+        if (t.cuInit)(0) != 0 {
+            r.add(
+                "NVIDIA driver",
+                "cuInit failed (no usable GPU?)",
+                Verdict::Fail,
+            );
+            return None;
+        }
+        let mut v = 0;
+        if let Some(f) = t.cuDriverGetVersion {
+            f(&mut v);
+        }
+        r.add(
+            "driver CUDA version",
+            format!("{}.{}", v / 1000, v % 1000 / 10),
+            Verdict::Info,
+        );
+        let mut n = 0;
+        (t.cuDeviceGetCount)(&mut n);
+        r.add(
+            "devices",
+            n.to_string(),
+            if n > 0 { Verdict::Ok } else { Verdict::Fail },
+        );
+        Some((t, n))
+    }
+}
+
+fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let mut any_vmm = false;
+    for d in 0..n {
+        let mut name = [0 as c_char; 128];
+        let attr = |a: A| {
+            let mut v = 0;
+            // SAFETY: valid out-pointer and device ordinal.
+            unsafe { (t.cuDeviceGetAttribute)(&mut v, a, d) };
+            v
+        };
+        if let Some(f) = t.cuDeviceGetName {
+            // SAFETY: the buffer holds 128 bytes.
+            unsafe { f(name.as_mut_ptr(), name.len() as c_int, d) };
+        }
+        // SAFETY: NUL-terminated by the driver (or zeroed).
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) != 0;
+        let fd = attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 0;
+        any_vmm |= vmm;
+        r.add(format!("device {d}"), name, Verdict::Info);
+        r.add(
+            format!("device {d} VMM"),
+            if vmm {
+                "supported"
+            } else {
+                "not supported: its allocations pass through"
+            },
+            if vmm { Verdict::Ok } else { Verdict::Fail },
+        );
+        r.add(
+            format!("device {d} POSIX-fd handles"),
+            if fd {
+                "supported"
+            } else {
+                "not supported: no IPC tickets"
+            },
+            if fd { Verdict::Ok } else { Verdict::Warn },
+        );
+        if vmm {
+            let mut drv = match expseg::gpu::cuda::CudaDriver::open(t, d) {
+                Ok(drv) => drv,
+                Err(e) => {
+                    r.add(format!("device {d} pool"), e, Verdict::Fail);
+                    continue;
+                }
+            };
+            use expseg::gpu::Driver;
+            r.add(
+                format!("device {d} granularity"),
+                format!("{} KiB", drv.granularity() / 1024),
+                Verdict::Info,
+            );
+            let g = drv.granularity();
+            let exported = drv.create(g).and_then(|h| {
+                let fd = drv.export_fd(h);
+                let _ = drv.release(h);
+                fd
+            });
+            match exported {
+                Ok(_) => r.add(format!("device {d} POSIX-fd export"), "works", Verdict::Ok),
+                Err(e) => r.add(
+                    format!("device {d} POSIX-fd export"),
+                    format!("failed ({e}): no IPC tickets"),
+                    Verdict::Warn,
+                ),
+            }
+        }
+    }
+    any_vmm
+}
+
+fn check_pidfd(r: &mut Report) {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "absent".into());
+    // SAFETY: plain syscalls on our own process; descriptors closed below.
+    let permitted = unsafe {
+        let pfd = libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) as c_int;
+        let ok = pfd >= 0 && {
+            let fd = libc::syscall(libc::SYS_pidfd_getfd, pfd, 0, 0) as c_int;
+            if fd >= 0 {
+                libc::close(fd);
+            }
+            fd >= 0
+        };
+        if pfd >= 0 {
+            libc::close(pfd);
+        }
+        ok
+    };
+    r.add(
+        "pidfd_getfd",
+        format!("{} (ptrace_scope {scope}); expseg passes descriptors over a Unix socket and does not need it", if permitted { "permitted" } else { "denied" }),
+        Verdict::Info,
+    );
+}
+
+/// The libcudart a PyTorch process loads, by asking one.
+fn torch_cudart() -> Option<String> {
+    let code = "import torch\ntorch.zeros(1, device='cuda')\nprint([l.split()[-1] for l in open('/proc/self/maps') if 'libcudart' in l][0])";
+    let out = std::process::Command::new("python3")
+        .args(["-c", code])
+        .env_remove("LD_PRELOAD")
+        .output()
+        .ok()?;
+    let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !s.is_empty()).then_some(s)
+}
+
+fn check_ipc(r: &mut Report, cudart: Option<String>) {
+    let path = std::env::var("EXPSEG_CUDART")
+        .ok()
+        .or(cudart)
+        .unwrap_or_else(|| "libcudart.so.13".into());
+    let Ok(c) = CString::new(path.clone()) else {
+        return;
+    };
+    // SAFETY: loading the runtime and calling documented entry points with valid arguments.
+    unsafe {
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+        if h.is_null() {
+            r.add(
+                "ticketed IPC handle (child process)",
+                format!("cannot load {path}"),
+                Verdict::Warn,
+            );
+            return;
+        }
+        let f = |n: &CStr| expseg::dlsym::real(h, n);
+        let (m, cp, g, fr) = (
+            f(c"cudaMalloc"),
+            f(c"cudaMemcpy"),
+            f(c"cudaIpcGetMemHandle"),
+            f(c"cudaFree"),
+        );
+        if m.is_null() || cp.is_null() || g.is_null() || fr.is_null() {
+            r.add(
+                "ticketed IPC handle (child process)",
+                format!("{path} lacks the IPC functions"),
+                Verdict::Warn,
+            );
+            return;
+        }
+        type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+        type Copy = unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+        type Get = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+        type Free = unsafe extern "C" fn(*mut c_void) -> c_int;
+        let m = std::mem::transmute::<*mut c_void, Malloc>(m);
+        let cp = std::mem::transmute::<*mut c_void, Copy>(cp);
+        let g = std::mem::transmute::<*mut c_void, Get>(g);
+        let fr = std::mem::transmute::<*mut c_void, Free>(fr);
+        let pattern: Vec<u8> = (0..64u8).map(|i| i ^ 0xa5).collect();
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let mut handle = [0u8; 64];
+        let made = m(&mut p, 2 << 20) == 0
+            && cp(p, pattern.as_ptr().cast(), pattern.len(), 1) == 0
+            && g(handle.as_mut_ptr().cast(), p) == 0;
+        let result = if made {
+            expseg::ipc::check_ticketed_handle(
+                &exe_dir().join("expseg-ipc-check"),
+                &path,
+                handle,
+                &pattern,
+            )
+        } else {
+            Err("could not allocate and export a test buffer".into())
+        };
+        if !p.is_null() {
+            fr(p);
+        }
+        match result {
+            Ok(()) => r.add(
+                "ticketed IPC handle (child process)",
+                "opens with the plain driver: tickets on",
+                Verdict::Ok,
+            ),
+            Err(e) => r.add(
+                "ticketed IPC handle (child process)",
+                format!("{e}: mirrors carry plain handles"),
+                Verdict::Warn,
+            ),
+        }
+    }
+}
+
+fn check_config(r: &mut Report) {
+    let mut bad = Vec::new();
+    let c = Config::from_lookup(|n| std::env::var(n).ok(), |l| bad.push(l));
+    for (name, value) in c.effective() {
+        if name.starts_with("EXPSEG_TEST_") && value.is_empty() {
+            continue;
+        }
+        let set = std::env::var(name).is_ok();
+        let invalid = bad.iter().find(|l| l.contains(&format!("invalid {name}=")));
+        match invalid {
+            Some(l) => r.add(name, l.trim_start_matches("expseg: "), Verdict::Warn),
+            None => r.add(
+                name,
+                format!("{value}{}", if set { "" } else { " (default)" }),
+                Verdict::Info,
+            ),
+        }
+    }
+}
+
+fn doctor() -> ExitCode {
+    let mut r = Report { rows: Vec::new() };
+    let lib = std::env::var_os("EXPSEG_LIB")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| exe_dir().join("libexpseg.so"));
+    check_glibc(&mut r, &lib);
+    let cudart = torch_cudart();
+    r.add(
+        "libcudart of a PyTorch process",
+        cudart
+            .clone()
+            .unwrap_or_else(|| "none found (no python3 with CUDA PyTorch)".into()),
+        Verdict::Info,
+    );
+    if let Some((t, n)) = check_driver(&mut r) {
+        if !check_devices(&mut r, t, n) && n > 0 {
+            r.add(
+                "VMM",
+                "no device supports it: expseg passes everything through",
+                Verdict::Fail,
+            );
+        }
+    }
+    check_pidfd(&mut r);
+    if r.rows.iter().all(|x| x.2 != Verdict::Fail) {
+        check_ipc(&mut r, cudart);
+    }
+    check_config(&mut r);
+    if r.print() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("doctor") => doctor(),
+        Some("glibc") if args.len() == 3 => match std::fs::read(&args[2])
+            .map_err(|e| e.to_string())
+            .and_then(|b| expseg::elf::glibc_requirement(&b).map_err(str::to_string))
+        {
+            Ok(v) => {
+                println!("{}", v.unwrap_or_else(|| "none".into()));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("expseg glibc: {}: {e}", args[2]);
+                ExitCode::from(2)
+            }
+        },
+        _ => {
+            eprintln!("usage: expseg doctor | expseg glibc FILE");
+            ExitCode::from(2)
+        }
+    }
+}
