@@ -248,7 +248,7 @@ def run_all(args):
         if fp:
             fp.stdin.close()
             fp.wait()
-    json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
+        json.dump(results, open(os.path.join(args.out, "results.json"), "w"))  # after each workload
     table(results)
     plot(results, os.path.join(args.out, "memory.png"))
 
