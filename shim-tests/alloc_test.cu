@@ -26,16 +26,8 @@ static int expect_pool;
     }                                                                 \
   } while (0)
 
-__global__ void fill_k(uint32_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = (uint32_t)(i * 2654435761u) ^ seed;
-}
-__global__ void verify_k(const uint32_t* p, size_t n, uint32_t seed, unsigned long long* bad) {
-  unsigned long long b = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    b += p[i] != ((uint32_t)(i * 2654435761u) ^ seed);
-  if (b) atomicAdd(bad, b);
-}
+#include "pattern.cuh"
+
 // Spins for about `ns` nanoseconds, then writes `v` over the buffer: a late writer.
 __global__ void late_write_k(uint32_t* p, size_t n, uint32_t v, long long ns) {
   long long t0 = clock64();

@@ -29,16 +29,8 @@ extern char** environ;
 #define MIB ((size_t)1 << 20)
 static double now_ms() { timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
 
-__global__ void fill_k(uint32_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = (uint32_t)(i * 2654435761u) ^ seed;
-}
-__global__ void verify_k(const uint32_t* p, size_t n, uint32_t seed, unsigned long long* bad) {
-  unsigned long long b = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    b += p[i] != ((uint32_t)(i * 2654435761u) ^ seed);
-  if (b) atomicAdd(bad, b);
-}
+#include "pattern.cuh"
+
 // Flags ping-pong, like a custom all-reduce: each side waits for its turn on word 0 of the
 // shared buffer and hands the turn over; works only if both sides see one memory.
 __global__ void pingpong_k(volatile unsigned* flag, int rounds, unsigned me, int* ok) {

@@ -361,25 +361,20 @@ impl<D: Driver> Pool<D> {
             Ok(p) => p,
             Err(e) => return self.restore(base, size, chunks, temp, None, e),
         };
-        if new != base {
-            log::debug!("IPC move of {base:#x}: cudaMalloc({size}) landed at {new:#x}");
+        if new != base || fail == Some(MoveStep::Placement) {
+            let e = if new != base {
+                log::debug!("IPC move of {base:#x}: cudaMalloc({size}) landed at {new:#x}");
+                DrvError(0)
+            } else {
+                INJECTED
+            };
             return self.restore(
                 base,
                 size,
                 chunks,
                 temp,
                 Some(new),
-                (MoveStep::Placement, DrvError(0)),
-            );
-        }
-        if fail == Some(MoveStep::Placement) {
-            return self.restore(
-                base,
-                size,
-                chunks,
-                temp,
-                Some(new),
-                (MoveStep::Placement, INJECTED),
+                (MoveStep::Placement, e),
             );
         }
         let copied = self
@@ -395,8 +390,7 @@ impl<D: Driver> Pool<D> {
         }
     }
 
-    /// Map `chunks` back to back at `va` with access for the pool's readers; on error unmap
-    /// what was mapped (the reservation stays).
+    /// `map_at` as a step of a move (a test can make it fail).
     fn map_chunks(
         &mut self,
         va: u64,
@@ -404,33 +398,10 @@ impl<D: Driver> Pool<D> {
         step: MoveStep,
         fail: Option<MoveStep>,
     ) -> Result<(), (MoveStep, DrvError)> {
-        let total: u64 = chunks.iter().map(|c| c.size).sum();
-        let mut off = 0;
-        let mut result = Ok(());
-        for c in chunks {
-            if let Err(e) = self.step(step, fail, Op::Map, |d| d.map(va + off, c.size, c.handle)) {
-                result = Err(e);
-                break;
-            }
-            off += c.size;
+        if fail == Some(step) {
+            return Err((step, INJECTED));
         }
-        if result.is_ok() {
-            let readers = self.readers.clone();
-            result = self.step(step, None, Op::SetAccess, |d| {
-                d.set_access(va, total, &readers, &[])
-            });
-        }
-        if result.is_err() {
-            let mut at = 0;
-            for c in chunks {
-                if at >= off {
-                    break;
-                }
-                let _ = self.timed(Op::Unmap, |d| d.unmap(va + at, c.size));
-                at += c.size;
-            }
-        }
-        result
+        self.map_at(va, chunks).map_err(|e| (step, e))
     }
 
     fn drop_temp(&mut self, temp: u64, size: u64) {

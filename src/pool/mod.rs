@@ -444,10 +444,21 @@ impl<D: Driver> Pool<D> {
     /// On error nothing stays mapped or reserved.
     fn map_new(&mut self, chunks: &[Chunk], total: u64) -> Result<u64, DrvError> {
         let base = self.timed(Op::Reserve, |d| d.reserve(total))?;
+        if let Err(e) = self.map_at(base, chunks) {
+            self.free_va(base, total);
+            return Err(e);
+        }
+        Ok(base)
+    }
+
+    /// Map `chunks` back to back at `va` (inside a reservation of ours) with access for every
+    /// reader. On error nothing stays mapped; the reservation is the caller's.
+    fn map_at(&mut self, va: u64, chunks: &[Chunk]) -> Result<(), DrvError> {
+        let total: u64 = chunks.iter().map(|c| c.size).sum();
         let mut off = 0;
         let mut result = Ok(());
         for c in chunks {
-            if let Err(e) = self.timed(Op::Map, |d| d.map(base + off, c.size, c.handle)) {
+            if let Err(e) = self.timed(Op::Map, |d| d.map(va + off, c.size, c.handle)) {
                 result = Err(e);
                 break;
             }
@@ -455,22 +466,20 @@ impl<D: Driver> Pool<D> {
         }
         if result.is_ok() {
             let readers = self.readers.clone();
-            result = self.timed(Op::SetAccess, |d| d.set_access(base, total, &readers, &[]));
+            result = self.timed(Op::SetAccess, |d| d.set_access(va, total, &readers, &[]));
         }
-        if let Err(e) = result {
+        if result.is_err() {
             // Roll back chunk by chunk: a partial range cannot be unmapped in one call.
             let mut at = 0;
             for c in chunks {
                 if at >= off {
                     break;
                 }
-                let _ = self.timed(Op::Unmap, |d| d.unmap(base + at, c.size));
+                let _ = self.timed(Op::Unmap, |d| d.unmap(va + at, c.size));
                 at += c.size;
             }
-            self.free_va(base, total);
-            return Err(e);
         }
-        Ok(base)
+        result
     }
 
     /// Unmap a cached block and free its reservation; its chunks become loose.
