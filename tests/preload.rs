@@ -818,6 +818,23 @@ fn the_wrapper_fails_clearly_without_a_usable_library() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Built for a newer glibc than this system's: a copy whose version requirement names a
+    // glibc that does not exist (same length, so the ELF stays valid).
+    let lib = std::fs::read(&fixture().shim).unwrap();
+    let from = b"GLIBC_2.2.5\0";
+    if let Some(at) = lib.windows(from.len()).position(|w| w == from) {
+        let mut newer = lib.clone();
+        newer[at..at + from.len()].copy_from_slice(b"GLIBC_9.9.5\0");
+        let path = fixture().dir.join("newer-glibc.so");
+        std::fs::write(&path, newer).unwrap();
+        let out = wrapped(&["true"], &[("EXPSEG_LIB", path.to_str().unwrap())]);
+        assert_eq!(out.status.code(), Some(127));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("needs a newer glibc") && err.contains("build-portable"),
+            "{err}"
+        );
+    }
     // A path LD_PRELOAD cannot carry.
     let spaced = fixture().dir.join("with space");
     std::fs::create_dir_all(&spaced).unwrap();

@@ -236,14 +236,16 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     let Ok(dev) = runtime::get_device() else {
         return pass_alloc(size);
     };
-    // Starting the state logs, once, why the pool cannot run if it cannot.
-    let Some(t) = ensure_state().driver.as_ref().ok().copied() else {
+    let Ok(t) = real::driver() else {
+        // Starting the state logs, once, why the pool cannot run.
+        drop(ensure_state());
         return pass_alloc(size);
     };
     // The real cudaMalloc creates and binds the primary context; keep that side effect.
     if !cuda::has_context(t) && runtime::free(0) != 0 {
         return pass_alloc(size);
     }
+    // One lock for the allocation (it also starts the state on first use).
     let mut st = ensure_state();
     let Some(pool) = st.pool(dev) else {
         drop(st);
