@@ -54,7 +54,14 @@ int main(int argc, char** argv) {
   void* rt = dlopen("libcudart.so.13", RTLD_NOW | RTLD_NOLOAD);
   if (!rt) rt = dlopen("libcudart.so.12", RTLD_NOW | RTLD_NOLOAD);
   if (!rt) { fprintf(stderr, "libcudart not loaded\n"); return 1; }
-  Api native = {(malloc_fn)dlsym(rt, "cudaMalloc"), (free_fn)dlsym(rt, "cudaFree")};
+  // dlvsym, not dlsym: expseg gives its own hooks to dlsym lookups on a runtime handle (so
+  // that ctypes users reach it), but not to versioned lookups.
+  const char* ver = dlvsym(rt, "cudaMalloc", "libcudart.so.13") ? "libcudart.so.13" : "libcudart.so.12";
+  Api native = {(malloc_fn)dlvsym(rt, "cudaMalloc", ver), (free_fn)dlvsym(rt, "cudaFree", ver)};
+  if (!native.m || !native.f) {
+    fprintf(stderr, "cannot find the runtime's own cudaMalloc\n");
+    return 1;
+  }
   Api shim = {cudaMalloc, cudaFree};
   size_t free_b, total;
   ck(cudaMemGetInfo(&free_b, &total), "meminfo");
