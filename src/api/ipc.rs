@@ -73,9 +73,6 @@ struct ForeignMirror {
     handle: IpcHandle,
 }
 
-/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
-const DEVICE_ORDINAL: libc::c_int = 9;
-
 /// `cudaIpcGetMemHandle` on VMM memory expseg does not own (PyTorch's expandable segments,
 /// vLLM's cumem pool), after the runtime refused it: a mirror of the mapping the driver
 /// reports for `ptr`, refreshed at each request. `None`: not such memory, keep the runtime's
@@ -86,18 +83,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         return None;
     }
     let t = crate::real::driver().ok()?;
-    let (range, attr) = (t.cuMemGetAddressRange_v2?, t.cuPointerGetAttribute?);
-    let (mut base, mut size, mut dev) = (0u64, 0usize, 0 as libc::c_int);
-    #[allow(unsafe_code)]
-    // SAFETY: valid out-pointers; the driver validates `ptr`.
-    let found = unsafe {
-        range(&mut base, &mut size, ptr) == 0
-            && attr((&mut dev as *mut libc::c_int).cast(), DEVICE_ORDINAL, ptr) == 0
-    };
-    if !found || size == 0 {
-        return None;
-    }
-    let size = size as u64;
+    let (base, size, dev) = cuda::mapping_of(t, ptr)?;
     let mut st = ensure_state();
     if let Some(m) = st.ipc.foreign.get(&base).filter(|m| m.size == size) {
         let (p, h) = (m.ptr, m.handle);

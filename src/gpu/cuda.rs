@@ -132,6 +132,21 @@ pub fn has_context(t: &DriverTable) -> bool {
     unsafe { (t.cuCtxGetCurrent)(&mut c) == 0 && !c.is_null() }
 }
 
+/// The driver's own view of `ptr`: the mapping (or allocation) containing it and its device.
+/// `None` for pointers the driver does not know.
+pub fn mapping_of(t: &DriverTable, ptr: u64) -> Option<(u64, u64, i32)> {
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
+    const DEVICE_ORDINAL: libc::c_int = 9;
+    let (range, attr) = (t.cuMemGetAddressRange_v2?, t.cuPointerGetAttribute?);
+    let (mut base, mut size, mut dev) = (0u64, 0usize, 0 as libc::c_int);
+    // SAFETY: valid out-pointers; the driver validates `ptr`.
+    let found = unsafe {
+        range(&mut base, &mut size, ptr) == 0
+            && attr((&mut dev as *mut libc::c_int).cast(), DEVICE_ORDINAL, ptr) == 0
+    };
+    (found && size > 0).then_some((base, size as u64, dev))
+}
+
 /// Memory another process shared with us through an IPC ticket, mapped here.
 #[derive(Debug)]
 pub struct Imported {
