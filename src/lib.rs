@@ -8,6 +8,7 @@
 //! | module | what it adds |
 //! | --- | --- |
 //! | [`hooks`] | every exported C symbol, a few lines each: re-entrancy guard, panic boundary, call [`api`] |
+//! | [`dlsym`] | the exported `dlsym`: lookups on a runtime or driver handle reach the hooks |
 //! | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling |
 //! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
 //! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
@@ -20,8 +21,8 @@
 //! `hooks.rs`, the policy in `api.rs`; the pool behind it runs under `cargo test` against
 //! [`gpu::fake::FakeDriver`].
 //!
-//! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`, `real`,
-//! `gpu::cuda` and `ipc::transport`.
+//! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
+//! `dlsym`, `real`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;
