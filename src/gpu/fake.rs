@@ -151,12 +151,6 @@ impl FakeDriver {
         self.calls[op.index()]
     }
 
-    /// The handle mapped at `va` (any address inside a mapping).
-    pub fn chunk_at(&self, va: u64) -> Option<ChunkHandle> {
-        let (start, (size, h)) = self.mappings.range(..=va).next_back()?;
-        (va < start + size).then_some(*h)
-    }
-
     /// Whether every byte of `[va, va+size)` is mapped, and readable by `dev`.
     pub fn is_accessible(&self, va: u64, size: u64, dev: i32) -> bool {
         let mut at = va;

@@ -150,10 +150,6 @@ impl<D: Driver> Pool<D> {
         &self.stats
     }
 
-    pub fn config(&self) -> PoolConfig {
-        self.cfg
-    }
-
     /// Bytes freed by the application and kept by the pool: what it can allocate beyond the
     /// driver's free memory.
     pub fn cached_bytes(&self) -> u64 {
@@ -572,10 +568,6 @@ impl<D: Driver> Pool<D> {
         }
         self.readers.retain(|d| *d != dev);
         self.apply_access(&[dev])
-    }
-
-    pub fn readers(&self) -> &[i32] {
-        &self.readers
     }
 
     fn apply_access(&mut self, revoked: &[i32]) -> Result<(), DrvError> {
