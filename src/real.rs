@@ -372,6 +372,9 @@ driver_table! {
         cuPointerGetAttribute(*mut c_void, c_int, CUdeviceptr);
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);
         cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, u32);
+        cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
+        cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
+        cuCtxSetCurrent(CUcontext);
     }
 }
 

@@ -528,8 +528,14 @@ fn a_move_failing_at_any_step_keeps_the_data_and_still_gives_a_handle() {
 }
 
 fn share(how: &str, extra: &[(&str, &str)]) -> Run {
+    share_in("share", how, extra)
+}
+
+fn share_in(scenario: &str, how: &str, extra: &[(&str, &str)]) -> Run {
     let f = fixture();
-    let dir = f.dir.join(format!("sockets-{how}"));
+    let dir = f
+        .dir
+        .join(format!("sockets-{scenario}-{how}-{}", extra.len()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let prog = f.dir.join("prog");
@@ -540,7 +546,7 @@ fn share(how: &str, extra: &[(&str, &str)]) -> Run {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    run_in(&f.dir, prog.to_str().unwrap(), &["share", how], &env)
+    run_in(&f.dir, prog.to_str().unwrap(), &[scenario, how], &env)
 }
 
 /// The `n`-th value of `key` in the output (several consumers print the same keys).
@@ -577,6 +583,40 @@ fn a_consumer_running_expseg_maps_the_original_memory_through_the_ticket() {
         "{}",
         r.stderr()
     );
+}
+
+#[test]
+fn another_allocators_vmm_memory_is_shared_both_ways_with_an_expseg_consumer() {
+    for pieces in [None, Some("80")] {
+        // Four 8 MiB mappings; then 80 of 2 MiB (the descriptors travel in two batches).
+        let extra: Vec<(&str, &str)> = pieces.map(|n| ("FOREIGN_PIECES", n)).into_iter().collect();
+        let r = share_in("share_foreign", "expseg", &extra).ok();
+        assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+        assert_eq!(nth(&r, "open_rc", 0), "0", "{pieces:?}");
+        assert_eq!(nth(&r, "consumer_sees", 0), "1", "{pieces:?}");
+        assert_eq!(nth(&r, "close_rc", 0), "0", "{pieces:?}");
+        assert_eq!(
+            r.get("producer_sees_write"),
+            "1",
+            "the consumer mapped the producer's own pages ({pieces:?})"
+        );
+    }
+}
+
+#[test]
+fn a_plain_consumer_gets_a_mirror_of_the_whole_run_of_another_allocators_mappings() {
+    let r = share_in("share_foreign", "plain", &[]).ok();
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+    assert_eq!(nth(&r, "open_rc", 0), "0");
+    assert_eq!(
+        nth(&r, "consumer_sees", 0),
+        "1",
+        "all 32 MiB, four mappings"
+    );
+    assert_eq!(r.get("producer_sees_write"), "0", "a mirror is one-way");
+    let r = share_in("share_foreign", "expseg", &[("EXPSEG_IPC_PEERS", "expseg")]).ok();
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert_eq!(r.get("producer_sees_write"), "1", "ticket only, no mirror");
 }
 
 #[test]
@@ -671,8 +711,17 @@ fn vmm_memory_of_another_allocator_is_shared_through_a_mirror() {
         (r.get("foreign_rc"), r.get("lasterr")),
         ("0".into(), "0".into())
     );
-    assert_eq!(r.get("foreign_data"), "1");
+    assert_eq!(
+        r.get("foreign_data"),
+        "1",
+        "the mirror covers both mappings"
+    );
     assert_eq!(r.get("foreign_again_rc"), "0");
+    assert_eq!(
+        (r.get("second_piece_rc"), r.get("second_piece_data")),
+        ("0".into(), "1".into()),
+        "a pointer in the second mapping: a handle based there"
+    );
     assert_eq!(
         (r.get("same"), r.get("refreshed")),
         ("1".into(), "1".into())

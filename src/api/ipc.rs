@@ -32,7 +32,7 @@ pub(super) struct IpcState {
     /// Whether the ticket socket is serving (`None`: not tried yet).
     server: Option<bool>,
     /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
-    foreign: HashMap<u64, ForeignMirror>,
+    foreign: HashMap<u64, ForeignShare>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
     opened: std::collections::BTreeMap<u64, Imported>,
 }
@@ -67,80 +67,174 @@ impl IpcState {
     }
 }
 
-struct ForeignMirror {
-    ptr: u64,
+/// VMM memory of another allocator that was asked for a handle: the run of mappings the
+/// handle stands for, and its mirror (none when only expseg consumers are served).
+struct ForeignShare {
+    dev: i32,
     size: u64,
-    handle: IpcHandle,
+    mirror: Option<(u64, IpcHandle)>,
 }
 
+/// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
+const MAX_RUN: usize = transport::MAX_CHUNKS;
+
 /// `cudaIpcGetMemHandle` on VMM memory expseg does not own (PyTorch's expandable segments,
-/// vLLM's cumem pool), after the runtime refused it: a mirror of the mapping the driver
-/// reports for `ptr`, refreshed at each request. `None`: not such memory, keep the runtime's
-/// answer. One-way and point-in-time, like every mirror; a range spanning several mappings
-/// is not covered (docs/contract.md).
+/// vLLM's cumem pool), after the runtime refused it. The handle stands for the run of
+/// back-to-back mappings that starts with the one containing `ptr` (PyTorch maps a segment
+/// 20 MiB at a time, so a tensor spans several): its base is that mapping's start, which is
+/// what range queries answer. It carries a ticket for consumers running expseg (they map the
+/// same pages: shared both ways) and, unless `EXPSEG_IPC_PEERS=expseg`, a mirror of the run
+/// for plain consumers, refreshed at each request (one-way, point-in-time). `None`: not such
+/// memory, keep the runtime's answer.
 pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     if bypass() {
         return None;
     }
     let t = crate::real::driver().ok()?;
-    let (base, size, dev) = cuda::mapping_of(t, ptr)?;
+    let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
+    let size: u64 = sizes.iter().sum();
+    let c = config();
     let mut st = ensure_state();
-    if let Some(m) = st.ipc.foreign.get(&base).filter(|m| m.size == size) {
-        let (p, h) = (m.ptr, m.handle);
-        drop(st);
-        let refreshed =
-            runtime::on_device(dev, || match runtime::copy_d2d(p, base, size as usize) {
-                0 => match runtime::device_synchronize() {
-                    0 => Ok(()),
-                    e => Err(e),
-                },
-                e => Err(e),
-            });
-        return Some(refreshed.map(|()| h));
-    }
-    if let Some(old) = st.ipc.foreign.remove(&base) {
-        runtime::free(old.ptr);
-    }
-    let made = runtime::on_device(dev, || {
-        let (e, p) = runtime::malloc(size as usize);
-        if e != 0 {
-            return Err(e);
+    let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
+    let want_mirror = !(c.ipc_peers_expseg && ticketed);
+    let same = st
+        .ipc
+        .foreign
+        .get(&base)
+        .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
+        .map(|f| f.mirror);
+    let mirror = match same {
+        Some(Some((p, h))) => {
+            drop(st);
+            let refreshed = refresh_mirror(dev, p, base, size);
+            st = lock();
+            match refreshed {
+                Ok(()) => Some((p, h)),
+                Err(e) => return Some(Err(e)),
+            }
         }
-        let r = match runtime::device_synchronize() {
-            0 => match runtime::copy_d2d(p, base, size as usize) {
-                0 => match runtime::device_synchronize() {
-                    0 => runtime::ipc_get_mem_handle(p),
-                    e => Err(e),
-                },
+        Some(None) => None,
+        None => {
+            if let Some(old) = st.ipc.foreign.remove(&base) {
+                if let Some((p, _)) = old.mirror {
+                    runtime::free(p);
+                }
+            }
+            let mirror = if want_mirror {
+                match make_mirror(dev, base, size) {
+                    Ok(m) => Some(m),
+                    Err(e) => return Some(Err(e)),
+                }
+            } else {
+                None
+            };
+            log::warn!(
+                "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
+                sizes.len(),
+                match (ticketed, mirror) {
+                    (true, Some((p, _))) => format!("consumers running expseg share it both ways; others get a mirror at {p:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process"),
+                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg)".to_string(),
+                    (false, Some((p, _))) => format!("shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"),
+                    (false, None) => unreachable!("no mirror only with tickets"),
+                }
+            );
+            st.ipc
+                .foreign
+                .insert(base, ForeignShare { dev, size, mirror });
+            mirror
+        }
+    };
+    let mut handle = mirror.map_or([0u8; 64], |m| m.1);
+    if ticketed {
+        st.ipc.ticket(dev, base).stamp(&mut handle);
+    }
+    Some(Ok(handle))
+}
+
+/// Copy `size` bytes at `base` into the mirror at `p`, after the device's pending work.
+fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
+    runtime::on_device(dev, || match runtime::device_synchronize() {
+        0 => match runtime::copy_d2d(p, base, size as usize) {
+            0 => match runtime::device_synchronize() {
+                0 => Ok(()),
                 e => Err(e),
             },
             e => Err(e),
-        };
-        match r {
-            Ok(h) => Ok((p, h)),
-            Err(e) => {
-                runtime::free(p);
-                Err(e)
-            }
-        }
-    });
+        },
+        e => Err(e),
+    })
+}
+
+/// A standard buffer holding a copy of `size` bytes at `base`, and its legacy handle.
+fn make_mirror(dev: i32, base: u64, size: u64) -> Result<(u64, IpcHandle), i32> {
+    let p = runtime::on_device(dev, || match runtime::malloc(size as usize) {
+        (0, p) => Ok(p),
+        (e, _) => Err(e),
+    })?;
+    let made = refresh_mirror(dev, p, base, size)
+        .and_then(|()| runtime::on_device(dev, || runtime::ipc_get_mem_handle(p)));
     match made {
-        Ok((p, handle)) => {
-            log::warn!(
-                "IPC: {base:#x} ({size} bytes) is VMM memory expseg does not own (expandable_segments or another VMM allocator); shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"
-            );
-            st.ipc.foreign.insert(
-                base,
-                ForeignMirror {
-                    ptr: p,
-                    size,
-                    handle,
-                },
-            );
-            Some(Ok(handle))
+        Ok(h) => Ok((p, h)),
+        Err(e) => {
+            runtime::free(p);
+            Err(e)
         }
-        Err(e) => Some(Err(e)),
     }
+}
+
+/// Whether tickets can be issued for foreign memory on `dev`: the socket serves and a
+/// ticketed handle still opens with the plain driver. (Whether the other allocator's pages can
+/// be exported is found out per request; a consumer falls back to the mirror if not.)
+fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
+    server_ready(st) && plain_driver_ignores_tickets(dev)
+}
+
+/// Export the run of foreign mappings starting at `base` that a ticket stands for: the first
+/// mapping at once (so a refusal is clean), the others as the transport sends them.
+fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
+    let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
+    let (start, sizes, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
+    let mut covered = 0;
+    let sizes: Vec<u64> = sizes
+        .into_iter()
+        .take_while(|s| {
+            let take = covered < size;
+            covered += s;
+            take
+        })
+        .collect();
+    if start != base || sizes.iter().sum::<u64>() != size {
+        return Err(Refusal::Stale);
+    }
+    let first = cuda::export_mapping(t, base, dev).map_err(|e| {
+        log::warn!("IPC: the pages at {base:#x} cannot be exported ({e}); consumers fall back to the mirror");
+        Refusal::Failed
+    })?;
+    let mut first = Some(first);
+    let mut vas = sizes.iter().scan(base, |va, s| {
+        let at = *va;
+        *va += s;
+        Some(at)
+    });
+    vas.next();
+    let vas: Vec<u64> = vas.collect();
+    let mut rest = vas.into_iter();
+    let source: transport::FdSource = Box::new(move || {
+        if let Some(f) = first.take() {
+            return Ok(f);
+        }
+        let va = rest
+            .next()
+            .ok_or_else(|| std::io::Error::other("no more mappings"))?;
+        cuda::export_mapping(t, va, dev).map_err(|e| std::io::Error::other(e.to_string()))
+    });
+    Ok((
+        Grant {
+            size,
+            chunks: sizes,
+        },
+        source,
+    ))
 }
 
 /// `cudaIpcGetMemHandle`: a pointer inside a pool allocation gets a working legacy handle,
@@ -221,6 +315,11 @@ fn tickets_ready(st: &mut State, dev: i32) -> bool {
     if !st.open_pool(dev).is_some_and(|p| p.driver().shareable) {
         return false;
     }
+    server_ready(st) && plain_driver_ignores_tickets(dev)
+}
+
+/// Start the ticket socket on first use; whether it serves.
+fn server_ready(st: &mut State) -> bool {
     if st.ipc.server.is_none() {
         let started = start_server();
         if let Err(e) = &started {
@@ -228,7 +327,7 @@ fn tickets_ready(st: &mut State, dev: i32) -> bool {
         }
         st.ipc.server = Some(started.is_ok());
     }
-    st.ipc.server == Some(true) && plain_driver_ignores_tickets(dev)
+    st.ipc.server == Some(true)
 }
 
 fn start_server() -> Result<(), String> {
@@ -268,6 +367,11 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
     if n != nonce {
         return Err(Refusal::Unknown);
     }
+    if let Some(f) = st.ipc.foreign.get(&base) {
+        let size = f.size;
+        drop(st);
+        return export_foreign(dev, base, size);
+    }
     let Some(pool) = st.open_pool(dev) else {
         return Err(Refusal::Stale);
     };
@@ -281,7 +385,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
             let chunks = fds.iter().map(|f| f.1).collect();
             Ok((
                 Grant { size, chunks },
-                fds.into_iter().map(|f| f.0).collect(),
+                transport::fds_of(fds.into_iter().map(|f| f.0).collect()),
             ))
         }
     }
@@ -340,8 +444,15 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     let ticket_only = handle[24..].iter().all(|b| *b == 0);
     let path = transport::socket_path(t.uid, t.pid);
     let started = std::time::Instant::now();
-    let (grant, fds) = match transport::ask(&path, t.id, t.nonce) {
+    let (grant, mut incoming) = match transport::ask(&path, t.id, t.nonce) {
         Ok(g) => g,
+        Err(AskError::Refused(Refusal::Failed)) if !ticket_only => {
+            log::warn!(
+                "IPC: process {} could not export the memory of its ticket; opening its mirror (one-way)",
+                t.pid
+            );
+            return Answer::PassThrough;
+        }
         Err(AskError::Refused(r)) => {
             log::error!("IPC: process {} refused the ticket ({r:?}): the handle is stale, forged or not ours to open", t.pid);
             return Answer::Done(Err(INVALID_HANDLE));
@@ -368,8 +479,10 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let asked = started.elapsed();
-    let chunks: Vec<_> = fds.into_iter().zip(grant.chunks.iter().copied()).collect();
-    match cuda::import(drv, &chunks, grant.size, dev) {
+    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, || {
+        incoming.next_batch().map_err(|e| format!("{e:?}"))
+    });
+    match imported {
         Ok(imp) => {
             let va = imp.va;
             log::debug!(
@@ -377,7 +490,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                 t.id,
                 t.pid,
                 grant.size,
-                chunks.len(),
+                grant.chunks.len(),
                 asked.as_secs_f64() * 1e3,
                 (started.elapsed() - asked).as_secs_f64() * 1e3
             );

@@ -147,6 +147,70 @@ pub fn mapping_of(t: &DriverTable, ptr: u64) -> Option<(u64, u64, i32)> {
     (found && size > 0).then_some((base, size as u64, dev))
 }
 
+/// The back-to-back VMM mappings on one device that start with the one containing `ptr`, as
+/// (start, mapping sizes). A legacy handle of `ptr` stands for this whole run: its base must
+/// be the start of `ptr`'s mapping (what range queries answer, from which a consumer computes
+/// its offset), and the buffer at `ptr` may run on into the following mappings (PyTorch maps
+/// an expandable segment 20 MiB at a time). The walk stops at a gap, at memory that is not
+/// VMM, at another device, or after `max_mappings`.
+pub fn run_from(t: &DriverTable, ptr: u64, max_mappings: usize) -> Option<(u64, Vec<u64>, i32)> {
+    let (base, size, dev) = mapping_of(t, ptr)?;
+    let mut sizes = vec![size];
+    let mut end = base + size;
+    while sizes.len() < max_mappings {
+        match mapping_of(t, end) {
+            Some((b, s, d)) if b == end && d == dev && is_vmm(t, end) => {
+                sizes.push(s);
+                end += s;
+            }
+            _ => break,
+        }
+    }
+    Some((base, sizes, dev))
+}
+
+/// Whether `ptr` is VMM memory (not legacy-IPC capable), by the driver's own attribute.
+fn is_vmm(t: &DriverTable, ptr: u64) -> bool {
+    /// `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`.
+    const LEGACY_IPC: libc::c_int = 10;
+    let Some(attr) = t.cuPointerGetAttribute else {
+        return false;
+    };
+    let mut v: libc::c_int = 1;
+    // SAFETY: valid out-pointer for a boolean attribute; the driver validates `ptr`.
+    unsafe { attr((&mut v as *mut libc::c_int).cast(), LEGACY_IPC, ptr) == 0 && v == 0 }
+}
+
+/// A POSIX descriptor of the physical memory mapped at `va` (another allocator's page), for a
+/// ticket. Runs on the ticket thread: it makes `dev`'s primary context current there first.
+pub fn export_mapping(t: &DriverTable, va: u64, dev: i32) -> DrvResult<OwnedFd> {
+    let (retain, export) = (
+        t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?,
+        t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?,
+    );
+    if !has_context(t) {
+        if let (Some(primary), Some(set)) = (t.cuDevicePrimaryCtxRetain, t.cuCtxSetCurrent) {
+            let mut c: CUcontext = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the primary context stays retained for the process.
+            if unsafe { primary(&mut c, dev) } == 0 {
+                // SAFETY: a context the driver just handed us.
+                unsafe { set(c) };
+            }
+        }
+    }
+    let mut h = 0;
+    // SAFETY: valid out-pointer; the driver validates the address.
+    check(unsafe { retain(&mut h, va as usize as *mut libc::c_void) })?;
+    let mut fd: libc::c_int = -1;
+    // SAFETY: `fd` receives an int for POSIX-fd handles.
+    let r = check(unsafe { export((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) });
+    // SAFETY: drops the reference the retain took; the mapping keeps the memory.
+    unsafe { (t.cuMemRelease)(h) };
+    r?;
+    // SAFETY: the driver handed us a new descriptor we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// Memory another process shared with us through an IPC ticket, mapped here.
 #[derive(Debug)]
 pub struct Imported {
@@ -156,50 +220,65 @@ pub struct Imported {
     /// The allocation's size as the producer's program asked for it.
     pub user: u64,
     handles: Vec<(u64, u64)>,
+    /// How many of `handles` are mapped (a failed import may stop between import and map).
+    mapped: usize,
 }
 
-/// Import `chunks` (descriptor and size each), map them back to back at a new range and give
-/// `dev` access. All or nothing.
+/// Import chunks of the given `sizes`, whose descriptors `next_fds` hands over in order a
+/// batch at a time, map them back to back at a new range and give `dev` access. Each
+/// descriptor is closed as soon as its chunk is imported. All or nothing.
 pub fn import(
     t: &DriverTable,
-    chunks: &[(OwnedFd, u64)],
+    sizes: &[u64],
     user: u64,
     dev: i32,
-) -> DrvResult<Imported> {
+    mut next_fds: impl FnMut() -> Result<Vec<OwnedFd>, String>,
+) -> Result<Imported, String> {
     let imp = t
         .cuMemImportFromShareableHandle
-        .ok_or(DrvError(NOT_FOUND))?;
-    let total: u64 = chunks.iter().map(|c| c.1).sum();
+        .ok_or_else(|| DrvError(NOT_FOUND).to_string())?;
+    let total: u64 = sizes.iter().sum();
     let mut out = Imported {
         va: 0,
         size: total,
         user,
         handles: Vec::new(),
+        mapped: 0,
     };
     let r = (|| {
-        for (fd, size) in chunks {
-            let mut h = 0;
-            // SAFETY: for POSIX-fd handles the "OS handle" is the descriptor number itself.
-            check(unsafe {
-                imp(
-                    &mut h,
-                    fd.as_raw_fd() as usize as *mut libc::c_void,
-                    POSIX_FD,
-                )
-            })?;
-            out.handles.push((h, *size));
-        }
         // SAFETY: valid out-pointer.
-        check(unsafe { (t.cuMemAddressReserve)(&mut out.va, total as usize, 0, 0, 0) })?;
+        check(unsafe { (t.cuMemAddressReserve)(&mut out.va, total as usize, 0, 0, 0) })
+            .map_err(|e| e.to_string())?;
         let mut off = 0;
-        for (h, size) in &out.handles {
-            // SAFETY: inside our fresh reservation.
-            check(unsafe { (t.cuMemMap)(out.va + off, *size as usize, 0, *h, 0) })?;
-            off += size;
+        while out.handles.len() < sizes.len() {
+            let batch = next_fds()?;
+            if batch.is_empty() || out.handles.len() + batch.len() > sizes.len() {
+                return Err("descriptors do not match the chunks".to_string());
+            }
+            for fd in batch {
+                let size = sizes[out.handles.len()];
+                let mut h = 0;
+                // SAFETY: for POSIX-fd handles the "OS handle" is the descriptor number itself.
+                check(unsafe {
+                    imp(
+                        &mut h,
+                        fd.as_raw_fd() as usize as *mut libc::c_void,
+                        POSIX_FD,
+                    )
+                })
+                .map_err(|e| e.to_string())?;
+                out.handles.push((h, size));
+                // SAFETY: inside our fresh reservation.
+                check(unsafe { (t.cuMemMap)(out.va + off, size as usize, 0, h, 0) })
+                    .map_err(|e| e.to_string())?;
+                out.mapped += 1;
+                off += size;
+            }
         }
         let a = access(dev, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
         // SAFETY: the whole range is mapped.
         check(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
+            .map_err(|e| e.to_string())
     })();
     match r {
         Ok(()) => Ok(out),
@@ -216,7 +295,7 @@ pub fn unmap_imported(t: &DriverTable, imp: Imported) {
     unsafe {
         if imp.va != 0 {
             let mut off = 0;
-            for (_, size) in &imp.handles {
+            for (_, size) in imp.handles.iter().take(imp.mapped) {
                 (t.cuMemUnmap)(imp.va + off, *size as usize);
                 off += size;
             }

@@ -3,7 +3,10 @@
 //!
 //! Request (16 bytes): ticket id (u32), zero (u32), nonce (u64).
 //! Reply: status (u32, 0 = granted, else a `Refusal`), chunk count (u32), allocation size
-//! (u64), then one u64 per chunk, with one descriptor per chunk attached. Little-endian.
+//! (u64), then one u64 per chunk (its size). Then the descriptors, one per chunk in order, in
+//! messages of at most [`BATCH`], each message a u32 (how many it carries) with the
+//! descriptors attached, so neither side ever holds more than a batch of descriptors it has
+//! not used yet. Little-endian.
 #![allow(unsafe_code)]
 
 use super::{Grant, Refusal};
@@ -14,8 +17,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Most chunks one grant carries.
-pub const MAX_CHUNKS: usize = 64;
+/// Most chunks one grant carries (a foreign VMM run of 20 MiB pages: 1.25 TiB).
+pub const MAX_CHUNKS: usize = 1 << 16;
+
+/// Most descriptors in one message.
+pub const BATCH: usize = 64;
 
 /// Fill `buf` from the kernel's random source.
 pub fn fill_random(buf: &mut [u8]) {
@@ -103,8 +109,21 @@ fn peer_uid(s: &UnixStream) -> Option<u32> {
     (r == 0).then_some(cred.uid)
 }
 
+/// The descriptors of a grant, produced one at a time in chunk order (the producer exports
+/// each just before it is sent).
+pub type FdSource = Box<dyn FnMut() -> std::io::Result<OwnedFd> + Send>;
+
 /// What the producer decides for a request: a grant with its descriptors, or a refusal.
-pub type Decision = Result<(Grant, Vec<OwnedFd>), Refusal>;
+pub type Decision = Result<(Grant, FdSource), Refusal>;
+
+/// A source that hands out already exported descriptors.
+pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
+    let mut it = fds.into_iter();
+    Box::new(move || {
+        it.next()
+            .ok_or_else(|| std::io::Error::other("fewer descriptors than chunks"))
+    })
+}
 
 /// Listen at `path` on a thread of its own; `decide(id, nonce, peer_uid)` answers each request.
 pub fn serve(
@@ -144,7 +163,7 @@ pub fn serve(
 }
 
 fn reply(s: &mut UnixStream, decision: Decision) -> std::io::Result<()> {
-    let (grant, fds) = match decision {
+    let (grant, mut fds) = match decision {
         Ok(g) => g,
         Err(r) => {
             let mut msg = [0u8; 16];
@@ -159,9 +178,19 @@ fn reply(s: &mut UnixStream, decision: Decision) -> std::io::Result<()> {
     for c in &grant.chunks {
         msg.extend_from_slice(&c.to_le_bytes());
     }
-    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    send_with_fds(s.as_raw_fd(), &msg, &raw)
-    // `fds` drop here: the producer's copies are closed once sent.
+    s.write_all(&msg)?;
+    let mut left = grant.chunks.len();
+    while left > 0 {
+        let n = left.min(BATCH);
+        let batch = (0..n)
+            .map(|_| fds())
+            .collect::<std::io::Result<Vec<OwnedFd>>>()?;
+        let raw: Vec<RawFd> = batch.iter().map(|f| f.as_raw_fd()).collect();
+        send_with_fds(s.as_raw_fd(), &(n as u32).to_le_bytes(), &raw)?;
+        left -= n;
+        // `batch` drops here: the producer's copies are closed once sent.
+    }
+    Ok(())
 }
 
 fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
@@ -210,43 +239,70 @@ pub enum AskError {
     Protocol(&'static str),
 }
 
-/// Ask the producer behind `path` for ticket (`id`, `nonce`).
-pub fn ask(path: &Path, id: u32, nonce: u64) -> Result<(Grant, Vec<OwnedFd>), AskError> {
+/// The descriptors of a grant as they arrive.
+pub struct Incoming {
+    s: UnixStream,
+    left: usize,
+}
+
+impl Incoming {
+    /// The next descriptors in chunk order (at most [`BATCH`]); empty once all have arrived.
+    pub fn next_batch(&mut self) -> Result<Vec<OwnedFd>, AskError> {
+        if self.left == 0 {
+            return Ok(Vec::new());
+        }
+        let mut n = [0u8; 4];
+        let (got, fds) =
+            recv_with_fds(self.s.as_raw_fd(), &mut n).map_err(AskError::Unreachable)?;
+        let want = u32::from_le_bytes(n) as usize;
+        if got != 4 || want == 0 || want > self.left.min(BATCH) || fds.len() != want {
+            return Err(AskError::Protocol("a batch does not match its descriptors"));
+        }
+        self.left -= want;
+        Ok(fds)
+    }
+}
+
+/// Ask the producer behind `path` for ticket (`id`, `nonce`): the grant, and its descriptors
+/// to be received batch by batch.
+pub fn ask(path: &Path, id: u32, nonce: u64) -> Result<(Grant, Incoming), AskError> {
     let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let mut req = [0u8; 16];
     req[0..4].copy_from_slice(&id.to_le_bytes());
     req[8..16].copy_from_slice(&nonce.to_le_bytes());
     s.write_all(&req).map_err(AskError::Unreachable)?;
-    let mut data = vec![0u8; 16 + 8 * MAX_CHUNKS];
-    let (n, fds) = recv_with_fds(s.as_raw_fd(), &mut data).map_err(AskError::Unreachable)?;
-    if n < 16 {
-        return Err(AskError::Protocol("short reply"));
-    }
-    let status = u32::from_le_bytes(data[0..4].try_into().unwrap());
+    // The header carries no descriptors; exact reads never reach into the first batch.
+    let mut head = [0u8; 16];
+    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
+    let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
     if status != 0 {
         return Err(AskError::Refused(Refusal::from_code(status)));
     }
-    let count = u32::from_le_bytes(data[4..8].try_into().unwrap()) as usize;
-    let size = u64::from_le_bytes(data[8..16].try_into().unwrap());
-    if count == 0 || count > MAX_CHUNKS || n != 16 + 8 * count || fds.len() != count {
-        return Err(AskError::Protocol("reply does not match its descriptors"));
+    let count = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+    let size = u64::from_le_bytes(head[8..16].try_into().unwrap());
+    if count == 0 || count > MAX_CHUNKS {
+        return Err(AskError::Protocol("bad chunk count"));
     }
-    let chunks = (0..count)
-        .map(|i| u64::from_le_bytes(data[16 + 8 * i..24 + 8 * i].try_into().unwrap()))
+    let mut sizes = vec![0u8; 8 * count];
+    s.read_exact(&mut sizes).map_err(AskError::Unreachable)?;
+    let chunks = sizes
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
         .collect();
-    Ok((Grant { size, chunks }, fds))
+    Ok((Grant { size, chunks }, Incoming { s, left: count }))
 }
 
+/// One message: its bytes into `data`, and the descriptors attached to it.
 fn recv_with_fds(sock: RawFd, data: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
-    let max_fd_bytes = (MAX_CHUNKS * std::mem::size_of::<RawFd>()) as u32;
+    let max_fd_bytes = (BATCH * std::mem::size_of::<RawFd>()) as u32;
     // SAFETY: pure computation.
     let space = unsafe { libc::CMSG_SPACE(max_fd_bytes) } as usize;
     let mut cbuf = vec![0u8; space];
     let mut got = 0;
     let mut fds = Vec::new();
-    // The reply may arrive in pieces; descriptors come with the first.
-    loop {
+    // The message may arrive in pieces; descriptors come with the first.
+    while got < data.len() {
         let mut iov = libc::iovec {
             iov_base: data[got..].as_mut_ptr().cast(),
             iov_len: data.len() - got,
@@ -276,18 +332,15 @@ fn recv_with_fds(sock: RawFd, data: &mut [u8]) -> std::io::Result<(usize, Vec<Ow
                 h = libc::CMSG_NXTHDR(&msg, h);
             }
         }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(std::io::Error::other("descriptors truncated"));
+        }
         if n == 0 {
-            return Ok((got, fds));
+            break;
         }
         got += n as usize;
-        if got >= 16 {
-            let status = u32::from_le_bytes(data[0..4].try_into().unwrap());
-            let count = u32::from_le_bytes(data[4..8].try_into().unwrap()) as usize;
-            if status != 0 || got >= 16 + 8 * count.min(MAX_CHUNKS) {
-                return Ok((got, fds));
-            }
-        }
     }
+    Ok((got, fds))
 }
 
 #[cfg(test)]
@@ -306,22 +359,32 @@ mod tests {
             if id != 3 || nonce != 99 {
                 return Err(Refusal::Unknown);
             }
-            let f: Vec<OwnedFd> = (0..2)
-                .map(|_| std::fs::File::open("/dev/null").unwrap().into())
-                .collect();
+            // 150 chunks: three batches (64, 64, 22), made one at a time.
+            let n = 150;
+            let source: FdSource =
+                Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
             Ok((
                 Grant {
                     size: 5 << 20,
-                    chunks: vec![2 << 20, 4 << 20],
+                    chunks: (0..n).map(|i| (i + 1) << 21).collect(),
                 },
-                f,
+                source,
             ))
         })
         .unwrap();
-        let (g, fds) = ask(&path, 3, 99).unwrap();
+        let (g, mut incoming) = ask(&path, 3, 99).unwrap();
         assert_eq!(g.size, 5 << 20);
-        assert_eq!(g.chunks, vec![2 << 20, 4 << 20]);
-        assert_eq!(fds.len(), 2);
+        assert_eq!(g.chunks.len(), 150);
+        assert_eq!(g.chunks[149], 150 << 21);
+        let mut batches = Vec::new();
+        loop {
+            let b = incoming.next_batch().unwrap();
+            if b.is_empty() {
+                break;
+            }
+            batches.push(b.len());
+        }
+        assert_eq!(batches, vec![64, 64, 22]);
         assert!(matches!(
             ask(&path, 3, 98),
             Err(AskError::Refused(Refusal::Unknown))

@@ -48,7 +48,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
 
 #ifndef NO_VMM
 #define MAXH 65536
-static struct { int fd; size_t size; int mapped; } handles[MAXH];
+static struct { int fd; size_t size; int mapped; int retained; } handles[MAXH];
 static size_t used;
 #define MAXM 65536
 static struct { uint64_t va; size_t size; int h; unsigned access; } maps[MAXM];
@@ -71,7 +71,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, const CUmemAl
 CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   pthread_mutex_lock(&mu); counts[C_RELEASE]++;
   CUresult r = 0;
-  if (h == 0 || h >= MAXH || !handles[h].size || handles[h].mapped) r = 1;
+  if (h > 0 && h < MAXH && handles[h].retained) handles[h].retained--;
+  else if (h == 0 || h >= MAXH || !handles[h].size || handles[h].mapped) r = 1;
   else { close(handles[h].fd); used -= handles[h].size; handles[h].size = 0; }
   pthread_mutex_unlock(&mu); return r;
 }
@@ -176,9 +177,17 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr pt
 }
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   CUdeviceptr b; size_t n;
-  if ((attr != 9 && attr != 11 && attr != 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
-  if (attr == 9) { *(int*)data = 0; return 0; }
+  if ((attr < 9 || attr > 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
+  if (attr == 9 || attr == 10) { *(int*)data = 0; return 0; } /* device 0; VMM: no legacy IPC */
   *(uint64_t*)data = attr == 11 ? b : n; return 0;
+}
+/* The handle mapped at ptr, with one more reference (released by cuMemRelease). */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* h, void* ptr) {
+  pthread_mutex_lock(&mu); CUresult r = 1;
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && (uint64_t)ptr >= maps[i].va && (uint64_t)ptr < maps[i].va + maps[i].size) {
+    *h = (uint64_t)maps[i].h; handles[maps[i].h].retained++; r = 0; break;
+  }
+  pthread_mutex_unlock(&mu); return r;
 }
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */
 long fakecu_access(uint64_t va) {

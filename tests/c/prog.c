@@ -251,24 +251,47 @@ int cuMemAddressReserve(uint64_t*, size_t, size_t, uint64_t, unsigned long long)
 int cuMemMap(uint64_t, size_t, size_t, uint64_t, unsigned long long);
 int cuMemSetAccess(uint64_t, size_t, const Access*, size_t);
 
-/* VMM memory made by another allocator (as PyTorch's expandable segments do): IPC gets a
- * mirror of the mapping. */
-static int foreign(void) {
-  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1;
+/* VMM memory made by another allocator, mapped in pieces as PyTorch's expandable segments
+ * do: `n` back-to-back mappings of `piece` bytes. */
+static unsigned char* foreign_run(int n, size_t piece) {
+  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1; p.requestedHandleTypes = 1;
   Access a; memset(&a, 0, sizeof a); a.location.type = 1; a.flags = 3;
   uint64_t h, va;
-  CHECK(cuMemCreate(&h, 4 * MIB, &p, 0) == 0 && cuMemAddressReserve(&va, 4 * MIB, 0, 0, 0) == 0);
-  CHECK(cuMemMap(va, 4 * MIB, 0, h, 0) == 0 && cuMemSetAccess(va, 4 * MIB, &a, 1) == 0);
-  unsigned char* m = (unsigned char*)va;
-  fill(m, 4 * MIB, 0x61);
+  CHECK(cuMemAddressReserve(&va, n * piece, 0, 0, 0) == 0);
+  for (int i = 0; i < n; i++) CHECK(cuMemCreate(&h, piece, &p, 0) == 0 && cuMemMap(va + i * piece, piece, 0, h, 0) == 0);
+  CHECK(cuMemSetAccess(va, n * piece, &a, 1) == 0);
+  return (unsigned char*)va;
+}
+
+/* IPC of such memory: a mirror of the run of mappings from the one containing the pointer. */
+static int foreign(void) {
+  unsigned char* m = foreign_run(2, 4 * MIB);
+  fill(m, 8 * MIB, 0x61);
   unsigned char hd[64], hd2[64];
   int rc = cudaIpcGetMemHandle(hd, m + 100);
   printf("foreign_rc=%d lasterr=%d\n", rc, cudaGetLastError());
-  printf("foreign_data=%d\n", rc == 0 && holds(opened(hd), 4 * MIB, 0x61));
-  fill(m, 4 * MIB, 0x62);
+  printf("foreign_data=%d\n", rc == 0 && holds(opened(hd), 8 * MIB, 0x61));
+  fill(m, 8 * MIB, 0x62);
   rc = cudaIpcGetMemHandle(hd2, m);
-  printf("foreign_again_rc=%d same=%d refreshed=%d\n", rc, !memcmp(hd, hd2, 64), holds(opened(hd2), 4 * MIB, 0x62));
+  printf("foreign_again_rc=%d same=%d refreshed=%d\n", rc, !memcmp(hd, hd2, 64), holds(opened(hd2), 8 * MIB, 0x62));
+  rc = cudaIpcGetMemHandle(hd2, m + 4 * MIB + 1);
+  printf("second_piece_rc=%d second_piece_data=%d\n", rc, rc == 0 && holds(opened(hd2), 4 * MIB, 0x62));
   int x; printf("host_rc=%d\n", cudaIpcGetMemHandle(hd, &x));
+  return 0;
+}
+
+/* Producer of foreign memory: four 8 MiB mappings (or FOREIGN_PIECES of 2 MiB), shared with
+ * a consumer, which checks the first 32 MiB. */
+static int share_foreign(const char* self, const char* how) {
+  int n = getenv("FOREIGN_PIECES") ? atoi(getenv("FOREIGN_PIECES")) : 4;
+  size_t piece = getenv("FOREIGN_PIECES") ? 2 * MIB : 8 * MIB;
+  unsigned char* m = foreign_run(n, piece);
+  unsigned char h[64];
+  fill(m, n * piece, 0x41);
+  printf("get_rc=%d", cudaIpcGetMemHandle(h, m + 5));
+  printf(" ticket=%d\n", memcmp(h, "XSG1", 4) == 0);
+  run_consumer(self, how, h, 0x41, 0x42);
+  printf("producer_sees_write=%d\n", holds(m, 32 * MIB, 0x42));
   return 0;
 }
 
@@ -286,6 +309,7 @@ int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
   if (!strcmp(s, "share") && argc > 2) return share(argv[0], argv[2]);
+  if (!strcmp(s, "share_foreign") && argc > 2) return share_foreign(argv[0], argv[2]);
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "threads")) return threads();
