@@ -12,8 +12,9 @@ filler process that holds the rest of the card:
          torch.cuda.empty_cache() every step (frameworks handing memory to a colocated engine);
   train  a small GPT-like model, a few hundred steps: step time and losses.
 Modes: default, expandable (expandable_segments:True), max_split (max_split_size_mb:64),
-expseg (LD_PRELOAD only), expseg-run (scripts/expseg-run: LD_PRELOAD plus its PyTorch
-defaults) and expandable+expseg (both). Prints a table (completed steps or OOM, peak device memory, peak reserved, median
+expseg (scripts/expseg-run, the launch path: LD_PRELOAD plus its PyTorch default,
+expandable_segments:True) and expseg-preload (LD_PRELOAD alone: PyTorch's default allocator
+on top of expseg). Prints a table (completed steps or OOM, peak device memory, peak reserved, median
 step time, ratios to expandable_segments), writes results.json and memory.png to DIR.
 """
 import argparse
@@ -32,11 +33,11 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "churn": (56, 20),
     "train": (24, 300),
 }
-MODES = ["default", "expandable", "max_split", "expseg", "expseg-run", "expandable+expseg"]
+MODES = ["default", "expandable", "max_split", "expseg", "expseg-preload"]
 
 
 def mode_env(mode, lib):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}
     env.pop("LD_PRELOAD", None)
     env["PYTHONUNBUFFERED"] = "1"
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -45,12 +46,9 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
+    elif mode == "expseg-preload":
+        env["LD_PRELOAD"] = lib
     elif mode == "expseg":
-        env["LD_PRELOAD"] = lib
-    elif mode == "expandable+expseg":
-        env["LD_PRELOAD"] = lib
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    elif mode == "expseg-run":
         env["EXPSEG_LIB"] = lib
         env["EXPSEG_REPORT"] = "none"
         cmd = [os.path.join(HERE, "expseg-run")]

@@ -82,18 +82,19 @@ else
   echo "SKIP torch tests: no PyTorch with CUDA in python3"
 fi
 
-# PyTorch IPC side by side: ctypes cudaIpcGetMemHandle, torch.multiprocessing both ways,
-# weight sync; default allocator, expandable_segments, expseg. Only expseg must pass all.
+# PyTorch IPC side by side: ctypes cudaIpcGetMemHandle opened by a consumer process (data
+# checked, writes traced back), torch.multiprocessing both ways, weight sync; under the
+# default allocator, expandable_segments, expseg through its launch path (expseg-run: PyTorch
+# on expandable_segments) and expseg by LD_PRELOAD alone (PyTorch's default allocator).
+# Both expseg modes must pass everything.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   MODE=default python3 "$here/torch_ipc.py" >"$logs/torch_ipc_default.log" 2>&1
   MODE=expandable_segments PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable.log" 2>&1
-  MODE=expseg LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
-  result torch_ipc_expseg $? ""
-  # expandable_segments under expseg: its VMM memory is not the pool's; IPC handles come from
-  # mirrors of the mappings (ctypes), torch.multiprocessing keeps PyTorch's own path.
-  MODE=expandable_segments+expseg PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LD_PRELOAD="$lib" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable_expseg.log" 2>&1
-  result torch_ipc_expandable_under_expseg $? ""
-  for m in default expandable expseg expandable_expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+  MODE=expseg-run EXPSEG_LIB="$lib" EXPSEG_REPORT="$logs/torch_ipc_run_report_%p.txt" "$root/scripts/expseg-run" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg_run.log" 2>&1
+  result torch_ipc_expseg_run $? ""
+  MODE=expseg-preload LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
+  result torch_ipc_expseg_preload $? ""
+  for m in default expandable expseg_run expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
 fi
 
 # The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under

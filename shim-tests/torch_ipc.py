@@ -1,6 +1,11 @@
 """IPC of PyTorch tensors, as RL frameworks and vLLM do it, in one process configuration.
 
-1. `cudaIpcGetMemHandle` through ctypes on `tensor.data_ptr()` (vLLM's custom all-reduce);
+1. `cudaIpcGetMemHandle` through ctypes on `tensor.data_ptr()` (vLLM's custom all-reduce):
+   a consumer process opens each handle with ctypes `cudaIpcOpenMemHandle`, finds the tensor
+   at the offset the producer computed from `cuPointerGetAttribute(RANGE_START_ADDR)`, checks
+   its first and last element and writes both; the parent reports whether it sees the writes
+   (shared both ways) — once with a consumer in the same environment, once with a plain one
+   (no LD_PRELOAD);
 2. `torch.multiprocessing` sharing of tensors from many segments with a child process that
    reads every tensor and writes back into it, the parent checking the writes;
 3. the weight-sync pattern: one bucket refilled and re-shared 10 times, the child checking
@@ -21,12 +26,76 @@ SIZES_MIB = [1, 3, 8, 20, 40, 96, 256]
 
 
 def ctypes_handle(t):
+    """(rc, 64 handle bytes, offset of the tensor from the handle's base)."""
     rt = ctypes.CDLL("libcudart.so.13")
+    cu = ctypes.CDLL("libcuda.so.1")
+    base = ctypes.c_uint64(0)
+    # CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, as vLLM does for graph buffers
+    cu.cuPointerGetAttribute(ctypes.byref(base), 11, ctypes.c_uint64(t.data_ptr()))
     h = (ctypes.c_byte * 64)()
-    rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(t.data_ptr()))
+    rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base.value))
     if rc:
         rt.cudaGetLastError()
-    return rc
+    return rc, bytes(h), t.data_ptr() - base.value
+
+
+class IpcHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: 64 bytes, passed by value to cudaIpcOpenMemHandle."""
+
+    _fields_ = [("reserved", ctypes.c_byte * 64)]
+
+
+def ctypes_consumer(q_in, q_out):
+    """Open each handle, check the tensor's first and last float, write both (+1000)."""
+    rt = ctypes.CDLL("libcudart.so.13")
+    rt.cudaSetDevice(0)
+    results = []
+    for i, (rc, raw, off, numel) in enumerate(q_in.get()):
+        if rc:
+            results.append({"open": None})
+            continue
+        h = IpcHandle.from_buffer_copy(raw)
+        p = ctypes.c_void_p()
+        orc = rt.cudaIpcOpenMemHandle(ctypes.byref(p), h, 1)
+        r = {"open": orc}
+        if orc == 0:
+            first, last = ctypes.c_float(), ctypes.c_float()
+            a = p.value + off
+            rt.cudaMemcpy(ctypes.byref(first), ctypes.c_void_p(a), 4, 2)
+            rt.cudaMemcpy(ctypes.byref(last), ctypes.c_void_p(a + 4 * (numel - 1)), 4, 2)
+            r["data"] = first.value == i + 1 and last.value == i + 1
+            mark = ctypes.c_float(i + 1001)
+            rt.cudaMemcpy(ctypes.c_void_p(a), ctypes.byref(mark), 4, 1)
+            rt.cudaMemcpy(ctypes.c_void_p(a + 4 * (numel - 1)), ctypes.byref(mark), 4, 1)
+            rt.cudaDeviceSynchronize()
+            r["close"] = rt.cudaIpcCloseMemHandle(p)
+        results.append(r)
+    q_out.put(results)
+
+
+def ctypes_round(ctx, tensors, handles, plain):
+    """One consumer process over the ctypes handles; per tensor: opened, data right, writes
+    seen by the producer. Restores the tensors afterwards."""
+    saved = os.environ.get("LD_PRELOAD")
+    if plain:
+        os.environ.pop("LD_PRELOAD", None)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=ctypes_consumer, args=(q_in, q_out))
+    p.start()
+    if saved is not None:
+        os.environ["LD_PRELOAD"] = saved
+    q_in.put([(rc, raw, off, t.numel()) for (rc, raw, off), t in zip(handles, tensors)])
+    res = q_out.get(timeout=120)
+    p.join(timeout=60)
+    torch.cuda.synchronize()
+    out = []
+    for i, (r, t) in enumerate(zip(res, tensors)):
+        seen = int(t[0].item()) == i + 1001 and int(t[-1].item()) == i + 1001
+        out.append("-" if r["open"] is None else "open-fails" if r["open"] else
+                   ("both-ways" if seen else "one-way") if r["data"] else "wrong-data")
+        t.fill_(float(i + 1))
+    torch.cuda.synchronize()
+    return out
 
 
 def child(q_in, q_out):
@@ -53,8 +122,12 @@ def main():
     torch.cuda.set_device(0)
     # Tensors from many segments (sizes spread over PyTorch's small and large pools).
     tensors = [torch.full((s << 18,), float(i + 1), device="cuda") for i, s in enumerate(SIZES_MIB)]
-    out["ctypes_rc"] = [ctypes_handle(t) for t in tensors]
+    handles = [ctypes_handle(t) for t in tensors]
+    out["ctypes_rc"] = [h[0] for h in handles]
     ctx = mp.get_context("spawn")
+    out["ctypes_consumer"] = ctypes_round(ctx, tensors, handles, plain=False)
+    if os.environ.get("LD_PRELOAD"):
+        out["ctypes_plain_consumer"] = ctypes_round(ctx, tensors, handles, plain=True)
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q_in, q_out))
     p.start()
@@ -82,6 +155,7 @@ def main():
     print(json.dumps(out))
     ok = (
         all(rc == 0 for rc in out["ctypes_rc"])
+        and all(c in ("both-ways", "one-way") for c in out["ctypes_consumer"] + out.get("ctypes_plain_consumer", []))
         and out.get("child_read")
         and out.get("parent_sees_child_writes")
         and out.get("versions_seen") == 10

@@ -832,7 +832,7 @@ fn the_wrapper_sets_pytorch_defaults_only_when_none_are_set() {
     let out = wrapped(&["env"], &[("EXPSEG_REPORT_DIR", d)]);
     assert_eq!(
         env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
-        Some("max_split_size_mb:64")
+        Some("expandable_segments:True")
     );
     let out = wrapped(
         &["env"],

@@ -193,6 +193,7 @@ fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
 /// mapping at once (so a refusal is clean), the others as the transport sends them.
 fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
+    cuda::ensure_context(t, dev);
     let (start, sizes, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
     let mut covered = 0;
     let sizes: Vec<u64> = sizes

@@ -181,6 +181,22 @@ fn is_vmm(t: &DriverTable, ptr: u64) -> bool {
     unsafe { attr((&mut v as *mut libc::c_int).cast(), LEGACY_IPC, ptr) == 0 && v == 0 }
 }
 
+/// Make `dev`'s primary context current on a thread that has none (the ticket thread): the
+/// driver's pointer queries and exports need one.
+pub fn ensure_context(t: &DriverTable, dev: i32) {
+    if has_context(t) {
+        return;
+    }
+    if let (Some(primary), Some(set)) = (t.cuDevicePrimaryCtxRetain, t.cuCtxSetCurrent) {
+        let mut c: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the primary context stays retained for the process.
+        if unsafe { primary(&mut c, dev) } == 0 {
+            // SAFETY: a context the driver just handed us.
+            unsafe { set(c) };
+        }
+    }
+}
+
 /// A POSIX descriptor of the physical memory mapped at `va` (another allocator's page), for a
 /// ticket. Runs on the ticket thread: it makes `dev`'s primary context current there first.
 pub fn export_mapping(t: &DriverTable, va: u64, dev: i32) -> DrvResult<OwnedFd> {
@@ -188,16 +204,7 @@ pub fn export_mapping(t: &DriverTable, va: u64, dev: i32) -> DrvResult<OwnedFd> 
         t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?,
         t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?,
     );
-    if !has_context(t) {
-        if let (Some(primary), Some(set)) = (t.cuDevicePrimaryCtxRetain, t.cuCtxSetCurrent) {
-            let mut c: CUcontext = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the primary context stays retained for the process.
-            if unsafe { primary(&mut c, dev) } == 0 {
-                // SAFETY: a context the driver just handed us.
-                unsafe { set(c) };
-            }
-        }
-    }
+    ensure_context(t, dev);
     let mut h = 0;
     // SAFETY: valid out-pointer; the driver validates the address.
     check(unsafe { retain(&mut h, va as usize as *mut libc::c_void) })?;
