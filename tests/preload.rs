@@ -620,6 +620,23 @@ fn a_plain_consumer_gets_a_mirror_of_the_whole_run_of_another_allocators_mapping
 }
 
 #[test]
+fn without_memory_for_a_mirror_another_allocators_memory_is_shared_by_ticket_alone() {
+    // The runtime refuses anything above 16 MiB: no 32 MiB mirror.
+    let low = [("FAKE_RT_MALLOC_MAX", "16777216")];
+    let r = share_in("share_foreign", "expseg", &low).ok();
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert_eq!(r.get("producer_sees_write"), "1");
+    assert!(r.stderr().contains("no mirror of"), "{}", r.stderr());
+    let r = share_in("share_foreign", "plain", &low).ok();
+    assert_ne!(
+        nth(&r, "open_rc", 0),
+        "0",
+        "a plain consumer cannot open a ticket-only handle"
+    );
+}
+
+#[test]
 fn a_plain_consumer_opens_the_ticketed_mirror() {
     let r = share("plain", &[]).ok();
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));

@@ -123,6 +123,12 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
             let mirror = if want_mirror {
                 match make_mirror(dev, base, size) {
                     Ok(m) => Some(m),
+                    // The run can be far larger than the tensor: consumers running expseg
+                    // still get the memory itself.
+                    Err(e) if ticketed => {
+                        log::warn!("IPC: no mirror of {base:#x} ({size} bytes): error {e}");
+                        None
+                    }
                     Err(e) => return Some(Err(e)),
                 }
             } else {
@@ -133,7 +139,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                 sizes.len(),
                 match (ticketed, mirror) {
                     (true, Some((p, _))) => format!("consumers running expseg share it both ways; others get a mirror at {p:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process"),
-                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg)".to_string(),
+                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg, or no memory for a mirror): plain consumers cannot open its handle".to_string(),
                     (false, Some((p, _))) => format!("shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"),
                     (false, None) => unreachable!("no mirror only with tickets"),
                 }

@@ -40,6 +40,8 @@ int cudaMalloc(void** p, size_t n) {
   __atomic_add_fetch(&n_malloc, 1, __ATOMIC_RELAXED);
   if (n == 0) { *p = 0; return 0; }
   if (n >= ((size_t)1 << 48)) return err(2);
+  /* FAKE_RT_MALLOC_MAX: larger requests run out of memory. */
+  if (getenv("FAKE_RT_MALLOC_MAX") && n > (size_t)atol(getenv("FAKE_RT_MALLOC_MAX"))) return err(2);
   int fd = memfd_create("fakert", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, (off_t)n)) return err(2);
   void* m = MAP_FAILED;
