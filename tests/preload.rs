@@ -846,27 +846,37 @@ fn the_wrapper_prepends_the_library_once_and_keeps_what_was_there() {
 fn the_wrapper_sets_pytorch_defaults_only_when_none_are_set() {
     let d = fixture().dir.join("wrap-reports");
     let d = d.to_str().unwrap();
+    let said = |out: &std::process::Output| {
+        String::from_utf8_lossy(&out.stderr)
+            .contains("PyTorch allocator set to expandable_segments:True")
+    };
     let out = wrapped(&["env"], &[("EXPSEG_REPORT_DIR", d)]);
     assert_eq!(
         env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
         Some("expandable_segments:True")
     );
-    let out = wrapped(
-        &["env"],
-        &[
-            ("EXPSEG_REPORT_DIR", d),
-            ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
-        ],
-    );
-    assert_eq!(
-        env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
-        Some("expandable_segments:True")
-    );
+    assert!(said(&out), "one line says what was set and how to opt out");
+    for var in ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"] {
+        let out = wrapped(
+            &["env"],
+            &[("EXPSEG_REPORT_DIR", d), (var, "max_split_size_mb:128")],
+        );
+        assert_eq!(
+            env_of(&out, var).as_deref(),
+            Some("max_split_size_mb:128"),
+            "the user's own setting is kept"
+        );
+        if var == "PYTORCH_ALLOC_CONF" {
+            assert_eq!(env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"), None);
+        }
+        assert!(!said(&out));
+    }
     let out = wrapped(
         &["env"],
         &[("EXPSEG_REPORT_DIR", d), ("EXPSEG_TORCH_DEFAULTS", "0")],
     );
     assert_eq!(env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"), None);
+    assert!(!said(&out));
 }
 
 #[test]
