@@ -73,6 +73,8 @@ struct ForeignShare {
     dev: i32,
     size: u64,
     mirror: Option<(u64, IpcHandle)>,
+    /// A mirror was wanted but there was no memory for it: ticket only, not retried.
+    no_room: bool,
 }
 
 /// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
@@ -101,7 +103,9 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         .ipc
         .foreign
         .get(&base)
-        .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
+        .filter(|f| {
+            f.size == size && f.dev == dev && (f.mirror.is_some() || f.no_room) == want_mirror
+        })
         .map(|f| f.mirror);
     let mirror = match same {
         Some(Some((p, h))) => {
@@ -144,9 +148,16 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                     (false, None) => unreachable!("no mirror only with tickets"),
                 }
             );
-            st.ipc
-                .foreign
-                .insert(base, ForeignShare { dev, size, mirror });
+            let no_room = want_mirror && mirror.is_none();
+            st.ipc.foreign.insert(
+                base,
+                ForeignShare {
+                    dev,
+                    size,
+                    mirror,
+                    no_room,
+                },
+            );
             mirror
         }
     };

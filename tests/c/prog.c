@@ -290,6 +290,9 @@ static int share_foreign(const char* self, const char* how) {
   fill(m, n * piece, 0x41);
   printf("get_rc=%d", cudaIpcGetMemHandle(h, m + 5));
   printf(" ticket=%d\n", memcmp(h, "XSG1", 4) == 0);
+  unsigned char again[64];
+  int again_rc = cudaIpcGetMemHandle(again, m);
+  printf("again_rc=%d same_handle=%d\n", again_rc, !memcmp(h, again, 64));
   run_consumer(self, how, h, 0x41, 0x42);
   printf("producer_sees_write=%d\n", holds(m, 32 * MIB, 0x42));
   return 0;
