@@ -65,39 +65,6 @@ def device_used():
     return pynvml.nvmlDeviceGetMemoryInfo(h).used
 
 
-def gpt(torch, dim=512, layers=6, vocab=8192, heads=8):
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
-            att = (q @ k.transpose(-1, -2)) / (dim // heads) ** 0.5
-            mask = torch.ones(t, t, device=x.device, dtype=torch.bool).tril()
-            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-            x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, dim))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(2048, dim)
-            self.blocks = nn.Sequential(*[Block() for _ in range(layers)])
-            self.head = nn.Linear(dim, vocab)
-
-        def forward(self, idx):
-            pos = torch.arange(idx.shape[1], device=idx.device)
-            return self.head(self.blocks(self.tok(idx) + self.pos(pos)))
-
-    return GPT(), vocab
-
-
 def worker(name):
     import pynvml
     import random
@@ -118,7 +85,11 @@ def worker(name):
         torch.manual_seed(0)
         torch.use_deterministic_algorithms(True)
         torch.backends.cuda.matmul.allow_tf32 = False
-        model, vocab = gpt(torch)
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        vocab = 8192
+        model = gpt(dim=512, layers=6, vocab=vocab, heads=8, positions=2048)
         model = model.cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         gen = torch.Generator().manual_seed(1)

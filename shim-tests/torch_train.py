@@ -9,39 +9,11 @@ import sys
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, DIM, HEADS, LAYERS = 2048, 256, 8, 4
+from gpt import gpt
 
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-1, -2)) / (DIM // HEADS) ** 0.5
-        mask = torch.ones(t, t, device=x.device, dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, DIM))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(1024, DIM)
-        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.blocks(self.tok(idx) + self.pos(pos)))
+VOCAB = 2048
 
 
 def main():
@@ -51,7 +23,7 @@ def main():
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
-    model = GPT().to(dev)
+    model = gpt(dim=256, layers=4, vocab=VOCAB, heads=8, positions=1024).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     gen = torch.Generator().manual_seed(1)
     losses = []

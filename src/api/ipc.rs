@@ -210,41 +210,32 @@ fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
 /// mapping at once (so a refusal is clean), the others as the transport sends them.
 fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
+    // The ticket thread has no context of its own; the source below runs on it too.
     cuda::ensure_context(t, dev);
-    let (start, sizes, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
-    let mut covered = 0;
-    let sizes: Vec<u64> = sizes
-        .into_iter()
-        .take_while(|s| {
-            let take = covered < size;
-            covered += s;
-            take
-        })
-        .collect();
-    if start != base || sizes.iter().sum::<u64>() != size {
+    let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
+    // The mappings that make up the shared `size`: still mapped from the same start.
+    let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
+    for s in all {
+        if end >= start + size {
+            break;
+        }
+        sizes.push(s);
+        vas.push(end);
+        end += s;
+    }
+    if start != base || end != base + size {
         return Err(Refusal::Stale);
     }
-    let first = cuda::export_mapping(t, base, dev).map_err(|e| {
+    let first = cuda::export_mapping(t, base).map_err(|e| {
         log::warn!("IPC: the pages at {base:#x} cannot be exported ({e}); consumers fall back to the mirror");
         Refusal::Failed
     })?;
-    let mut first = Some(first);
-    let mut vas = sizes.iter().scan(base, |va, s| {
-        let at = *va;
-        *va += s;
-        Some(at)
-    });
-    vas.next();
-    let vas: Vec<u64> = vas.collect();
-    let mut rest = vas.into_iter();
+    let mut fds = std::iter::once(Ok(first)).chain(vas.into_iter().skip(1).map(move |va| {
+        cuda::export_mapping(t, va).map_err(|e| std::io::Error::other(e.to_string()))
+    }));
     let source: transport::FdSource = Box::new(move || {
-        if let Some(f) = first.take() {
-            return Ok(f);
-        }
-        let va = rest
-            .next()
-            .ok_or_else(|| std::io::Error::other("no more mappings"))?;
-        cuda::export_mapping(t, va, dev).map_err(|e| std::io::Error::other(e.to_string()))
+        fds.next()
+            .unwrap_or_else(|| Err(std::io::Error::other("no more mappings")))
     });
     Ok((
         Grant {

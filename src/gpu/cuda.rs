@@ -198,13 +198,12 @@ pub fn ensure_context(t: &DriverTable, dev: i32) {
 }
 
 /// A POSIX descriptor of the physical memory mapped at `va` (another allocator's page), for a
-/// ticket. Runs on the ticket thread: it makes `dev`'s primary context current there first.
-pub fn export_mapping(t: &DriverTable, va: u64, dev: i32) -> DrvResult<OwnedFd> {
+/// ticket. The calling thread needs a context (see [`ensure_context`]).
+pub fn export_mapping(t: &DriverTable, va: u64) -> DrvResult<OwnedFd> {
     let (retain, export) = (
         t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?,
         t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?,
     );
-    ensure_context(t, dev);
     let mut h = 0;
     // SAFETY: valid out-pointer; the driver validates the address.
     check(unsafe { retain(&mut h, va as usize as *mut libc::c_void) })?;
@@ -252,10 +251,10 @@ pub fn import(
         handles: Vec::new(),
         mapped: 0,
     };
+    let drv = |r| check(r).map_err(|e| e.to_string());
     let r = (|| {
         // SAFETY: valid out-pointer.
-        check(unsafe { (t.cuMemAddressReserve)(&mut out.va, total as usize, 0, 0, 0) })
-            .map_err(|e| e.to_string())?;
+        drv(unsafe { (t.cuMemAddressReserve)(&mut out.va, total as usize, 0, 0, 0) })?;
         let mut off = 0;
         while out.handles.len() < sizes.len() {
             let batch = next_fds()?;
@@ -265,27 +264,19 @@ pub fn import(
             for fd in batch {
                 let size = sizes[out.handles.len()];
                 let mut h = 0;
+                let os = fd.as_raw_fd() as usize as *mut libc::c_void;
                 // SAFETY: for POSIX-fd handles the "OS handle" is the descriptor number itself.
-                check(unsafe {
-                    imp(
-                        &mut h,
-                        fd.as_raw_fd() as usize as *mut libc::c_void,
-                        POSIX_FD,
-                    )
-                })
-                .map_err(|e| e.to_string())?;
+                drv(unsafe { imp(&mut h, os, POSIX_FD) })?;
                 out.handles.push((h, size));
                 // SAFETY: inside our fresh reservation.
-                check(unsafe { (t.cuMemMap)(out.va + off, size as usize, 0, h, 0) })
-                    .map_err(|e| e.to_string())?;
+                drv(unsafe { (t.cuMemMap)(out.va + off, size as usize, 0, h, 0) })?;
                 out.mapped += 1;
                 off += size;
             }
         }
         let a = access(dev, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
         // SAFETY: the whole range is mapped.
-        check(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
-            .map_err(|e| e.to_string())
+        drv(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
     })();
     match r {
         Ok(()) => Ok(out),
