@@ -10,12 +10,16 @@ filler process that holds the rest of the card:
   moe    MoE-like: per-step activation sizes that follow random expert loads;
   churn  ~48 GiB per step in 0.05-0.6 GiB tensors, a third touched, all freed, and
          torch.cuda.empty_cache() every step (frameworks handing memory to a colocated engine);
-  train  a small GPT-like model, a few hundred steps: step time and losses.
-Modes: default, expandable (expandable_segments:True), max_split (max_split_size_mb:64),
-expseg (scripts/expseg-run, the launch path: LD_PRELOAD plus its PyTorch default,
-expandable_segments:True) and expseg-preload (LD_PRELOAD alone: PyTorch's default allocator
-on top of expseg). Prints a table (completed steps or OOM, peak device memory, peak reserved, median
-step time, ratios to expandable_segments), writes results.json and memory.png to DIR.
+  train  a small GPT-like model, a few hundred steps: step time and losses;
+  train_ec the same model with varying shapes and torch.cuda.empty_cache() every step.
+Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
+large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), expseg
+(scripts/expseg-run, the launch path) and expseg-preload (LD_PRELOAD alone, which applies
+expandable_segments:True itself when nothing is set). Under expseg PyTorch's pages are
+coalesced. Prints a table (completed steps or OOM, peak device memory, peak reserved, median
+step time, ratios to expandable_segments and default), writes results.json and memory.png to
+DIR, and with --json a summary (device, driver, date, commit; per workload and mode: steps,
+median ms, peak reserved and device GiB).
 """
 import argparse
 import json
@@ -32,8 +36,9 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "moe": (24, 30),
     "churn": (56, 20),
     "train": (24, 300),
+    "train_ec": (24, 120),
 }
-MODES = ["default", "expandable", "max_split", "expseg", "expseg-preload"]
+MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload"]
 
 
 def mode_env(mode, lib):
@@ -44,6 +49,8 @@ def mode_env(mode, lib):
     cmd = []
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    elif mode == "expandable_256":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True,large_segment_size_mb:256"
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
@@ -81,7 +88,7 @@ def worker(name):
     u8 = torch.uint8
     res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": []}
     state = {}
-    if name == "train":
+    if name in ("train", "train_ec"):
         torch.manual_seed(0)
         torch.use_deterministic_algorithms(True)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -131,7 +138,7 @@ def worker(name):
                 total += n
             del ts
             torch.cuda.empty_cache()
-        elif name == "train":
+        elif name in ("train", "train_ec"):
             batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
             data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
             logits = model(data[:, :-1])
@@ -140,6 +147,8 @@ def worker(name):
             opt.step()
             opt.zero_grad(set_to_none=True)
             res["losses"].append(loss.item())
+            if name == "train_ec":
+                torch.cuda.empty_cache()
 
     # The device memory of the process, sampled every 2 ms by a thread: the true peak, not
     # just the step ends.
@@ -220,6 +229,49 @@ def run_all(args):
         json.dump(results, open(os.path.join(args.out, "results.json"), "w"))  # after each workload
     table(results)
     plot(results, os.path.join(args.out, "memory.png"))
+    if args.json:
+        summary(results, args)
+
+
+def summary(results, args):
+    import datetime
+
+    import pynvml
+    import torch
+
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    def text(x):
+        return x.decode() if isinstance(x, bytes) else x
+
+    out = {
+        "device": text(pynvml.nvmlDeviceGetName(h)),
+        "driver": text(pynvml.nvmlSystemGetDriverVersion()),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+        "command": "python3 scripts/bench_torch.py --lib LIB --json FILE --commit COMMIT",
+        "workloads": {},
+    }
+    for w, modes in results.items():
+        out["workloads"][w] = {
+            m: {
+                "steps": r.get("steps", 0),
+                "of": WORKLOADS[w][1],
+                "oom": bool(r.get("oom")),
+                "error": bool(r.get("error")),
+                "median_ms": round(r.get("median_step_ms", 0), 2),
+                "peak_reserved_gib": round(r.get("peak_reserved", 0) / GIB, 3),
+                "peak_device_gib": round(r.get("peak_device", 0) / GIB, 3),
+            }
+            for m, r in modes.items()
+        }
+        d = results[w].get("default", {}).get("losses")
+        if d:
+            for m, r in modes.items():
+                if r.get("losses"):
+                    out["workloads"][w][m]["losses_identical_to_default"] = r["losses"] == d
+    json.dump(out, open(args.json, "w"), indent=1)
 
 
 def table(results):
@@ -238,11 +290,11 @@ def table(results):
                 f"| {w} | {m} | {steps} | {pd:.2f} | {pr:.2f} | {st:.1f} | {ratio(r.get('peak_device', 0), ref.get('peak_device', 0))}"
                 f" | {ratio(st, ref.get('median_step_ms', 0))} | {ratio(st, dflt.get('median_step_ms', 0))} |"
             )
-    if "train" in results:
-        d = results["train"].get("default", {}).get("losses")
-        for m, r in results["train"].items():
+    for w in ("train", "train_ec"):
+        d = results.get(w, {}).get("default", {}).get("losses")
+        for m, r in results.get(w, {}).items():
             if d and r.get("losses"):
-                print(f"train losses, {m} vs default: {'identical' if r['losses'] == d else 'DIFFERENT'} ({len(r['losses'])} steps)")
+                print(f"{w} losses, {m} vs default: {'identical' if r['losses'] == d else 'DIFFERENT'} ({len(r['losses'])} steps)")
 
 
 def plot(results, path):
@@ -271,6 +323,8 @@ def main():
     ap.add_argument("--out", default="bench-torch-out")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--modes", nargs="*", default=MODES)
+    ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
+    ap.add_argument("--commit", default="unknown")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()

@@ -82,6 +82,25 @@ else
   echo "SKIP torch tests: no PyTorch with CUDA in python3"
 fi
 
+# Coalesced expandable segments under stress: known patterns, random frees, empty_cache,
+# forced out-of-memory retries, IPC exports; every live tensor checked after each compaction.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  EXPSEG_REPORT="$logs/stress_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 1 >"$logs/stress.log" 2>&1
+  rc=$?
+  python3 - "$logs/stress_report.txt.json" <<'PY' || rc=1
+import json, sys
+p = json.load(open(sys.argv[1]))["process"]
+print("    report: " + ", ".join(f"{k[9:]} {v}" for k, v in p.items() if k.startswith("coalesce_")))
+sys.exit(0 if p.get("coalesce_compactions", 0) > 0 and p.get("coalesce_compaction_failures", 1) == 0 else 1)
+PY
+  result torch_coalesce_stress $rc "$(tail -n 1 "$logs/stress.log" | cut -c1-400)"
+  if [ "$ngpu" -ge 2 ]; then
+    EXPSEG_REPORT="$logs/stress2_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 >"$logs/stress2.log" 2>&1
+    result torch_coalesce_stress_two_gpus $? "$(tail -n 1 "$logs/stress2.log" | cut -c1-400)"
+  fi
+fi
+
 # PyTorch IPC side by side: ctypes cudaIpcGetMemHandle opened by a consumer process (data
 # checked, writes traced back), torch.multiprocessing both ways, weight sync; under the
 # default allocator, expandable_segments, expseg through its launch path (expseg-run: PyTorch

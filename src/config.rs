@@ -9,6 +9,14 @@ use std::io::Write;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// Whose VMM pages expseg coalesces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coalesce {
+    Torch,
+    All,
+    Off,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     /// `EXPSEG_DISABLE`: pure pass-through.
@@ -32,6 +40,18 @@ pub struct Config {
     pub ipc_peers_expseg: bool,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
+    /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
+    /// segments: callers of the runtime's driver entry points in `libc10_cuda`), `all` (every
+    /// caller of those entry points), `off`.
+    pub coalesce: Coalesce,
+    /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
+    pub coalesce_max: u64,
+    /// `EXPSEG_STRAND_MAX`: bytes of released pages a partly live handle may hold before it
+    /// is compacted.
+    pub strand_max: u64,
+    /// `EXPSEG_COALESCE_MARGIN`: free memory kept in hand while pages are admitted without
+    /// being created; nearer the limit pages are created at once.
+    pub coalesce_margin: u64,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
@@ -61,6 +81,13 @@ impl Default for Config {
             ipc_tickets: true,
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
+            coalesce: Coalesce::Torch,
+            // Bounds the temporary memory a compaction needs (the live part of one handle),
+            // and holds a churn step's largest tensors (0.6 GiB) whole.
+            coalesce_max: GIB,
+            // Released memory reaches the driver at the next allocator call.
+            strand_max: 0,
+            coalesce_margin: GIB,
             report: None,
             test_panic: None,
             test_fail_move: None,
@@ -107,6 +134,40 @@ const VARS: &[Var] = &[
             _ => Err("0 (no limit) or a size of at least 2M, such as 512M or 2G"),
         },
         show: |c| fmt_size(c.max_chunk),
+    },
+    Var {
+        name: "EXPSEG_COALESCE",
+        set: |c, v| {
+            c.coalesce = match v {
+                "torch" => Coalesce::Torch,
+                "all" => Coalesce::All,
+                "off" | "0" => Coalesce::Off,
+                _ => return Err("torch, all or off"),
+            };
+            Ok(())
+        },
+        show: |c| format!("{:?}", c.coalesce).to_lowercase(),
+    },
+    Var {
+        name: "EXPSEG_COALESCE_MAX",
+        set: |c, v| match parse_size(v) {
+            Ok(s) if s >= 2 * MIB => {
+                c.coalesce_max = s;
+                Ok(())
+            }
+            _ => Err("a size of at least 2M, such as 512M or 1G"),
+        },
+        show: |c| fmt_size(c.coalesce_max),
+    },
+    Var {
+        name: "EXPSEG_STRAND_MAX",
+        set: |c, v| parse_size(v).map(|s| c.strand_max = s),
+        show: |c| fmt_size(c.strand_max),
+    },
+    Var {
+        name: "EXPSEG_COALESCE_MARGIN",
+        set: |c, v| parse_size(v).map(|s| c.coalesce_margin = s),
+        show: |c| fmt_size(c.coalesce_margin),
     },
     Var {
         name: "EXPSEG_IPC_MOVE_MAX",

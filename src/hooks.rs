@@ -146,6 +146,10 @@ pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -> c_int {
+    // What the program is told is free should be free: compact partly released pages first.
+    if let Some(_g) = Guard::enter() {
+        let _ = catch_unwind(api::vmm::settle);
+    }
     let e = next::cudaMemGetInfo(free, total);
     let Some(_g) = Guard::enter().filter(|_| e == 0 && !free.is_null() && !total.is_null()) else {
         return e;
@@ -247,7 +251,10 @@ unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, ver
         // Version 3020 introduced the size_t signature that the hook has.
         b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,
         b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
-        _ => return,
+        _ => match crate::vmm_hooks::for_caller(name) {
+            Some(p) => p,
+            None => return,
+        },
     };
     *pfn = ours;
 }

@@ -26,6 +26,7 @@
 #![deny(unsafe_code)]
 
 pub mod api;
+pub mod coalesce;
 pub mod config;
 pub mod dlsym;
 pub mod elf;
@@ -37,3 +38,5 @@ pub mod pool;
 #[allow(unsafe_code)]
 pub mod real;
 pub mod stats;
+#[allow(unsafe_code)]
+pub mod vmm_hooks;

@@ -38,10 +38,10 @@ fn self_base() -> *mut c_void {
 }
 
 /// Whether `p` is code of expseg itself (a lookup must never resolve to a hook).
-fn is_self(p: *mut c_void) -> bool {
+pub fn is_self(p: usize) -> bool {
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the address.
-    unsafe { libc::dladdr(p, &mut info) != 0 && info.dli_fbase == self_base() }
+    // SAFETY: dladdr only looks the address up in the loader's tables.
+    unsafe { libc::dladdr(p as *const c_void, &mut info) != 0 && info.dli_fbase == self_base() }
 }
 
 const RUNTIMES: [&CStr; 2] = [c"libcudart.so.13", c"libcudart.so.12"];
@@ -52,7 +52,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
     // (RTLD_NOLOAD only raised their reference count).
     unsafe {
         let p = crate::dlsym::real(libc::RTLD_NEXT, name);
-        if !p.is_null() && !is_self(p) {
+        if !p.is_null() && !is_self(p as usize) {
             return p;
         }
         for lib in RUNTIMES {
@@ -62,7 +62,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
             }
             let p = crate::dlsym::real(h, name);
             libc::dlclose(h);
-            if !p.is_null() && !is_self(p) {
+            if !p.is_null() && !is_self(p as usize) {
                 return p;
             }
         }
@@ -179,6 +179,22 @@ pub fn runtime_path() -> Option<String> {
     }
 }
 
+/// The file expseg's own code was loaded from (the library, or a program linking the crate).
+pub fn self_file() -> Option<String> {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
+    unsafe {
+        if libc::dladdr(self_base as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        Some(
+            CStr::from_ptr(info.dli_fname)
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+}
+
 /// The directory expseg's own library was loaded from.
 pub fn self_dir() -> Option<std::path::PathBuf> {
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
@@ -269,6 +285,30 @@ pub mod runtime {
                 src.len(),
                 HOST_TO_DEVICE,
             )
+        }
+    }
+
+    /// `cudaMemcpy` device to host.
+    pub fn copy_d2h(dst: &mut [u8], src: u64) -> i32 {
+        const DEVICE_TO_HOST: i32 = 2;
+        // SAFETY: `dst` is writable for its length; `src` is device memory of at least as much.
+        unsafe {
+            next::cudaMemcpy(
+                dst.as_mut_ptr().cast(),
+                src as *const c_void,
+                dst.len(),
+                DEVICE_TO_HOST,
+            )
+        }
+    }
+
+    /// The real `cudaMemGetInfo` of the current device: (free, total).
+    pub fn mem_get_info() -> Result<(u64, u64), i32> {
+        let (mut f, mut t) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        match unsafe { next::cudaMemGetInfo(&mut f, &mut t) } {
+            0 => Ok((f as u64, t as u64)),
+            e => Err(e),
         }
     }
 
@@ -373,6 +413,7 @@ driver_table! {
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);
         cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, u32);
         cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
+        cuMemGetAllocationPropertiesFromHandle(*mut c_void, CUmemGenericAllocationHandle);
         cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
         cuCtxSetCurrent(CUcontext);
     }

@@ -102,6 +102,26 @@ fn fixture() -> &'static Fixture {
             &["-O1", "-o", "plugin_main", &s("plugin_main.c"), "-ldl"],
             &dir,
         );
+        for lib in ["libc10_cuda.so", "libother.so"] {
+            cc(
+                &[
+                    "-shared",
+                    "-fPIC",
+                    "-O1",
+                    "-o",
+                    lib,
+                    &s("c10_pages.c"),
+                    "./libcudart.so.13",
+                    "./libcuda.so.1",
+                    &format!("-Wl,-rpath,{d}"),
+                ],
+                &dir,
+            );
+        }
+        cc(
+            &["-O1", "-o", "pages_main", &s("pages_main.c"), "-ldl"],
+            &dir,
+        );
         // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
         // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
         let exe = std::env::current_exe().unwrap();
@@ -1046,4 +1066,95 @@ fn doctor_fails_without_vmm() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout)
         .contains("not supported: its allocations pass through"));
+}
+
+fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
+    let mut all = vec![("FAKE_MEMINFO_REAL", "1"), ("FAKE_CAPACITY", "4294967296")];
+    all.extend_from_slice(env);
+    let path = fixture().dir.join(lib);
+    run_in(
+        &fixture().dir,
+        "pages_main",
+        &[path.to_str().unwrap(), what],
+        &all,
+    )
+}
+
+#[test]
+fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
+    let r = pages("libc10_cuda.so", "full", &[]).ok();
+    for (k, v) in [
+        ("grow_rc", "0"),
+        ("batch_creates", "1"),
+        ("batch_maps", "1"),
+        ("shrink_rc", "0"),
+        ("used_stranded_mib", "160"),
+        ("used_compacted_mib", "80"),
+        ("live_intact", "1"),
+        ("regrow_rc", "0"),
+        ("all_intact", "1"),
+        ("export_rc", "0"),
+        ("shared_both_ways", "1"),
+        ("after_export_intact", "1"),
+        ("retain_rc", "0"),
+        ("same_handle", "1"),
+        ("props_rc", "0"),
+        ("props_dev", "0"),
+        ("props_posix", "1"),
+        ("release_rc", "0"),
+        ("final_shrink_rc", "0"),
+        ("free_va_rc", "0"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
+    }
+    // The one line saying PyTorch's allocator default was applied (nothing was set).
+    assert_eq!(
+        r.stderr(),
+        "expseg: PyTorch allocator set to expandable_segments:True (EXPSEG_TORCH_DEFAULTS=0 keeps PyTorch's default)\n"
+    );
+    let quiet = pages("libc10_cuda.so", "full", &[("EXPSEG_TORCH_DEFAULTS", "0")]).ok();
+    assert_eq!(quiet.stderr(), "");
+    assert_eq!(
+        quiet.get("batch_creates"),
+        "1",
+        "coalescing does not depend on it"
+    );
+}
+
+#[test]
+fn other_callers_and_the_off_switch_get_the_drivers_own_pages() {
+    for (lib, env) in [
+        ("libother.so", vec![]),
+        ("libc10_cuda.so", vec![("EXPSEG_COALESCE", "off")]),
+        ("libc10_cuda.so", vec![("EXPSEG_DISABLE", "1")]),
+    ] {
+        let r = pages(lib, "full", &env).ok();
+        assert_eq!(r.get("batch_creates"), "8", "{lib} {env:?}");
+        assert_eq!(r.get("batch_maps"), "8", "{lib} {env:?}");
+        assert_eq!(r.get("all_intact"), "1", "{lib} {env:?}");
+        assert_eq!(r.get("shared_both_ways"), "1", "{lib} {env:?}");
+        assert_eq!(r.get("used_end"), "0", "{lib} {env:?}");
+    }
+    // `all` coalesces any caller of the entry points.
+    let r = pages("libother.so", "full", &[("EXPSEG_COALESCE", "all")]).ok();
+    assert_eq!(r.get("batch_creates"), "1");
+}
+
+#[test]
+fn coalesced_creates_run_out_of_memory_exactly_where_the_drivers_pages_do() {
+    let cap = [("FAKE_CAPACITY", "268435456")];
+    let native = pages("libother.so", "oom", &cap).ok();
+    assert_eq!(native.get("pages_before_oom"), "12");
+    for margin in ["0", "64M", "1G"] {
+        let r = pages(
+            "libc10_cuda.so",
+            "oom",
+            &[cap[0], ("EXPSEG_COALESCE_MARGIN", margin)],
+        )
+        .ok();
+        assert_eq!(r.get("pages_before_oom"), "12", "margin {margin}");
+        assert_eq!(r.get("oom_rc"), "2", "margin {margin}");
+        assert_eq!(r.get("used_end"), "0", "margin {margin}");
+    }
 }

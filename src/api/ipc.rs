@@ -93,6 +93,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         return None;
     }
     let t = crate::real::driver().ok()?;
+    super::vmm::isolate_run(ptr);
     let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
     let size: u64 = sizes.iter().sum();
     let c = config();

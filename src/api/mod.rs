@@ -13,6 +13,7 @@
 #![allow(non_snake_case)]
 
 mod ipc;
+pub mod vmm;
 
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
@@ -441,7 +442,8 @@ pub fn write_exit_report() {
         }
         None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
     };
-    let snap = stats::Snapshot::take(status, config().effective(), pools);
+    let mut snap = stats::Snapshot::take(status, config().effective(), pools);
+    snap.global.extend(vmm::report_rows());
     if let Err(e) = stats::write_report(&template, &snap) {
         log::error!("cannot write the report to {template}: {e}");
     }

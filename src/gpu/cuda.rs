@@ -384,6 +384,55 @@ impl Driver for CudaDriver {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
+    fn create_as(&mut self, size: u64, props: super::PageProps) -> DrvResult<ChunkHandle> {
+        let mut p = prop_for(self.dev, props.shareable);
+        p.allocFlags.gpuDirectRDMACapable = props.rdma as u8;
+        let mut h = 0;
+        // SAFETY: valid out-pointer and property struct.
+        check(unsafe { (self.t.cuMemCreate)(&mut h, size as usize, &p, 0) })?;
+        Ok(h)
+    }
+
+    fn free_memory(&mut self) -> DrvResult<u64> {
+        runtime::on_device(self.dev, runtime::mem_get_info)
+            .map(|(free, _)| free)
+            .map_err(rt)
+    }
+
+    fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {
+        let descs: Vec<CUmemAccessDesc> = descs
+            .iter()
+            .map(|(d, f)| {
+                let flags = match f {
+                    0 => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+                    1 => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+                    _ => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                };
+                access(*d, flags)
+            })
+            .collect();
+        // SAFETY: the descriptors outlive the call; the range is mapped by us.
+        check(unsafe { (self.t.cuMemSetAccess)(va, size as usize, descs.as_ptr(), descs.len()) })
+    }
+
+    fn save(&mut self, src: u64, size: u64) -> DrvResult<Vec<u8>> {
+        let mut out = vec![0u8; size as usize];
+        runtime::on_device(self.dev, || match runtime::copy_d2h(&mut out, src) {
+            0 => Ok(()),
+            e => Err(e),
+        })
+        .map_err(rt)?;
+        Ok(out)
+    }
+
+    fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()> {
+        runtime::on_device(self.dev, || match runtime::copy_h2d(dst, data) {
+            0 => Ok(()),
+            e => Err(e),
+        })
+        .map_err(rt)
+    }
+
     fn reserve(&mut self, size: u64) -> DrvResult<u64> {
         let mut va = 0;
         // SAFETY: valid out-pointer; no fixed address requested.

@@ -491,6 +491,47 @@ impl Driver for FakeDriver {
         self.enter(Op::Sync)
     }
 
+    fn create_as(&mut self, size: u64, _props: super::PageProps) -> DrvResult<ChunkHandle> {
+        self.create(size)
+    }
+
+    fn free_memory(&mut self) -> DrvResult<u64> {
+        Ok(self.free_bytes())
+    }
+
+    fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {
+        let readers: Vec<i32> = descs.iter().filter(|d| d.1 != 0).map(|d| d.0).collect();
+        let revoked: Vec<i32> = descs.iter().filter(|d| d.1 == 0).map(|d| d.0).collect();
+        self.set_access(va, size, &readers, &revoked)
+    }
+
+    /// Host copies hold each granule's tag as 8 little-endian bytes.
+    fn save(&mut self, src: u64, size: u64) -> DrvResult<Vec<u8>> {
+        self.enter(Op::Copy)?;
+        let mut out = Vec::new();
+        for t in self.read_range(src, size) {
+            out.extend_from_slice(&t.ok_or(INVALID)?.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()> {
+        self.enter(Op::Copy)?;
+        let n = data.len() as u64 / 8;
+        if self
+            .read_range(dst, n * self.gran)
+            .iter()
+            .any(Option::is_none)
+        {
+            return Err(INVALID);
+        }
+        for (i, t) in data.chunks_exact(8).enumerate() {
+            let tag = u64::from_le_bytes(t.try_into().unwrap());
+            self.write(dst + i as u64 * self.gran, self.gran, tag);
+        }
+        Ok(())
+    }
+
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<std::os::fd::OwnedFd> {
         if !self.chunks.contains_key(&h) {
             return Err(INVALID);

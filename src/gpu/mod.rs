@@ -91,6 +91,16 @@ impl Op {
     }
 }
 
+/// The properties of a program's `cuMemCreate` that expseg reproduces when it coalesces
+/// pages (everything else in the property struct is the plain default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct PageProps {
+    /// `requestedHandleTypes` includes POSIX file descriptors.
+    pub shareable: bool,
+    /// `allocFlags.gpuDirectRDMACapable`.
+    pub rdma: bool,
+}
+
 /// A legacy (`cudaIpcMemHandle_t`) IPC handle.
 pub type IpcHandle = [u8; 64];
 
@@ -135,4 +145,18 @@ pub trait Driver {
 
     /// A POSIX file descriptor for a chunk, for another process to import (IPC tickets).
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<std::os::fd::OwnedFd>;
+
+    // What coalescing another allocator's pages needs (`crate::coalesce`).
+
+    /// Create a chunk with the properties a program asked for (`crate::coalesce`).
+    fn create_as(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle>;
+    /// Bytes the driver can still give out on the device (`cuMemGetInfo`'s free).
+    fn free_memory(&mut self) -> DrvResult<u64>;
+    /// Set access to `[va, va+size)` exactly as the program's descriptors say: `(device,
+    /// CUmemAccess_flags)`, flags 0 taking access away.
+    fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()>;
+    /// Copy `size` bytes of device memory at `src` to the host (and wait).
+    fn save(&mut self, src: u64, size: u64) -> DrvResult<Vec<u8>>;
+    /// Copy host bytes to device memory at `dst` (and wait).
+    fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()>;
 }

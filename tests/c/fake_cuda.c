@@ -163,6 +163,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* o
   pthread_mutex_lock(&mu);
   int i = 1; while (i < MAXH && handles[i].size) i++;
   handles[i].fd = fd; handles[i].size = (size_t)size; handles[i].mapped = 0;
+  used += (size_t)size; /* released like any handle: the books balance */
   pthread_mutex_unlock(&mu);
   *h = (uint64_t)i; return 0;
 }
@@ -188,6 +189,11 @@ CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* h, void* ptr)
     *h = (uint64_t)maps[i].h; handles[maps[i].h].retained++; r = 0; break;
   }
   pthread_mutex_unlock(&mu); return r;
+}
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* p, CUmemGenericAllocationHandle h) {
+  if (h == 0 || h >= MAXH || !handles[h].size) return 1;
+  memset(p, 0, sizeof *p); p->type = 1; p->requestedHandleTypes = 1; p->location.type = 1; p->location.id = 0;
+  return 0;
 }
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */
 long fakecu_access(uint64_t va) {

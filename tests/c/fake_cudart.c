@@ -81,7 +81,26 @@ int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
 int cudaGetDevice(int* d) { *d = cur_dev; return 0; }
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind(); return 0; }
 int cudaDeviceSynchronize(void) { __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED); return 0; }
-int cudaMemGetInfo(size_t* f, size_t* t) { *f = 100u << 20; *t = 8ull << 30; return 0; }
+long fakecu_used(void) __attribute__((weak));
+/* FAKE_MEMINFO_REAL=1: free is FAKE_CAPACITY less the fake driver's chunks. */
+int cudaMemGetInfo(size_t* f, size_t* t) {
+  const char* real = getenv("FAKE_MEMINFO_REAL");
+  if (real && *real == '1' && fakecu_used) {
+    const char* c = getenv("FAKE_CAPACITY");
+    size_t cap = c ? (size_t)atol(c) : (1ul << 30);
+    *f = cap - (size_t)fakecu_used(); *t = cap; return 0;
+  }
+  *f = 100u << 20; *t = 8ull << 30; return 0;
+}
+#include <dlfcn.h>
+/* The runtime's driver entry point API: the driver's own functions. */
+int cudaGetDriverEntryPointByVersion(const char* sym, void** fn, unsigned ver, unsigned long long flags, int* status) {
+  (void)ver; (void)flags;
+  void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  *fn = l ? dlsym(l, sym) : 0;
+  if (status) *status = *fn ? 0 : 1;
+  return *fn ? 0 : 500;
+}
 int cudaIpcGetMemHandle(void* h, void* p) {
   __atomic_add_fetch(&n_ipc, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&mu);

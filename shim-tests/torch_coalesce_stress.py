@@ -1,0 +1,152 @@
+"""Randomized stress of PyTorch's expandable segments on expseg's coalesced pages.
+
+Tensors are filled with known byte values; the loop frees at random, rewrites, calls
+empty_cache() (which unmaps pages and strands parts of coalesced handles, compacted by expseg),
+forces out-of-memory retries (PyTorch frees its cache and retries; expseg compacts before a
+create would fail), and shares tensors (ctypes cudaIpcGetMemHandle, and PyTorch's own
+expandable-segment export, _share_cuda_). After every compaction point and every 100
+operations each live tensor's every byte is checked.
+
+    LD_PRELOAD=libexpseg.so python3 torch_coalesce_stress.py [OPS] [DEVICES] [LIVE_GIB]
+
+Prints one JSON line; exit 1 on any mismatch or unexpected error.
+"""
+import ctypes
+import json
+import random
+import sys
+
+import torch
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def main():
+    ops = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
+    ndev = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    live_cap = float(sys.argv[3]) if len(sys.argv) > 3 else 24.0
+    devices = [torch.device("cuda", i) for i in range(ndev)]
+    rt = ctypes.CDLL("libcudart.so.13")
+    rng = random.Random(1234)
+    live = {}  # key -> (tensor, value)
+    nxt = 0
+    stats = {"ops": 0, "allocs": 0, "frees": 0, "rewrites": 0, "empty_cache": 0, "oom_forced": 0,
+             "oom_retry_ok": 0, "ipc_ctypes": 0, "ipc_ctypes_fail": 0, "share_cuda": 0,
+             "share_cuda_fail": 0, "checks": 0, "checked_bytes": 0, "mismatches": 0, "errors": []}
+
+    def live_bytes(dev=None):
+        return sum(t.numel() for t, _ in live.values() if dev is None or t.device == dev)
+
+    def check_all():
+        for k, (t, v) in live.items():
+            bad = int((t != v).sum().item())
+            stats["checks"] += 1
+            stats["checked_bytes"] += t.numel()
+            if bad:
+                stats["mismatches"] += 1
+                stats["errors"].append(f"tensor {k}: {bad} of {t.numel()} bytes differ")
+
+    def size():
+        r = rng.random()
+        if r < 0.3:
+            return rng.randint(1, 4) * MIB + rng.randint(0, 4095)
+        if r < 0.9:
+            return rng.randint(20, 300) * MIB + rng.randint(0, MIB)
+        return rng.randint(512, 2048) * MIB
+
+    for i in range(ops):
+        stats["ops"] += 1
+        dev = rng.choice(devices)
+        op = rng.random()
+        try:
+            if op < 0.40:
+                n = size()
+                if live_bytes(dev) + n > live_cap * GIB / ndev:
+                    op = 0.5  # free instead
+                else:
+                    v = rng.randint(1, 250)
+                    t = torch.full((n,), v, dtype=torch.uint8, device=dev)
+                    live[nxt] = (t, v)
+                    nxt += 1
+                    stats["allocs"] += 1
+            if 0.40 <= op < 0.75 and live:
+                k = rng.choice(list(live))
+                del live[k]
+                stats["frees"] += 1
+            elif 0.75 <= op < 0.80 and live:
+                k = rng.choice(list(live))
+                t, _ = live[k]
+                v = rng.randint(1, 250)
+                t.fill_(v)
+                live[k] = (t, v)
+                stats["rewrites"] += 1
+            elif 0.80 <= op < 0.87:
+                torch.cuda.empty_cache()
+                for d in devices:
+                    torch.cuda.mem_get_info(d)  # expseg compacts before answering
+                stats["empty_cache"] += 1
+                check_all()
+            elif 0.87 <= op < 0.89:
+                # More than the device has: PyTorch frees its cache, retries, and fails.
+                free, total = torch.cuda.mem_get_info(dev)
+                try:
+                    torch.empty(total, dtype=torch.uint8, device=dev)
+                    stats["errors"].append("an allocation of the whole card succeeded")
+                except torch.OutOfMemoryError:
+                    stats["oom_forced"] += 1
+                check_all()
+            elif 0.89 <= op < 0.91:
+                # Nearly all that is free or cached: succeeds only after PyTorch releases its
+                # cache, and expseg compacts what that strands.
+                free, _ = torch.cuda.mem_get_info(dev)
+                cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+                n = int((free + cached) * 0.8) // MIB * MIB
+                if n > 0:
+                    try:
+                        big = torch.full((n,), 7, dtype=torch.uint8, device=dev)
+                        ok = bool((big[:: 1 << 16] == 7).all().item())
+                        del big
+                        stats["oom_retry_ok"] += 1
+                        if not ok:
+                            stats["mismatches"] += 1
+                    except torch.OutOfMemoryError:
+                        pass
+                check_all()
+            elif 0.91 <= op < 0.95 and live:
+                k = rng.choice(list(live))
+                t, _ = live[k]
+                h = (ctypes.c_byte * 64)()
+                torch.cuda.set_device(t.device)
+                rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(t.data_ptr()))
+                if rc:
+                    rt.cudaGetLastError()
+                    stats["ipc_ctypes_fail"] += 1
+                stats["ipc_ctypes"] += 1
+                check_all()
+            elif 0.95 <= op < 0.98 and live:
+                k = rng.choice(list(live))
+                t, _ = live[k]
+                try:
+                    t.untyped_storage()._share_cuda_()
+                    stats["share_cuda"] += 1
+                except Exception as e:  # noqa: BLE001
+                    stats["share_cuda_fail"] += 1
+                    stats["errors"].append(f"_share_cuda_: {str(e)[:200]}")
+                check_all()
+        except torch.OutOfMemoryError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            stats["errors"].append(f"op {i}: {type(e).__name__}: {str(e)[:200]}")
+            break
+        if i % 100 == 99:
+            check_all()
+    check_all()
+    stats["errors"] = stats["errors"][:10]
+    stats["live_at_end"] = len(live)
+    print(json.dumps(stats))
+    sys.exit(0 if stats["mismatches"] == 0 and not stats["errors"] and stats["ipc_ctypes_fail"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+//! Policy of the VMM calls expseg hands to PyTorch's expandable segments through the
+//! runtime's driver entry points: coalesced pages (`crate::coalesce`), one coalescer per
+//! device, under a lock of their own (a compaction waits for the device; `cudaMalloc` never
+//! waits for it).
+
+use super::config;
+use crate::coalesce::{is_virtual, CoalesceConfig, CoalesceStats, Coalescer};
+use crate::gpu::cuda::{self, CudaDriver};
+use crate::gpu::{ChunkHandle, DrvError, PageProps};
+use crate::real;
+use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+struct Vmm {
+    devs: Vec<Option<Coalescer<CudaDriver>>>,
+}
+
+static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
+    let devs = match real::driver() {
+        Ok(t) => {
+            let n = cuda::device_count(t).unwrap_or(0);
+            let c = config();
+            let cfg = CoalesceConfig {
+                max_handle: c.coalesce_max,
+                strand_max: c.strand_max,
+                margin: c.coalesce_margin,
+            };
+            (0..n)
+                .map(|d| match CudaDriver::open(t, d) {
+                    Ok(drv) => Some(Coalescer::new(drv, cfg)),
+                    Err(why) => {
+                        log::warn!("{why}; its expandable segments are not coalesced");
+                        None
+                    }
+                })
+                .collect()
+        }
+        Err(_) => Vec::new(),
+    };
+    STARTED.store(true, Ordering::Release);
+    Mutex::new(Vmm { devs })
+});
+
+/// Set once the coalescers exist (before that no handle or address can be theirs).
+static STARTED: AtomicBool = AtomicBool::new(false);
+
+fn lock() -> MutexGuard<'static, Vmm> {
+    VMM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn started() -> bool {
+    STARTED.load(Ordering::Acquire)
+}
+
+impl Vmm {
+    fn all(&mut self) -> impl Iterator<Item = &mut Coalescer<CudaDriver>> {
+        self.devs.iter_mut().flatten()
+    }
+
+    fn owner(&mut self, vh: u64) -> Option<&mut Coalescer<CudaDriver>> {
+        self.all().find(|c| c.owns(vh))
+    }
+}
+
+/// A driver result as the C code.
+fn code(r: Result<(), DrvError>) -> u32 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => e.0,
+    }
+}
+
+/// `cuMemCreate` of a page with coalescable properties on `dev`: `None` to pass through.
+pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
+    let mut v = lock();
+    let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
+    Some(c.create(size, props).map_err(|e| e.0))
+}
+
+pub fn release(vh: u64) -> Option<u32> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    let c = v.owner(vh)?;
+    Some(code(c.release(vh)))
+}
+
+pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    let c = v.owner(vh)?;
+    if flags != 0 {
+        return Some(crate::coalesce::INVALID.0);
+    }
+    Some(code(c.map(va, size, offset, vh)))
+}
+
+/// Before the program maps a handle of its own at `[va, va+size)`: no ghost of ours there.
+pub fn clear(va: u64, size: u64) {
+    if !started() {
+        return;
+    }
+    for c in lock().all() {
+        c.clear_for_program(va, size);
+    }
+}
+
+pub fn unmap(va: u64, size: u64) -> Option<u32> {
+    if !started() {
+        return None;
+    }
+    let mut v = lock();
+    for c in v.all() {
+        match c.unmap(va, size) {
+            Ok(false) => continue,
+            Ok(true) => return Some(0),
+            Err(e) => return Some(e.0),
+        }
+    }
+    None
+}
+
+pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
+    if !started() {
+        return None;
+    }
+    let mut v = lock();
+    for c in v.all() {
+        match c.set_access(va, size, descs) {
+            Ok(false) => continue,
+            Ok(true) => return Some(0),
+            Err(e) => return Some(e.0),
+        }
+    }
+    None
+}
+
+/// `cuMemExportToShareableHandle` of a page: the real handle to export.
+pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    let c = v.owner(vh)?;
+    Some(c.export(vh).map_err(|e| e.0))
+}
+
+/// Before the memory of the run starting at `ptr` is shared with another process: page-sized
+/// handles that never move.
+pub fn isolate_run(ptr: u64) {
+    if !started() {
+        return;
+    }
+    for c in lock().all() {
+        if let Err(e) = c.isolate_run(ptr) {
+            log::warn!("splitting coalesced pages before sharing failed ({e}); a consumer may see memory that later moves");
+        }
+    }
+}
+
+pub fn retain(ptr: u64) -> Option<u64> {
+    if !started() {
+        return None;
+    }
+    lock().all().find_map(|c| c.retain(ptr))
+}
+
+pub fn props_of(vh: u64) -> Option<(i32, PageProps)> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    let c = v.owner(vh)?;
+    use crate::gpu::Driver as _;
+    let dev = c.driver().device();
+    c.props_of(vh).map(|(_, p)| (dev, p))
+}
+
+/// `cuMemAddressReserve` succeeded.
+pub fn reserved(va: u64, size: u64) {
+    for c in lock().all() {
+        c.reserved(va, size);
+    }
+}
+
+/// `cuMemAddressFree` is about to run: `Some(code)` if it must fail.
+pub fn address_free(va: u64, size: u64) -> Option<u32> {
+    if !started() {
+        return None;
+    }
+    for c in lock().all() {
+        if let Err(e) = c.address_free(va, size) {
+            return Some(e.0);
+        }
+    }
+    None
+}
+
+/// Compact what the bound asks for (at `cudaMemGetInfo`: what the program is told is free
+/// should be free).
+pub fn settle() {
+    if !started() {
+        return;
+    }
+    for c in lock().all() {
+        c.settle(false);
+    }
+}
+
+/// Per device: counters, pages held, physical handles, stranded bytes.
+pub fn stats() -> Vec<(i32, CoalesceStats, usize, usize, u64)> {
+    if !started() {
+        return Vec::new();
+    }
+    use crate::gpu::Driver as _;
+    let mut v = match VMM.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(_) => return Vec::new(),
+    };
+    v.all()
+        .map(|c| {
+            let (pages, phys) = c.counts();
+            (
+                c.driver().device(),
+                c.stats().clone(),
+                pages,
+                phys,
+                c.stranded(),
+            )
+        })
+        .collect()
+}
+
+/// The coalescers' figures for the exit report, summed over devices.
+pub fn report_rows() -> Vec<(&'static str, u64)> {
+    let all = stats();
+    if all.is_empty() {
+        return Vec::new();
+    }
+    let sum = |f: &dyn Fn(&CoalesceStats) -> u64| all.iter().map(|(_, s, ..)| f(s)).sum::<u64>();
+    vec![
+        ("coalesce_pages_created", sum(&|s| s.pages_created)),
+        ("coalesce_handles_created", sum(&|s| s.phys_created)),
+        ("coalesce_handles_released", sum(&|s| s.phys_released)),
+        ("coalesce_exact_creates", sum(&|s| s.exact_creates)),
+        ("coalesce_compactions", sum(&|s| s.compactions)),
+        ("coalesce_compacted_bytes", sum(&|s| s.compacted_bytes)),
+        ("coalesce_host_copies", sum(&|s| s.host_copies)),
+        ("coalesce_compaction_failures", sum(&|s| s.compaction_failures)),
+        ("coalesce_access_fallbacks", sum(&|s| s.access_fallbacks)),
+        ("coalesce_exports_split", sum(&|s| s.exports_split)),
+        ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
+        ("coalesce_pages_live", all.iter().map(|a| a.2 as u64).sum()),
+        ("coalesce_handles_live", all.iter().map(|a| a.3 as u64).sum()),
+        ("coalesce_stranded_bytes", all.iter().map(|a| a.4).sum()),
+    ]
+}

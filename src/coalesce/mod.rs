@@ -1,0 +1,1087 @@
+//! Coalesced pages: the physical memory behind another allocator's VMM pages (PyTorch's
+//! expandable segments), in one driver handle per batch instead of one per page.
+//!
+//! The program keeps calling `cuMemCreate`/`cuMemMap`/`cuMemSetAccess`/`cuMemUnmap`/
+//! `cuMemRelease` page by page. The handles it gets are expseg's names for pages (*virtual
+//! handles*). A page is *pending* until its memory is needed; pending pages mapped back to back
+//! get one physical handle (a *phys*) when the program sets access to them, mapped once over
+//! the whole run. What a step of `empty_cache()` churn costs is then a handful of driver calls
+//! per tensor, not five per 20 MiB page.
+//!
+//! # Admission
+//! `cuMemCreate` must answer `CUDA_ERROR_OUT_OF_MEMORY` exactly when the memory is not there
+//! (PyTorch frees its cache and retries on that answer only). A page is admitted as pending
+//! while the pending bytes stay `margin` below the driver's free memory, read once per batch.
+//! Nearer the limit the pending pages and the new one are created at once, as one handle, so
+//! the answer is the driver's own: it fails exactly when the bytes a native run would hold by
+//! now do not fit. What remains is a race with other processes taking more than `margin`
+//! between a create and the access call; then access falls back to one handle per page, and
+//! fails with out-of-memory if even that cannot be had.
+//!
+//! # Compaction
+//! A handle maps and unmaps only whole. When the program unmaps and releases some pages of a
+//! phys while others stay live, the phys stays mapped (the released pages are *ghosts*) and
+//! its dead bytes are *stranded*. [`Coalescer::settle`] moves the live pages into new handles
+//! at the same addresses and releases the old one: wait for the device, create, copy (through
+//! device memory where there is room, else through host memory), unmap the old, map the new,
+//! release. Every step before the release has a restore path that leaves data and mappings as
+//! they were. It runs when stranded bytes pass `strand_max`, before a create would fail, before
+//! a ghost range is mapped again, and before a page is exported.
+//!
+//! While it runs, the live pages are briefly unmapped: no other thread may launch work on
+//! them during the allocator call that compacts (PyTorch holds its allocator lock; its own
+//! stream was synchronised before the unmap that stranded the bytes, and expseg waits for the
+//! whole device before copying).
+
+#[cfg(test)]
+mod tests;
+
+use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const INVALID: DrvError = DrvError(1);
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub const NOT_SUPPORTED: DrvError = DrvError(801);
+
+/// Virtual handles carry this tag in their top 16 bits (the driver's own handles are
+/// addresses of its objects, far below it).
+const TAG: u64 = 0xE5E5 << 48;
+
+pub fn is_virtual(h: u64) -> bool {
+    h & (0xFFFF << 48) == TAG
+}
+
+/// Tuning.
+#[derive(Clone, Copy, Debug)]
+pub struct CoalesceConfig {
+    /// Largest physical handle a batch gets; longer runs get several.
+    pub max_handle: u64,
+    /// Stranded bytes tolerated before compaction.
+    pub strand_max: u64,
+    /// Free memory kept in hand when pages are admitted without creating them.
+    pub margin: u64,
+}
+
+impl Default for CoalesceConfig {
+    fn default() -> Self {
+        CoalesceConfig {
+            max_handle: 1 << 30,
+            strand_max: 0,
+            margin: 1 << 30,
+        }
+    }
+}
+
+/// Counters for the report.
+#[derive(Clone, Debug, Default)]
+pub struct CoalesceStats {
+    pub pages_created: u64,
+    pub phys_created: u64,
+    pub phys_released: u64,
+    pub exact_creates: u64,
+    pub compactions: u64,
+    pub compacted_bytes: u64,
+    pub host_copies: u64,
+    pub compaction_failures: u64,
+    pub access_fallbacks: u64,
+    pub exports_split: u64,
+    pub peak_stranded: u64,
+}
+
+#[derive(Debug)]
+struct Page {
+    size: u64,
+    props: PageProps,
+    /// Program references: 1 from create, +1 per retain; released at 0.
+    refs: u32,
+    /// `(phys, offset)` once the page has memory.
+    slot: Option<(u64, u64)>,
+    /// Where the program mapped it.
+    va: Option<u64>,
+    /// Handed out as its own handle (exported): never coalesced again.
+    single: bool,
+}
+
+#[derive(Debug)]
+struct Phys {
+    handle: ChunkHandle,
+    size: u64,
+    /// Where the handle is mapped, whole.
+    base: Option<u64>,
+    /// offset -> page
+    slots: BTreeMap<u64, u64>,
+    /// Access the program set on any page of it: (device, flags).
+    access: Vec<(i32, u32)>,
+}
+
+/// A run of a phys's live pages that moves to one new handle.
+#[derive(Debug, Clone)]
+struct Group {
+    off: u64,
+    len: u64,
+    /// Where the new handle is mapped (the pages' address), or none for unmapped pages.
+    target: Option<u64>,
+}
+
+/// What a compaction holds while it is not yet committed.
+#[derive(Default)]
+struct Work {
+    /// New handles, and whether each was created (false: no room, host path).
+    new: Vec<(ChunkHandle, bool)>,
+    /// Temporary mappings: (address, size) of a reservation with one handle mapped whole.
+    tmp: Vec<(u64, u64)>,
+    /// The old handle's temporary mapping, when it was not mapped.
+    src_tmp: Option<(u64, u64)>,
+    host: Vec<Option<Vec<u8>>>,
+}
+
+pub struct Coalescer<D: Driver> {
+    drv: D,
+    cfg: CoalesceConfig,
+    next_vh: u64,
+    next_phys: u64,
+    pages: HashMap<u64, Page>,
+    phys: BTreeMap<u64, Phys>,
+    /// program mapping address -> page
+    maps: BTreeMap<u64, u64>,
+    /// phys base address -> phys (mapped phys only)
+    bases: BTreeMap<u64, u64>,
+    /// Reservations the program made through expseg: start -> size.
+    reservations: BTreeMap<u64, u64>,
+    pending_bytes: u64,
+    free_est: u64,
+    /// Phys with dead bytes.
+    dirty: BTreeSet<u64>,
+    /// Temporary mappings whose teardown failed, retried at the next settle.
+    stray: Vec<(u64, u64)>,
+    stats: CoalesceStats,
+}
+
+impl<D: Driver> Coalescer<D> {
+    pub fn new(drv: D, cfg: CoalesceConfig) -> Self {
+        Coalescer {
+            drv,
+            cfg,
+            next_vh: 1,
+            next_phys: 1,
+            pages: HashMap::new(),
+            phys: BTreeMap::new(),
+            maps: BTreeMap::new(),
+            bases: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            pending_bytes: 0,
+            free_est: 0,
+            dirty: BTreeSet::new(),
+            stray: Vec::new(),
+            stats: CoalesceStats::default(),
+        }
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.drv
+    }
+
+    pub fn driver_mut(&mut self) -> &mut D {
+        &mut self.drv
+    }
+
+    pub fn stats(&self) -> &CoalesceStats {
+        &self.stats
+    }
+
+    pub fn owns(&self, vh: u64) -> bool {
+        self.pages.contains_key(&vh)
+    }
+
+    /// Pages the program holds, and physical handles behind them.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.pages.len(), self.phys.len())
+    }
+
+    /// Dead bytes still held in partly released handles.
+    pub fn stranded(&self) -> u64 {
+        self.dirty.iter().map(|p| self.dead(*p)).sum()
+    }
+
+    /// Physical bytes held (created handles).
+    pub fn physical_bytes(&self) -> u64 {
+        self.phys.values().map(|p| p.size).sum()
+    }
+
+    fn dead(&self, pid: u64) -> u64 {
+        let p = &self.phys[&pid];
+        let live: u64 = p.slots.values().map(|vh| self.pages[vh].size).sum();
+        p.size - live
+    }
+
+    // ---- the program's calls -------------------------------------------------------------
+
+    /// `cuMemAddressReserve` succeeded: remember the range (runs never cross reservations).
+    pub fn reserved(&mut self, va: u64, size: u64) {
+        self.reservations.insert(va, size);
+    }
+
+    /// `cuMemAddressFree` of `[va, va+size)`: make sure no phys is mapped there any more.
+    /// Err if the program still has pages mapped in it (the driver's answer too).
+    pub fn address_free(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        if self.maps.range(va..va + size).next().is_some() {
+            return Err(INVALID);
+        }
+        let inside: Vec<u64> = self.bases.range(va..va + size).map(|(_, p)| *p).collect();
+        for pid in inside {
+            self.compact(pid, false)?;
+        }
+        self.reservations.remove(&va);
+        Ok(())
+    }
+
+    /// The program maps a handle of its own at `[va, va+size)`: ghosts of ours must go first.
+    pub fn clear_for_program(&mut self, va: u64, size: u64) {
+        if let Err(e) = self.clear_range(va, size, u64::MAX) {
+            log::warn!("clearing released pages under a new mapping failed ({e})");
+        }
+    }
+
+    /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.
+    pub fn create(&mut self, size: u64, props: PageProps) -> DrvResult<u64> {
+        let gran = self.drv.granularity();
+        if size == 0 || !size.is_multiple_of(gran) {
+            return Err(INVALID);
+        }
+        self.settle(false);
+        if self.pending_bytes == 0 {
+            self.free_est = self.drv.free_memory()?;
+        }
+        let admit = |c: &Self| c.pending_bytes + size + c.cfg.margin <= c.free_est;
+        if !admit(self) {
+            // Near the limit: stranded memory first, then a fresh look.
+            self.settle(true);
+            self.free_est = self.drv.free_memory()?;
+        }
+        let vh = TAG | self.next_vh;
+        self.next_vh += 1;
+        self.pages.insert(
+            vh,
+            Page {
+                size,
+                props,
+                refs: 1,
+                slot: None,
+                va: None,
+                single: false,
+            },
+        );
+        self.pending_bytes += size;
+        self.stats.pages_created += 1;
+        if !admit(self) {
+            // Create the pending pages of these properties and this one as one handle now:
+            // the driver's answer is the exact one.
+            let mut batch: Vec<u64> = self
+                .pages
+                .iter()
+                .filter(|(_, p)| p.slot.is_none() && p.props == props)
+                .map(|(v, _)| *v)
+                .collect();
+            batch.sort_unstable();
+            let total: u64 = batch.iter().map(|v| self.pages[v].size).sum();
+            match self.drv.create_as(total, props) {
+                Ok(h) => {
+                    self.stats.exact_creates += 1;
+                    let pid = self.add_phys(h, total, None, Vec::new());
+                    let mut off = 0;
+                    for v in batch {
+                        self.attach(v, pid, off);
+                        off += self.pages[&v].size;
+                    }
+                }
+                Err(e) => {
+                    self.pages.remove(&vh);
+                    self.pending_bytes -= size;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(vh)
+    }
+
+    /// `cuMemRelease` of a virtual handle.
+    pub fn release(&mut self, vh: u64) -> DrvResult<()> {
+        let p = self.pages.get_mut(&vh).ok_or(INVALID)?;
+        p.refs -= 1;
+        if p.refs == 0 && p.slot.is_none() {
+            self.pending_bytes -= p.size;
+        }
+        self.drop_if_dead(vh);
+        Ok(())
+    }
+
+    /// `cuMemRetainAllocationHandle` for an address inside a page: a new reference.
+    pub fn retain(&mut self, ptr: u64) -> Option<u64> {
+        let (va, vh) = self.maps.range(..=ptr).next_back()?;
+        let p = self.pages.get_mut(vh)?;
+        if ptr >= va + p.size {
+            return None;
+        }
+        p.refs += 1;
+        Some(*vh)
+    }
+
+    /// The page mapping containing `ptr`: (start, size).
+    pub fn range_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (va, vh) = self.maps.range(..=ptr).next_back()?;
+        let size = self.pages[vh].size;
+        (ptr < va + size).then_some((*va, size))
+    }
+
+    pub fn props_of(&self, vh: u64) -> Option<(u64, PageProps)> {
+        self.pages.get(&vh).map(|p| (p.size, p.props))
+    }
+
+    /// `cuMemMap(va, size, offset, vh, flags)`.
+    pub fn map(&mut self, va: u64, size: u64, offset: u64, vh: u64) -> DrvResult<()> {
+        let p = self.pages.get(&vh).ok_or(INVALID)?;
+        if offset != 0 || size != p.size || !va.is_multiple_of(self.drv.granularity()) {
+            return Err(INVALID);
+        }
+        if p.va.is_some() {
+            log::warn!("a coalesced page is mapped at a second address; not supported");
+            return Err(NOT_SUPPORTED);
+        }
+        let taken = self
+            .maps
+            .range(..va + size)
+            .next_back()
+            .is_some_and(|(s, v)| s + self.pages[v].size > va);
+        if taken {
+            return Err(INVALID);
+        }
+        // Back where it is still mapped (a ghost of its own phys): nothing to do in the driver.
+        if let Some((pid, off)) = p.slot {
+            let ph = &self.phys[&pid];
+            if ph.base.is_some_and(|b| b + off != va) {
+                self.compact(pid, false)?;
+            }
+        }
+        self.maps.insert(va, vh);
+        self.pages.get_mut(&vh).unwrap().va = Some(va);
+        Ok(())
+    }
+
+    /// `cuMemUnmap(va, size)`: Ok(false) if no page of ours is mapped there (pass through).
+    pub fn unmap(&mut self, va: u64, size: u64) -> DrvResult<bool> {
+        let inside: Vec<(u64, u64)> = self
+            .maps
+            .range(va..va + size)
+            .map(|(a, v)| (*a, *v))
+            .collect();
+        if inside.is_empty() {
+            return Ok(false);
+        }
+        let covered: u64 = inside.iter().map(|(_, v)| self.pages[v].size).sum();
+        if inside[0].0 != va || covered != size {
+            return Err(INVALID);
+        }
+        for (a, vh) in inside {
+            self.maps.remove(&a);
+            let p = self.pages.get_mut(&vh).unwrap();
+            p.va = None;
+            if let Some((pid, _)) = p.slot {
+                self.unmap_phys_if_idle(pid);
+            }
+            self.drop_if_dead(vh);
+        }
+        Ok(true)
+    }
+
+    /// `cuMemSetAccess(va, size, descs)`: give memory to the pending pages mapped in the range,
+    /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
+    pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
+        let inside: Vec<(u64, u64)> = self
+            .maps
+            .range(va..va + size)
+            .map(|(a, v)| (*a, *v))
+            .collect();
+        if inside.is_empty() {
+            return Ok(false);
+        }
+        self.materialize(&inside)?;
+        // The driver sets access on whole mappings: widen the range to the phys at its edges.
+        let (mut lo, mut hi) = (va, va + size);
+        let mut touched = Vec::new();
+        for (_, vh) in &inside {
+            let (pid, _) = self.pages[vh].slot.expect("materialized");
+            let ph = &self.phys[&pid];
+            let b = ph.base.expect("mapped");
+            lo = lo.min(b);
+            hi = hi.max(b + ph.size);
+            if !touched.contains(&pid) {
+                touched.push(pid);
+            }
+        }
+        self.drv.set_access_flags(lo, hi - lo, descs)?;
+        for pid in touched {
+            let acc = &mut self.phys.get_mut(&pid).unwrap().access;
+            for (d, f) in descs {
+                acc.retain(|(x, _)| x != d);
+                acc.push((*d, *f));
+            }
+        }
+        Ok(true)
+    }
+
+    /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer
+    /// maps what it imports whole, page by page), and that real handle is returned.
+    pub fn export(&mut self, vh: u64) -> DrvResult<ChunkHandle> {
+        let p = self.pages.get(&vh).ok_or(INVALID)?;
+        let size = p.size;
+        match p.slot {
+            None => {
+                let h = self.drv.create_as(size, p.props)?;
+                self.pending_bytes -= size;
+                let pid = self.add_phys(h, size, None, Vec::new());
+                self.attach(vh, pid, 0);
+            }
+            Some((pid, _)) if self.phys[&pid].size != size => {
+                // Every page of the phys is likely shared too: split it once, page by page.
+                let members: Vec<u64> = self.phys[&pid].slots.values().copied().collect();
+                for m in members {
+                    self.pages.get_mut(&m).unwrap().single = true;
+                }
+                self.stats.exports_split += 1;
+                self.compact(pid, true)?;
+            }
+            Some(_) => {}
+        }
+        self.pages.get_mut(&vh).unwrap().single = true;
+        let (pid, _) = self.pages[&vh].slot.expect("has memory");
+        Ok(self.phys[&pid].handle)
+    }
+
+    /// Before another process gets the memory of the run of mappings starting at `ptr`'s
+    /// (IPC of another allocator's memory: tickets export the mappings' handles): every
+    /// coalesced handle in the run becomes one handle per page, which never moves again, so
+    /// what the consumer maps stays the program's memory.
+    pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
+        let Some((_, vh)) = self.maps.range(..=ptr).next_back().map(|(a, v)| (*a, *v)) else {
+            return Ok(());
+        };
+        let Some((mut pid, _)) = self.pages[&vh].slot else {
+            return Ok(());
+        };
+        loop {
+            let ph = &self.phys[&pid];
+            let (Some(base), size) = (ph.base, ph.size) else {
+                return Ok(());
+            };
+            if !(base..base + size).contains(&ptr) && base < ptr {
+                return Ok(());
+            }
+            let members: Vec<u64> = ph.slots.values().copied().collect();
+            let split = ph.slots.len() > 1 || members.iter().any(|v| self.pages[v].size != size);
+            for m in &members {
+                self.pages.get_mut(m).unwrap().single = true;
+            }
+            if split {
+                self.stats.exports_split += 1;
+                self.compact(pid, true)?;
+            }
+            match self.bases.get(&(base + size)) {
+                Some(next) => pid = *next,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Compact partly released handles: all of them if `force`, else until the stranded bytes
+    /// are within the bound. Failures leave memory stranded (and are counted), never lost.
+    pub fn settle(&mut self, force: bool) {
+        for (va, size) in std::mem::take(&mut self.stray) {
+            self.drop_tmp(va, size);
+        }
+        if self.dirty.is_empty() {
+            return;
+        }
+        let mut stranded = self.stranded();
+        self.stats.peak_stranded = self.stats.peak_stranded.max(stranded);
+        if !force && stranded <= self.cfg.strand_max {
+            return;
+        }
+        let mut order: Vec<(u64, u64)> = self.dirty.iter().map(|p| (self.dead(*p), *p)).collect();
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        for (dead, pid) in order {
+            if !force && stranded <= self.cfg.strand_max {
+                break;
+            }
+            match self.compact(pid, false) {
+                Ok(()) => stranded -= dead,
+                Err(e) => {
+                    self.stats.compaction_failures += 1;
+                    log::warn!("compaction of a partly released handle failed ({e}); its free pages stay held");
+                }
+            }
+        }
+    }
+
+    // ---- internals -------------------------------------------------------------------------
+
+    fn add_phys(
+        &mut self,
+        handle: ChunkHandle,
+        size: u64,
+        base: Option<u64>,
+        access: Vec<(i32, u32)>,
+    ) -> u64 {
+        let pid = self.next_phys;
+        self.next_phys += 1;
+        if let Some(b) = base {
+            self.bases.insert(b, pid);
+        }
+        self.phys.insert(
+            pid,
+            Phys {
+                handle,
+                size,
+                base,
+                slots: BTreeMap::new(),
+                access,
+            },
+        );
+        self.stats.phys_created += 1;
+        pid
+    }
+
+    fn attach(&mut self, vh: u64, pid: u64, off: u64) {
+        let p = self.pages.get_mut(&vh).unwrap();
+        if p.slot.is_none() && p.refs > 0 {
+            self.pending_bytes -= p.size;
+        }
+        p.slot = Some((pid, off));
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+    }
+
+    /// Unmap a phys none of whose pages the program still maps.
+    fn unmap_phys_if_idle(&mut self, pid: u64) {
+        let ph = &self.phys[&pid];
+        let Some(base) = ph.base else { return };
+        if ph.slots.values().any(|v| self.pages[v].va.is_some()) {
+            return;
+        }
+        let size = ph.size;
+        match self.drv.unmap(base, size) {
+            Ok(()) => {
+                self.phys.get_mut(&pid).unwrap().base = None;
+                self.bases.remove(&base);
+            }
+            Err(e) => log::warn!("unmapping a coalesced handle failed ({e})"),
+        }
+    }
+
+    /// Forget a page the program neither holds nor maps; release its phys when it was the
+    /// last, or count the phys as stranding.
+    fn drop_if_dead(&mut self, vh: u64) {
+        let p = &self.pages[&vh];
+        if p.refs > 0 || p.va.is_some() {
+            return;
+        }
+        let slot = p.slot;
+        self.pages.remove(&vh);
+        let Some((pid, off)) = slot else { return };
+        let ph = self.phys.get_mut(&pid).unwrap();
+        ph.slots.remove(&off);
+        if !ph.slots.is_empty() {
+            self.dirty.insert(pid);
+            return;
+        }
+        self.unmap_phys_if_idle(pid);
+        let ph = &self.phys[&pid];
+        if ph.base.is_some() {
+            // Unmapping failed: keep it and try again at the next compaction.
+            self.dirty.insert(pid);
+            return;
+        }
+        match self.drv.release(ph.handle) {
+            Ok(()) => {
+                self.phys.remove(&pid);
+                self.dirty.remove(&pid);
+                self.stats.phys_released += 1;
+            }
+            Err(e) => {
+                log::warn!("releasing a coalesced handle failed ({e})");
+                self.dirty.insert(pid);
+            }
+        }
+    }
+
+    /// Give memory to the pages in `inside` (address, page) and map every phys behind them.
+    fn materialize(&mut self, inside: &[(u64, u64)]) -> DrvResult<()> {
+        // Runs of pending pages mapped back to back, within one reservation, same properties.
+        let mut runs: Vec<Vec<(u64, u64)>> = Vec::new();
+        for &(va, vh) in inside {
+            let p = &self.pages[&vh];
+            if p.slot.is_some() {
+                continue;
+            }
+            let extend = runs.last().is_some_and(|r| {
+                let (lva, lvh) = *r.last().unwrap();
+                let lp = &self.pages[&lvh];
+                let len: u64 = r.iter().map(|(_, v)| self.pages[v].size).sum();
+                lva + lp.size == va
+                    && lp.props == p.props
+                    && !p.single
+                    && !lp.single
+                    && len + p.size <= self.cfg.max_handle.max(p.size)
+                    && self.same_reservation(r[0].0, va + p.size)
+            });
+            if extend {
+                runs.last_mut().unwrap().push((va, vh));
+            } else {
+                runs.push(vec![(va, vh)]);
+            }
+        }
+        for run in runs {
+            self.back_run(&run)?;
+        }
+        // Map every phys of the range that is not mapped where its pages are (a phys whose
+        // pages disagree is split first, so look again).
+        for &(_, vh) in inside {
+            for _ in 0..3 {
+                let (pid, _) = self.pages[&vh].slot.expect("backed");
+                if self.phys[&pid].base.is_some() {
+                    break;
+                }
+                self.map_phys(pid)?;
+            }
+            let (pid, _) = self.pages[&vh].slot.expect("backed");
+            if self.phys[&pid].base.is_none() {
+                return Err(INVALID);
+            }
+        }
+        Ok(())
+    }
+
+    fn same_reservation(&self, a: u64, end: u64) -> bool {
+        self.reservations
+            .range(..=a)
+            .next_back()
+            .is_some_and(|(s, l)| end <= s + l)
+    }
+
+    /// One handle for a run of pending pages; one per page if that cannot be had.
+    fn back_run(&mut self, run: &[(u64, u64)]) -> DrvResult<()> {
+        let props = self.pages[&run[0].1].props;
+        let total: u64 = run.iter().map(|(_, v)| self.pages[v].size).sum();
+        match self.drv.create_as(total, props) {
+            Ok(h) => {
+                let pid = self.add_phys(h, total, None, Vec::new());
+                let mut off = 0;
+                for (_, vh) in run {
+                    self.attach(*vh, pid, off);
+                    off += self.pages[vh].size;
+                }
+                Ok(())
+            }
+            Err(e) if e.is_oom() && run.len() > 1 => {
+                self.stats.access_fallbacks += 1;
+                for (_, vh) in run {
+                    self.back_run(&[(0, *vh)])?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if e.is_oom() {
+                    self.stats.access_fallbacks += 1;
+                    log::warn!("memory admitted for a page was taken before it was mapped (another process?); out of memory at cuMemSetAccess");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Map an unmapped phys where its pages are mapped; split it first if they disagree.
+    fn map_phys(&mut self, pid: u64) -> DrvResult<()> {
+        let ph = &self.phys[&pid];
+        let mut base = None;
+        let mut consistent = true;
+        for (off, vh) in &ph.slots {
+            if let Some(va) = self.pages[vh].va {
+                match base {
+                    None => base = Some(va - off),
+                    Some(b) if b + off == va => {}
+                    Some(_) => consistent = false,
+                }
+            }
+        }
+        let Some(b) = base else { return Ok(()) };
+        if !consistent || ph.slots.values().any(|v| self.pages[v].va.is_none()) {
+            // Pages elsewhere or unmapped: one handle each, mapped one by one.
+            return self.compact(pid, true);
+        }
+        let size = ph.size;
+        let h = ph.handle;
+        self.clear_range(b, size, pid)?;
+        self.drv.map(b, size, h)?;
+        self.phys.get_mut(&pid).unwrap().base = Some(b);
+        self.bases.insert(b, pid);
+        Ok(())
+    }
+
+    /// Compact every other phys whose mapping overlaps `[va, va+size)` (ghosts in the way).
+    fn clear_range(&mut self, va: u64, size: u64, except: u64) -> DrvResult<()> {
+        let hit: Vec<u64> = self
+            .bases
+            .range(..va + size)
+            .filter(|(b, p)| **p != except && **b + self.phys[p].size > va)
+            .map(|(_, p)| *p)
+            .collect();
+        for pid in hit {
+            self.compact(pid, false)?;
+        }
+        Ok(())
+    }
+
+    /// The groups a phys's live pages move to.
+    fn groups(&self, pid: u64, singles: bool) -> Vec<Group> {
+        let ph = &self.phys[&pid];
+        let mut out: Vec<Group> = Vec::new();
+        for (off, vh) in &ph.slots {
+            let p = &self.pages[vh];
+            let target = p.va;
+            let join = !singles && !p.single;
+            if let Some(g) = out.last_mut() {
+                let adjacent = g.off + g.len == *off;
+                let continues = match (g.target, target) {
+                    (Some(t), Some(v)) => t + g.len == v,
+                    _ => false,
+                };
+                if join && adjacent && continues && g.len + p.size <= self.cfg.max_handle {
+                    g.len += p.size;
+                    continue;
+                }
+            }
+            out.push(Group {
+                off: *off,
+                len: p.size,
+                target,
+            });
+        }
+        out
+    }
+
+    /// Move the live pages of `pid` into new handles at the same addresses and release it.
+    /// Device path: every step before the release has a restore path, so a failure leaves
+    /// data and mappings as they were. Host path (no room for a copy on the device): the old
+    /// handle is released before the new one is created; if that create fails (another
+    /// process took the memory in between) it is retried, and otherwise the data is lost and
+    /// said so loudly: the one step without a way back.
+    fn compact(&mut self, pid: u64, singles: bool) -> DrvResult<()> {
+        let mut groups = self.groups(pid, singles);
+        if groups.is_empty() {
+            return self.release_idle(pid);
+        }
+        let (handle, size, base) = {
+            let ph = &self.phys[&pid];
+            (ph.handle, ph.size, ph.base)
+        };
+        if base.is_none() {
+            // Not mapped yet: the new handles are mapped when access is set.
+            for g in &mut groups {
+                g.target = None;
+            }
+        }
+        let own = vec![(self.drv.device(), 3u32)];
+        let acc = match &self.phys[&pid].access {
+            a if a.is_empty() => own.clone(),
+            a => a.clone(),
+        };
+        let props = self.phys[&pid]
+            .slots
+            .values()
+            .next()
+            .map(|v| self.pages[v].props)
+            .unwrap_or_default();
+        let mut w = Work::default();
+        if let Err(e) = self.copy_out(handle, size, base, &groups, props, &own, &mut w) {
+            self.undo(&mut w);
+            return Err(e);
+        }
+        // Commit point: the old handle leaves its address; the device copies take its place.
+        if let Some(b) = base {
+            if let Err(e) = self.drv.unmap(b, size) {
+                self.undo(&mut w);
+                return Err(e);
+            }
+        }
+        let mut placed = Vec::new();
+        let mut failure = None;
+        for (i, g) in groups.iter().enumerate() {
+            let (h, on_device) = w.new[i];
+            let Some(t) = g.target.filter(|_| on_device) else {
+                continue;
+            };
+            if let Err(e) = self.drv.map(t, g.len, h) {
+                failure = Some(e);
+                break;
+            }
+            placed.push((t, g.len));
+            if let Err(e) = self.drv.set_access_flags(t, g.len, &acc) {
+                failure = Some(e);
+                break;
+            }
+        }
+        if let Some(e) = failure {
+            for (t, len) in placed {
+                self.drop_mapping(t, len);
+            }
+            if let Some(b) = base {
+                let back = self
+                    .drv
+                    .map(b, size, handle)
+                    .and_then(|_| self.drv.set_access_flags(b, size, &acc));
+                if let Err(e2) = back {
+                    log::error!("restoring a handle after a failed compaction failed ({e2}); its data is intact in the handle but unmapped");
+                }
+            }
+            self.undo(&mut w);
+            return Err(e);
+        }
+        // The old handle goes: off its temporary mapping, then back to the driver.
+        if let Some(b) = base {
+            self.bases.remove(&b);
+        }
+        self.phys.get_mut(&pid).unwrap().base = None;
+        if let Some((t, sz)) = w.src_tmp.take() {
+            self.drop_tmp(t, sz);
+        }
+        if let Err(e) = self.drv.release(handle) {
+            log::warn!("releasing a compacted handle failed ({e})");
+        }
+        let members: Vec<(u64, u64)> = self.phys[&pid]
+            .slots
+            .iter()
+            .map(|(o, v)| (*o, *v))
+            .collect();
+        self.phys.remove(&pid);
+        self.dirty.remove(&pid);
+        self.stats.phys_released += 1;
+        self.stats.compactions += 1;
+        let mut result = Ok(());
+        for (i, g) in groups.iter().enumerate() {
+            let (mut h, on_device) = w.new[i];
+            if !on_device {
+                match self.fill_from_host(g, props, &acc, &own, w.host[i].as_deref().unwrap_or(&[]))
+                {
+                    Ok(nh) => h = nh,
+                    Err(e) => {
+                        log::error!(
+                            "compaction through host memory: no device memory came back for {} bytes at {:#x} ({e}); their contents are lost",
+                            g.len,
+                            g.target.unwrap_or(0)
+                        );
+                        self.stats.compaction_failures += 1;
+                        for (o, v) in &members {
+                            if *o >= g.off && *o < g.off + g.len {
+                                let p = self.pages.get_mut(v).unwrap();
+                                p.slot = None;
+                                if p.refs > 0 {
+                                    self.pending_bytes += p.size;
+                                }
+                            }
+                        }
+                        result = Err(e);
+                        continue;
+                    }
+                }
+            }
+            let npid = self.add_phys(h, g.len, g.target, acc.clone());
+            self.stats.compacted_bytes += g.len;
+            for (o, v) in &members {
+                if *o >= g.off && *o < g.off + g.len {
+                    self.pages.get_mut(v).unwrap().slot = None;
+                    self.attach_moved(*v, npid, o - g.off);
+                }
+            }
+        }
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).collect();
+        for (t, sz) in tmp {
+            self.drop_tmp(t, sz);
+        }
+        result
+    }
+
+    /// Take a temporary mapping down; one that will not go is retried at the next settle.
+    fn drop_tmp(&mut self, va: u64, size: u64) {
+        let unmapped = self
+            .drv
+            .unmap(va, size)
+            .or_else(|_| self.drv.unmap(va, size));
+        let freed = unmapped.and_then(|_| {
+            self.drv
+                .free_va(va, size)
+                .or_else(|_| self.drv.free_va(va, size))
+        });
+        if freed.is_err() {
+            self.stray.push((va, size));
+        }
+    }
+
+    /// A page moves from one phys to another (no pending accounting involved).
+    fn attach_moved(&mut self, vh: u64, pid: u64, off: u64) {
+        self.pages.get_mut(&vh).unwrap().slot = Some((pid, off));
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+    }
+
+    /// Steps of a compaction that change nothing the program sees: wait for the device,
+    /// create the new handles, and copy the live pages out (to device memory where the
+    /// driver had room, else to the host).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_out(
+        &mut self,
+        handle: ChunkHandle,
+        size: u64,
+        base: Option<u64>,
+        groups: &[Group],
+        props: PageProps,
+        own: &[(i32, u32)],
+        w: &mut Work,
+    ) -> DrvResult<()> {
+        self.drv.synchronize()?;
+        for g in groups {
+            match self.drv.create_as(g.len, props) {
+                Ok(h) => w.new.push((h, true)),
+                Err(e) if e.is_oom() => w.new.push((0, false)),
+                Err(e) => return Err(e),
+            }
+        }
+        let src = match base {
+            Some(b) => b,
+            None => {
+                let t = self.temp_map(handle, size, own, w)?;
+                w.src_tmp = w.tmp.pop();
+                t
+            }
+        };
+        for (i, g) in groups.iter().enumerate() {
+            let (h, on_device) = w.new[i];
+            if on_device {
+                let t = self.temp_map(h, g.len, own, w)?;
+                self.drv.copy(t, src + g.off, g.len)?;
+                w.host.push(None);
+            } else {
+                self.stats.host_copies += 1;
+                w.host.push(Some(self.drv.save(src + g.off, g.len)?));
+            }
+        }
+        Ok(())
+    }
+
+    /// Map `h` at a fresh reservation for copying; recorded in `w.tmp`.
+    fn temp_map(
+        &mut self,
+        h: ChunkHandle,
+        size: u64,
+        own: &[(i32, u32)],
+        w: &mut Work,
+    ) -> DrvResult<u64> {
+        let t = self.drv.reserve(size)?;
+        if let Err(e) = self.drv.map(t, size, h) {
+            let _ = self.drv.free_va(t, size);
+            return Err(e);
+        }
+        w.tmp.push((t, size));
+        self.drv.set_access_flags(t, size, own)?;
+        Ok(t)
+    }
+
+    /// Host path, after the old handle's release: a new handle, mapped, filled. Nothing can
+    /// restore the old handle from here, so the whole step is tried three times.
+    fn fill_from_host(
+        &mut self,
+        g: &Group,
+        props: PageProps,
+        acc: &[(i32, u32)],
+        own: &[(i32, u32)],
+        data: &[u8],
+    ) -> DrvResult<ChunkHandle> {
+        let mut last = INVALID;
+        for attempt in 0..3 {
+            if attempt > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            match self.fill_once(g, props, acc, own, data) {
+                Ok(h) => return Ok(h),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    fn fill_once(
+        &mut self,
+        g: &Group,
+        props: PageProps,
+        acc: &[(i32, u32)],
+        own: &[(i32, u32)],
+        data: &[u8],
+    ) -> DrvResult<ChunkHandle> {
+        let h = self.drv.create_as(g.len, props)?;
+        let mut w = Work::default();
+        let r = match g.target {
+            Some(t) => self.drv.map(t, g.len, h).and_then(|_| {
+                self.drv
+                    .set_access_flags(t, g.len, acc)
+                    .and_then(|_| self.drv.load(t, data))
+                    .inspect_err(|_| self.drop_mapping(t, g.len))
+            }),
+            None => self
+                .temp_map(h, g.len, own, &mut w)
+                .and_then(|t| self.drv.load(t, data)),
+        };
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).collect();
+        for (t, sz) in tmp {
+            self.drop_tmp(t, sz);
+        }
+        match r {
+            Ok(()) => Ok(h),
+            Err(e) => {
+                let _ = self.drv.release(h);
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmap a mapping of ours, once more if the first try fails.
+    fn drop_mapping(&mut self, va: u64, size: u64) {
+        if self.drv.unmap(va, size).is_err() {
+            let _ = self.drv.unmap(va, size);
+        }
+    }
+
+    /// Release a phys none of whose pages is live.
+    fn release_idle(&mut self, pid: u64) -> DrvResult<()> {
+        let ph = &self.phys[&pid];
+        if let Some(b) = ph.base {
+            self.drv.unmap(b, ph.size)?;
+            self.bases.remove(&b);
+            self.phys.get_mut(&pid).unwrap().base = None;
+        }
+        self.drv.release(self.phys[&pid].handle)?;
+        self.phys.remove(&pid);
+        self.dirty.remove(&pid);
+        self.stats.phys_released += 1;
+        Ok(())
+    }
+
+    /// Undo an uncommitted compaction: temporary mappings and new handles go away.
+    fn undo(&mut self, w: &mut Work) {
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).chain(w.src_tmp.take()).collect();
+        for (va, sz) in tmp {
+            self.drop_tmp(va, sz);
+        }
+        for (h, on_device) in w.new.drain(..) {
+            if on_device {
+                let _ = self.drv.release(h);
+            }
+        }
+    }
+}

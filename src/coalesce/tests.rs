@@ -1,0 +1,435 @@
+//! The coalescer against the fake driver: PyTorch's page pattern, partial release and
+//! compaction (data checked granule by granule), its faults, exact out-of-memory answers,
+//! export, and randomized sequences with exact accounting.
+
+use super::*;
+use crate::gpu::fake::FakeDriver;
+use crate::gpu::Op;
+
+const G: u64 = 1 << 21; // granularity
+const PAGE: u64 = 10 * G; // a 20 MiB page
+const RW: u32 = 3;
+const PROPS: PageProps = PageProps {
+    shareable: true,
+    rdma: false,
+};
+
+fn setup(capacity: u64, cfg: CoalesceConfig) -> (Coalescer<FakeDriver>, u64) {
+    let mut c = Coalescer::new(FakeDriver::new(0, G, capacity), cfg);
+    let va = c.driver_mut().reserve(400 * PAGE).unwrap();
+    c.reserved(va, 400 * PAGE);
+    (c, va)
+}
+
+fn cfg() -> CoalesceConfig {
+    CoalesceConfig {
+        max_handle: 64 * PAGE,
+        strand_max: 0,
+        margin: 4 * PAGE,
+    }
+}
+
+/// PyTorch's `map()`: create each page, map each back to back, set access over the range.
+fn grow(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) -> DrvResult<Vec<u64>> {
+    let mut hs = Vec::new();
+    for _ in 0..n {
+        match c.create(PAGE, PROPS) {
+            Ok(h) => hs.push(h),
+            Err(e) => {
+                for h in hs {
+                    c.release(h).unwrap();
+                }
+                return Err(e);
+            }
+        }
+    }
+    for (i, h) in hs.iter().enumerate() {
+        c.map(at + i as u64 * PAGE, PAGE, 0, *h)?;
+    }
+    assert!(c.set_access(at, n * PAGE, &[(0, RW)])?);
+    Ok(hs)
+}
+
+/// PyTorch's `unmapHandles()`: per page, unmap then release.
+fn shrink(c: &mut Coalescer<FakeDriver>, at: u64, hs: &[u64]) {
+    for (i, h) in hs.iter().enumerate() {
+        assert!(c.unmap(at + i as u64 * PAGE, PAGE).unwrap());
+        c.release(*h).unwrap();
+    }
+}
+
+fn tag(va: u64) -> u64 {
+    va ^ 0x5a5a
+}
+
+fn fill(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) {
+    for i in 0..n * PAGE / G {
+        let a = at + i * G;
+        assert!(c.driver_mut().write(a, G, tag(a)));
+    }
+}
+
+fn intact(c: &Coalescer<FakeDriver>, at: u64, n: u64) -> bool {
+    (0..n * PAGE / G).all(|i| {
+        let a = at + i * G;
+        c.driver().read(a) == Some(tag(a)) && c.driver().is_accessible(a, G, 0)
+    })
+}
+
+#[test]
+fn a_batch_of_pages_is_one_handle_and_goes_back_whole() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert_eq!(c.driver().calls_of(Op::Create), 1);
+    assert_eq!(c.driver().calls_of(Op::Map), 1);
+    assert_eq!(c.driver().chunk_count(), 1);
+    fill(&mut c, va, 8);
+    assert!(intact(&c, va, 8));
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().chunk_count(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+    assert_eq!(c.counts(), (0, 0));
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.stats().compactions, 0);
+}
+
+#[test]
+fn partial_release_is_compacted_with_data_intact() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    // Pages 2..6 go; 0-1 and 6-7 stay.
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    assert_eq!(c.stranded(), 4 * PAGE);
+    assert_eq!(c.driver().used(), 8 * PAGE);
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    assert_eq!(c.driver().chunk_count(), 2);
+    assert!(intact(&c, va, 2));
+    assert!(intact(&c, va + 6 * PAGE, 2));
+    // The freed range can be mapped again by a new batch.
+    let hs2 = grow(&mut c, va + 2 * PAGE, 4).unwrap();
+    fill(&mut c, va + 2 * PAGE, 4);
+    assert!(intact(&c, va, 8));
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 2 * PAGE, &hs2);
+    shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+#[test]
+fn mapping_over_a_ghost_compacts_first() {
+    let mut k = cfg();
+    k.strand_max = u64::MAX; // never on its own
+    let (mut c, va) = setup(100 * PAGE, k);
+    let hs = grow(&mut c, va, 6).unwrap();
+    fill(&mut c, va, 6);
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    assert_eq!(c.stranded(), 2 * PAGE);
+    let hs2 = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    fill(&mut c, va + 4 * PAGE, 3);
+    assert!(intact(&c, va, 7));
+    assert_eq!(c.stranded(), 0);
+    shrink(&mut c, va, &hs[..4]);
+    shrink(&mut c, va + 4 * PAGE, &hs2);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn every_failing_step_of_a_compaction_leaves_data_and_mappings_as_they_were() {
+    let ops = [
+        Op::Sync,
+        Op::Create,
+        Op::Reserve,
+        Op::Map,
+        Op::SetAccess,
+        Op::Copy,
+        Op::Unmap,
+    ];
+    let mut tried = 0;
+    for op in ops {
+        for nth in 0..4 {
+            let (mut c, va) = setup(100 * PAGE, cfg());
+            let mut k = cfg();
+            k.strand_max = u64::MAX;
+            c.cfg = k;
+            let hs = grow(&mut c, va, 9).unwrap();
+            fill(&mut c, va, 9);
+            // Live: 0-2 and 6-8, two groups.
+            shrink(&mut c, va + 3 * PAGE, &hs[3..6]);
+            let before = c.driver().used();
+            c.driver_mut().fail_nth(op, nth, DrvError(999));
+            c.cfg.strand_max = 0;
+            c.settle(false);
+            c.driver_mut().clear_failures();
+            assert!(intact(&c, va, 3), "{op:?} #{nth}");
+            assert!(intact(&c, va + 6 * PAGE, 3), "{op:?} #{nth}");
+            if c.stats().compaction_failures > 0 {
+                tried += 1;
+                assert_eq!(c.driver().used(), before, "{op:?} #{nth}: nothing leaked");
+                assert_eq!(c.stranded(), 3 * PAGE);
+                // And it succeeds once the driver does.
+                c.settle(false);
+            }
+            assert_eq!(c.stranded(), 0, "{op:?} #{nth}");
+            assert_eq!(c.driver().used(), 6 * PAGE, "{op:?} #{nth}");
+            assert!(intact(&c, va, 3) && intact(&c, va + 6 * PAGE, 3));
+            shrink(&mut c, va, &hs[..3]);
+            shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+            assert_eq!(c.driver().used(), 0, "{op:?} #{nth}");
+            assert_eq!(
+                c.driver().reservation_count(),
+                1,
+                "{op:?} #{nth}: temporaries freed"
+            );
+        }
+    }
+    assert!(
+        tried >= 12,
+        "only {tried} injected failures hit a compaction"
+    );
+}
+
+#[test]
+fn without_room_on_the_device_the_copy_goes_through_the_host() {
+    // 10 pages of capacity, 8 in one handle, 4 of them live: no room for a 2-page copy
+    // beside the old handle... the device path needs 4 more pages; only 2 are free.
+    let mut k = cfg();
+    k.margin = 0;
+    let (mut c, va) = setup(10 * PAGE, k);
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    c.settle(false);
+    assert!(c.stats().host_copies >= 1);
+    assert!(intact(&c, va, 4));
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    shrink(&mut c, va, &hs[..4]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn create_fails_with_out_of_memory_exactly_when_native_pages_would_not_fit() {
+    for margin in [0, 3 * PAGE, 50 * PAGE] {
+        let mut k = cfg();
+        k.margin = margin;
+        let (mut c, va) = setup(10 * PAGE, k);
+        // Native: 10 pages fit, the 11th does not.
+        let mut hs = Vec::new();
+        for i in 0..10 {
+            hs.push(
+                c.create(PAGE, PROPS)
+                    .unwrap_or_else(|e| panic!("page {i}: {e}")),
+            );
+        }
+        assert_eq!(c.create(PAGE, PROPS), Err(DrvError::OUT_OF_MEMORY));
+        for (i, h) in hs.iter().enumerate() {
+            c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+        }
+        c.set_access(va, 10 * PAGE, &[(0, RW)]).unwrap();
+        fill(&mut c, va, 10);
+        assert!(intact(&c, va, 10));
+        // Freeing part of it makes room again, through compaction, before create fails.
+        shrink(&mut c, va + 8 * PAGE, &hs[8..]);
+        let mut k2 = c.cfg;
+        k2.strand_max = u64::MAX;
+        c.cfg = k2;
+        let h = c
+            .create(PAGE, PROPS)
+            .expect("stranded pages are compacted first");
+        c.release(h).unwrap();
+        shrink(&mut c, va, &hs[..8]);
+        assert_eq!(c.driver().used(), 0, "margin {margin}");
+    }
+}
+
+#[test]
+fn pytorch_oom_path_releases_pending_pages() {
+    let (mut c, _va) = setup(10 * PAGE, cfg());
+    let mut hs = Vec::new();
+    for _ in 0..5 {
+        hs.push(c.create(PAGE, PROPS).unwrap());
+    }
+    for h in hs {
+        c.release(h).unwrap();
+    }
+    assert_eq!(c.counts(), (0, 0));
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.pending_bytes, 0);
+}
+
+#[test]
+fn an_exported_page_gets_its_own_handle_with_its_data() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    let h1 = c.export(hs[1]).unwrap();
+    assert!(!is_virtual(h1));
+    assert_eq!(c.driver().chunk_count(), 4);
+    assert!(intact(&c, va, 4));
+    // Exporting again costs nothing and gives the same handle.
+    let creates = c.driver().calls_of(Op::Create);
+    assert_eq!(c.export(hs[1]).unwrap(), h1);
+    assert_eq!(c.driver().calls_of(Op::Create), creates);
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn foreign_handles_and_ranges_are_not_ours() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    assert_eq!(c.unmap(va, PAGE), Ok(false));
+    assert_eq!(c.set_access(va, PAGE, &[(0, RW)]), Ok(false));
+    assert!(!c.owns(12345));
+    assert_eq!(c.release(12345), Err(INVALID));
+    let h = c.create(PAGE, PROPS).unwrap();
+    assert!(is_virtual(h));
+    assert_eq!(c.map(va, PAGE, G, h), Err(INVALID), "offset must be 0");
+    assert_eq!(c.map(va, 2 * PAGE, 0, h), Err(INVALID), "whole handle only");
+    c.map(va, PAGE, 0, h).unwrap();
+    assert_eq!(c.unmap(va, PAGE / 2), Err(INVALID));
+    assert_eq!(c.range_of(va + 5), Some((va, PAGE)));
+    let r = c.retain(va + 5).unwrap();
+    assert_eq!(r, h);
+    c.release(r).unwrap();
+    assert!(c.unmap(va, PAGE).unwrap());
+    c.release(h).unwrap();
+    assert_eq!(c.counts(), (0, 0));
+}
+
+/// A tiny deterministic generator (no dependency).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
+    for seed in 1..=12u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut k = cfg();
+        k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
+        k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
+        let (mut c, va) = setup(60 * PAGE, k);
+        // slot index -> live page handle
+        let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+        for step in 0..300 {
+            let opn = rng.below(10);
+            match opn {
+                0..=3 => {
+                    // Grow: a batch at the lowest free run of slots.
+                    let n = 1 + rng.below(6);
+                    let start = (0..200u64)
+                        .find(|s| (0..n).all(|i| !live.contains_key(&(s + i))))
+                        .unwrap();
+                    let at = va + start * PAGE;
+                    match grow(&mut c, at, n) {
+                        Ok(hs) => {
+                            fill(&mut c, at, n);
+                            for (i, h) in hs.into_iter().enumerate() {
+                                live.insert(start + i as u64, h);
+                            }
+                        }
+                        Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
+                    }
+                }
+                4..=6 => {
+                    // Release a random run of live slots.
+                    if let Some((&s, _)) = live
+                        .iter()
+                        .nth(rng.below(live.len().max(1) as u64) as usize)
+                    {
+                        let n = 1 + rng.below(4);
+                        let run: Vec<u64> =
+                            (s..s + n).take_while(|x| live.contains_key(x)).collect();
+                        for x in run {
+                            let h = live.remove(&x).unwrap();
+                            shrink(&mut c, va + x * PAGE, &[h]);
+                        }
+                    }
+                }
+                7 => {
+                    // A fault somewhere in the next compaction.
+                    let op =
+                        [Op::Create, Op::Map, Op::Copy, Op::Unmap, Op::Sync][rng.below(5) as usize];
+                    c.driver_mut()
+                        .fail_nth(op, rng.below(3) as usize, DrvError(999));
+                    c.settle(true);
+                    c.driver_mut().clear_failures();
+                }
+                8 => c.settle(false),
+                _ => {
+                    if let Some((&s, &h)) = live
+                        .iter()
+                        .nth(rng.below(live.len().max(1) as u64) as usize)
+                    {
+                        let _ = s;
+                        c.export(h).unwrap();
+                    }
+                }
+            }
+            for &s in live.keys() {
+                assert!(
+                    intact(&c, va + s * PAGE, 1),
+                    "seed {seed} step {step} slot {s}"
+                );
+            }
+            assert_eq!(
+                c.driver().used(),
+                c.physical_bytes(),
+                "seed {seed} step {step}"
+            );
+            let live_bytes = live.len() as u64 * PAGE;
+            assert_eq!(
+                c.physical_bytes(),
+                live_bytes + c.stranded(),
+                "seed {seed} step {step}: every byte is live or stranded"
+            );
+            // Stranded bytes are bounded at every settle (the start of the next call).
+            c.settle(false);
+            if c.stats().compaction_failures == 0 {
+                assert!(c.stranded() <= k.strand_max, "seed {seed} step {step}");
+            }
+        }
+        let rest: Vec<(u64, u64)> = live.into_iter().collect();
+        for (s, h) in rest {
+            shrink(&mut c, va + s * PAGE, &[h]);
+        }
+        c.settle(true);
+        assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
+        assert_eq!(c.driver().mapping_count(), 0, "seed {seed}");
+        assert_eq!(c.counts(), (0, 0), "seed {seed}");
+        assert_eq!(c.driver().reservation_count(), 1, "seed {seed}");
+    }
+}
+
+#[test]
+fn memory_shared_with_another_process_is_split_per_page_and_never_moves() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let a = grow(&mut c, va, 4).unwrap();
+    let b = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    fill(&mut c, va, 7);
+    c.isolate_run(va + PAGE + 7).unwrap();
+    assert_eq!(c.driver().chunk_count(), 7, "both batches of the run, page by page");
+    assert!(intact(&c, va, 7));
+    let creates = c.driver().calls_of(Op::Create);
+    shrink(&mut c, va + PAGE, &a[1..3]);
+    c.settle(true);
+    assert_eq!(c.driver().calls_of(Op::Create), creates, "no page moved");
+    assert_eq!(c.stranded(), 0);
+    assert!(intact(&c, va, 1) && intact(&c, va + 3 * PAGE, 4));
+    shrink(&mut c, va, &a[..1]);
+    shrink(&mut c, va + 3 * PAGE, &a[3..]);
+    shrink(&mut c, va + 4 * PAGE, &b);
+    assert_eq!(c.driver().used(), 0);
+}

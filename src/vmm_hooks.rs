@@ -1,0 +1,366 @@
+//! The VMM entry points expseg hands to PyTorch's expandable segments.
+//!
+//! They are never exported as symbols: programs that link `libcuda` (vLLM's CuMemAllocator) or
+//! look functions up with `cuGetProcAddress`/`dlsym` (the runtime itself, NCCL, Triton) keep
+//! the driver's own. Only a lookup through the runtime's driver entry point API
+//! (`cudaGetDriverEntryPoint[ByVersion]`) from PyTorch's `libc10_cuda` gets them
+//! (`EXPSEG_COALESCE=torch`, the default), or from any caller (`all`). Each hook passes
+//! everything that is not a coalesced page to the driver untouched.
+//!
+//! This module also applies PyTorch's allocator default at load time (`expandable_segments:True`
+//! when the user set no allocator options), so `LD_PRELOAD=libexpseg.so` alone is enough.
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use crate::api::vmm;
+use crate::config::Coalesce;
+use crate::gpu::PageProps;
+use crate::real;
+use libc::{c_int, c_void, size_t};
+use std::panic::catch_unwind;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// `CUDA_ERROR_NOT_INITIALIZED`: no driver to pass to.
+const NO_DRIVER: u32 = 3;
+/// `CUDA_ERROR_UNKNOWN`: a panic caught at the boundary.
+const UNKNOWN: u32 = 999;
+
+/// `CUmemAllocationProp`, read field by field (no enum may hold an unknown value).
+#[repr(C)]
+struct RawProp {
+    type_: u32,
+    handle_types: u32,
+    loc_type: u32,
+    loc_id: i32,
+    win32: *mut c_void,
+    compression: u8,
+    rdma: u8,
+    usage: u16,
+    reserved: [u8; 4],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+struct RawAccess {
+    loc_type: u32,
+    loc_id: i32,
+    flags: u32,
+}
+
+const PINNED: u32 = 1;
+const LOCATION_DEVICE: u32 = 1;
+const POSIX_FD: u32 = 1;
+
+/// The page properties expseg can reproduce, or `None` (then the call passes through).
+fn coalescable(p: &RawProp, flags: u64) -> Option<(i32, PageProps)> {
+    let plain = flags == 0
+        && p.type_ == PINNED
+        && p.loc_type == LOCATION_DEVICE
+        && (p.handle_types == 0 || p.handle_types == POSIX_FD)
+        && p.win32.is_null()
+        && p.compression == 0
+        && p.usage == 0;
+    plain.then_some((
+        p.loc_id,
+        PageProps {
+            shareable: p.handle_types == POSIX_FD,
+            rdma: p.rdma != 0,
+        },
+    ))
+}
+
+macro_rules! real_or {
+    ($name:ident) => {
+        match real::driver() {
+            Ok(t) => t.$name,
+            Err(_) => return NO_DRIVER,
+        }
+    };
+}
+
+pub unsafe extern "C" fn cuMemCreate(
+    h: *mut u64,
+    size: size_t,
+    prop: *const c_void,
+    flags: u64,
+) -> u32 {
+    let f = real_or!(cuMemCreate);
+    if h.is_null() || prop.is_null() {
+        return f(h, size, prop.cast(), flags);
+    }
+    let Some((dev, props)) = coalescable(&*(prop as *const RawProp), flags) else {
+        return f(h, size, prop.cast(), flags);
+    };
+    let r = catch_unwind(|| vmm::create(dev, size as u64, props));
+    match r {
+        Ok(Some(Ok(vh))) => {
+            *h = vh;
+            0
+        }
+        Ok(Some(Err(e))) => e,
+        Ok(None) => f(h, size, prop.cast(), flags),
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
+    let f = real_or!(cuMemRelease);
+    match catch_unwind(|| vmm::release(h)) {
+        Ok(Some(c)) => c,
+        Ok(None) => f(h),
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemMap(
+    va: u64,
+    size: size_t,
+    offset: size_t,
+    h: u64,
+    flags: u64,
+) -> u32 {
+    let f = real_or!(cuMemMap);
+    match catch_unwind(|| vmm::map(va, size as u64, offset as u64, h, flags)) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            let _ = catch_unwind(|| vmm::clear(va, size as u64));
+            f(va, size, offset, h, flags)
+        }
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
+    let f = real_or!(cuMemUnmap);
+    match catch_unwind(|| vmm::unmap(va, size as u64)) {
+        Ok(Some(c)) => c,
+        Ok(None) => f(va, size),
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemSetAccess(
+    va: u64,
+    size: size_t,
+    desc: *const c_void,
+    count: size_t,
+) -> u32 {
+    let f = real_or!(cuMemSetAccess);
+    if desc.is_null() || count == 0 {
+        return f(va, size, desc.cast(), count);
+    }
+    let raw = std::slice::from_raw_parts(desc as *const RawAccess, count);
+    if raw.iter().any(|d| d.loc_type != LOCATION_DEVICE) {
+        return f(va, size, desc.cast(), count);
+    }
+    let descs: Vec<(i32, u32)> = raw.iter().map(|d| (d.loc_id, d.flags)).collect();
+    match catch_unwind(|| vmm::set_access(va, size as u64, &descs)) {
+        Ok(Some(c)) => c,
+        Ok(None) => f(va, size, desc.cast(), count),
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    h: u64,
+    kind: u32,
+    flags: u64,
+) -> u32 {
+    let Some(f) = real::driver()
+        .ok()
+        .and_then(|t| t.cuMemExportToShareableHandle)
+    else {
+        return NO_DRIVER;
+    };
+    match catch_unwind(|| vmm::export(h)) {
+        Ok(Some(Ok(real_h))) => f(out, real_h, kind, flags),
+        Ok(Some(Err(e))) => e,
+        Ok(None) => f(out, h, kind, flags),
+        Err(_) => UNKNOWN,
+    }
+}
+
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
+    let Some(f) = real::driver()
+        .ok()
+        .and_then(|t| t.cuMemRetainAllocationHandle)
+    else {
+        return NO_DRIVER;
+    };
+    if !h.is_null() {
+        if let Ok(Some(vh)) = catch_unwind(|| vmm::retain(addr as u64)) {
+            *h = vh;
+            return 0;
+        }
+    }
+    f(h, addr)
+}
+
+pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_void, h: u64) -> u32 {
+    let Some(f) = real::driver()
+        .ok()
+        .and_then(|t| t.cuMemGetAllocationPropertiesFromHandle)
+    else {
+        return NO_DRIVER;
+    };
+    if !prop.is_null() {
+        if let Ok(Some((dev, p))) = catch_unwind(|| vmm::props_of(h)) {
+            *(prop as *mut RawProp) = RawProp {
+                type_: PINNED,
+                handle_types: if p.shareable { POSIX_FD } else { 0 },
+                loc_type: LOCATION_DEVICE,
+                loc_id: dev,
+                win32: std::ptr::null_mut(),
+                compression: 0,
+                rdma: p.rdma as u8,
+                usage: 0,
+                reserved: [0; 4],
+            };
+            return 0;
+        }
+    }
+    f(prop, h)
+}
+
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut u64,
+    size: size_t,
+    align: size_t,
+    addr: u64,
+    flags: u64,
+) -> u32 {
+    let f = real_or!(cuMemAddressReserve);
+    let r = f(ptr, size, align, addr, flags);
+    if r == 0 && !ptr.is_null() {
+        let va = *ptr;
+        let _ = catch_unwind(|| vmm::reserved(va, size as u64));
+    }
+    r
+}
+
+pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
+    let f = real_or!(cuMemAddressFree);
+    match catch_unwind(|| vmm::address_free(va, size as u64)) {
+        Ok(Some(c)) => c,
+        _ => f(va, size),
+    }
+}
+
+/// The hook for `name` if the caller of the entry point lookup gets coalesced pages.
+pub fn for_caller(name: &[u8]) -> Option<*mut c_void> {
+    let hook = match name {
+        b"cuMemCreate" => cuMemCreate as *mut c_void,
+        b"cuMemRelease" => cuMemRelease as *mut c_void,
+        b"cuMemMap" => cuMemMap as *mut c_void,
+        b"cuMemUnmap" => cuMemUnmap as *mut c_void,
+        b"cuMemSetAccess" => cuMemSetAccess as *mut c_void,
+        b"cuMemExportToShareableHandle" => cuMemExportToShareableHandle as *mut c_void,
+        b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
+        b"cuMemGetAllocationPropertiesFromHandle" => {
+            cuMemGetAllocationPropertiesFromHandle as *mut c_void
+        }
+        b"cuMemAddressReserve" => cuMemAddressReserve as *mut c_void,
+        b"cuMemAddressFree" => cuMemAddressFree as *mut c_void,
+        _ => return None,
+    };
+    let c = crate::api::config();
+    if c.disabled {
+        return None;
+    }
+    let yes = match c.coalesce {
+        Coalesce::Off => false,
+        Coalesce::All => true,
+        Coalesce::Torch => caller_object().is_some_and(|f| f.contains("c10_cuda")),
+    };
+    if yes && name == b"cuMemCreate" {
+        note_torch_defaults();
+        log::info!("coalescing VMM pages of this process's expandable segments");
+    }
+    yes.then_some(hook)
+}
+
+extern "C" {
+    fn backtrace(buffer: *mut *mut c_void, size: c_int) -> c_int;
+}
+
+/// The file of the first caller outside expseg on this thread's stack.
+fn caller_object() -> Option<String> {
+    let mut frames = [std::ptr::null_mut::<c_void>(); 12];
+    // SAFETY: `frames` has room for the count given.
+    let n = unsafe { backtrace(frames.as_mut_ptr(), frames.len() as c_int) };
+    for &pc in frames.iter().take(n.max(0) as usize) {
+        if real::is_self(pc as usize) {
+            continue;
+        }
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
+        unsafe {
+            if libc::dladdr(pc, &mut info) == 0 || info.dli_fname.is_null() {
+                return None;
+            }
+            return Some(
+                std::ffi::CStr::from_ptr(info.dli_fname)
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+    }
+    None
+}
+
+/// Set by the load-time default: the stderr line is owed once PyTorch uses it.
+static DEFAULTS_APPLIED: AtomicBool = AtomicBool::new(false);
+
+fn note_torch_defaults() {
+    if DEFAULTS_APPLIED.swap(false, Ordering::Relaxed) {
+        let line = b"expseg: PyTorch allocator set to expandable_segments:True (EXPSEG_TORCH_DEFAULTS=0 keeps PyTorch's default)\n";
+        // SAFETY: writes a constant buffer to stderr.
+        unsafe {
+            libc::write(2, line.as_ptr().cast(), line.len());
+        }
+    }
+}
+
+fn env_set(name: &std::ffi::CStr) -> bool {
+    // SAFETY: getenv with a NUL-terminated name; the result is only tested for null.
+    unsafe { !libc::getenv(name.as_ptr()).is_null() }
+}
+
+fn env_is(name: &std::ffi::CStr, v: &[u8]) -> bool {
+    // SAFETY: as above; a non-null result is a NUL-terminated string of the environment.
+    unsafe {
+        let p = libc::getenv(name.as_ptr());
+        !p.is_null() && std::ffi::CStr::from_ptr(p).to_bytes() == v
+    }
+}
+
+/// Load time, in `libexpseg.so` only (not in test programs or tools that link the crate):
+/// PyTorch's allocator default, as `expseg-run` applies it, when the user set none.
+extern "C" fn apply_torch_defaults() {
+    let _ = catch_unwind(|| {
+        let loaded_as_library = real::self_file().is_some_and(|f| f.ends_with(".so"));
+        if !loaded_as_library
+            || env_is(c"EXPSEG_TORCH_DEFAULTS", b"0")
+            || env_is(c"EXPSEG_DISABLE", b"1")
+            || env_is(c"EXPSEG_COALESCE", b"off")
+            || env_set(c"PYTORCH_CUDA_ALLOC_CONF")
+            || env_set(c"PYTORCH_ALLOC_CONF")
+            || env_set(c"PYTORCH_HIP_ALLOC_CONF")
+        {
+            return;
+        }
+        // SAFETY: constant NUL-terminated strings; no other thread runs at load time.
+        unsafe {
+            libc::setenv(
+                c"PYTORCH_CUDA_ALLOC_CONF".as_ptr(),
+                c"expandable_segments:True".as_ptr(),
+                0,
+            );
+        }
+        DEFAULTS_APPLIED.store(true, Ordering::Relaxed);
+    });
+}
+
+#[used]
+#[link_section = ".init_array"]
+static APPLY_TORCH_DEFAULTS: extern "C" fn() = apply_torch_defaults;

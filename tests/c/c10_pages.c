@@ -1,0 +1,112 @@
+/* PyTorch's expandable segments, as far as the driver sees them, for expseg's preload tests.
+ * Built as libc10_cuda.so (the name expseg recognises PyTorch's allocator by) and as
+ * libother.so. Driver functions come from the runtime's entry point API, as in c10/cuda/
+ * driver_api.cpp; pages are 20 MiB; map() creates, maps and sets access per batch; unmap()
+ * unmaps and releases page by page. "Device" memory is host memory (the fake driver). */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void* win32; unsigned char flags[8]; } Prop;
+typedef struct { struct { int type; int id; } location; int flags; } Access;
+int cudaGetDriverEntryPointByVersion(const char*, void**, unsigned, unsigned long long, int*);
+int cudaMemGetInfo(size_t*, size_t*);
+long fakecu_count(const char*);
+long fakecu_used(void);
+
+static CUresult (*create)(uint64_t*, size_t, const Prop*, unsigned long long);
+static CUresult (*release)(uint64_t);
+static CUresult (*reserve)(uint64_t*, size_t, size_t, uint64_t, unsigned long long);
+static CUresult (*addrfree)(uint64_t, size_t);
+static CUresult (*map)(uint64_t, size_t, size_t, uint64_t, unsigned long long);
+static CUresult (*unmap)(uint64_t, size_t);
+static CUresult (*access_)(uint64_t, size_t, const Access*, size_t);
+static CUresult (*export_)(void*, uint64_t, int, unsigned long long);
+static CUresult (*import_)(uint64_t*, void*, int);
+static CUresult (*retain)(uint64_t*, void*);
+static CUresult (*props)(Prop*, uint64_t);
+
+#define PAGE (20ull << 20)
+#define NP 64
+static uint64_t va, h[NP];
+
+static void* get(const char* name) {
+  void* f = 0; int st = 0;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, 0, &st) || !f) { fprintf(stderr, "no %s\n", name); exit(2); }
+  return f;
+}
+static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = 0; return p; }
+static int grow(int at, int n) {
+  Prop p = prop();
+  for (int i = 0; i < n; i++) {
+    CUresult r = create(&h[at + i], PAGE, &p, 0);
+    if (r) { for (int j = 0; j < i; j++) release(h[at + j]); return r; }
+  }
+  for (int i = 0; i < n; i++) if (map(va + (at + i) * PAGE, PAGE, 0, h[at + i], 0)) return -1;
+  Access a = {{1, 0}, 3};
+  return access_(va + at * PAGE, n * PAGE, &a, 1) ? -2 : 0;
+}
+static int shrink(int at, int n) {
+  for (int i = at; i < at + n; i++) { if (unmap(va + i * PAGE, PAGE) || release(h[i])) return -1; h[i] = 0; }
+  return 0;
+}
+static void fill(int i) { memset((char*)(va + i * PAGE), 'A' + i, PAGE); }
+static int holds(const char* p, int i) { for (size_t k = 0; k < PAGE; k += 4096) if (p[k] != 'A' + i) return 0; return p[PAGE - 1] == 'A' + i; }
+
+int expandable(const char* what) {
+  create = get("cuMemCreate"); release = get("cuMemRelease"); reserve = get("cuMemAddressReserve");
+  addrfree = get("cuMemAddressFree"); map = get("cuMemMap"); unmap = get("cuMemUnmap");
+  access_ = get("cuMemSetAccess"); export_ = get("cuMemExportToShareableHandle");
+  import_ = get("cuMemImportFromShareableHandle"); retain = get("cuMemRetainAllocationHandle");
+  props = get("cuMemGetAllocationPropertiesFromHandle");
+  if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
+  if (!strcmp(what, "oom")) {
+    /* Pages until the driver has none: as many as fit natively, then out of memory (2). */
+    Prop p = prop(); int n = 0; CUresult r = 0;
+    while (n < NP && !(r = create(&h[n], PAGE, &p, 0))) n++;
+    printf("pages_before_oom=%d oom_rc=%d\n", n, r);
+    for (int i = 0; i < n; i++) release(h[i]);
+    printf("used_end=%ld\n", fakecu_used());
+    return 0;
+  }
+  long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
+  printf("grow_rc=%d\n", grow(0, 8));
+  printf("batch_creates=%ld batch_maps=%ld\n", fakecu_count("cuMemCreate") - c0, fakecu_count("cuMemMap") - m0);
+  for (int i = 0; i < 8; i++) fill(i);
+  printf("shrink_rc=%d\n", shrink(2, 4));
+  printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
+  size_t fr, tot; cudaMemGetInfo(&fr, &tot); /* expseg compacts before answering */
+  printf("used_compacted_mib=%ld\n", fakecu_used() >> 20);
+  int ok = 1; for (int i = 0; i < 8; i++) if (i < 2 || i >= 6) ok &= holds((char*)(va + i * PAGE), i);
+  printf("live_intact=%d\n", ok);
+  printf("regrow_rc=%d\n", grow(2, 4));
+  for (int i = 2; i < 6; i++) fill(i);
+  ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i);
+  printf("all_intact=%d\n", ok);
+  /* A page exported alone and mapped by an importer shows that page's data. */
+  int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
+  uint64_t ih = 0, iva = 0; int shared_ok = 0;
+  if (!er && !import_(&ih, (void*)(intptr_t)fd, 1) && !reserve(&iva, PAGE, 0, 0, 0) && !map(iva, PAGE, 0, ih, 0)) {
+    Access a = {{1, 0}, 3}; access_(iva, PAGE, &a, 1);
+    shared_ok = holds((char*)iva, 1);
+    ((char*)iva)[7] = 'z'; shared_ok &= ((char*)(va + PAGE))[7] == 'z'; ((char*)iva)[7] = 'A' + 1;
+    unmap(iva, PAGE); release(ih); addrfree(iva, PAGE);
+  }
+  printf("export_rc=%d shared_both_ways=%d\n", er, shared_ok);
+  ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i);
+  printf("after_export_intact=%d\n", ok);
+  uint64_t rh = 0; Prop got; memset(&got, 0, sizeof got);
+  CUresult rr = retain(&rh, (void*)(va + 3 * PAGE + 5));
+  printf("retain_rc=%d same_handle=%d", rr, rh == h[3]);
+  CUresult pr = props(&got, rh);
+  printf(" props_rc=%d props_dev=%d props_posix=%d", pr, got.location.id, got.requestedHandleTypes);
+  printf(" release_rc=%d\n", release(rh));
+  printf("final_shrink_rc=%d\n", shrink(0, 8));
+  printf("free_va_rc=%d used_end=%ld\n", addrfree(va, NP * PAGE), fakecu_used());
+  return 0;
+}
