@@ -14,8 +14,9 @@ filler process that holds the rest of the card:
   train_ec the same model with varying shapes and torch.cuda.empty_cache() every step.
 Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
 large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), expseg
-(scripts/expseg-run, the launch path) and expseg-preload (LD_PRELOAD alone, which applies
-expandable_segments:True itself when nothing is set). Under expseg PyTorch's pages are
+(scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
+expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
+EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse). Under expseg PyTorch's pages are
 coalesced. Prints a table (completed steps or OOM, peak device memory, peak reserved, median
 step time, ratios to expandable_segments and default), writes results.json and memory.png to
 DIR, and with --json a summary (device, driver, date, commit; per workload and mode: steps,
@@ -38,7 +39,7 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "train": (24, 300),
     "train_ec": (24, 120),
 }
-MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload"]
+MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", "expseg-release0"]
 
 
 def mode_env(mode, lib):
@@ -55,6 +56,9 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
         env["LD_PRELOAD"] = lib
+    elif mode == "expseg-release0":
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_RELEASE_DELAY"] = "0"
     elif mode == "expseg":
         env["EXPSEG_LIB"] = lib
         env["EXPSEG_REPORT"] = "none"

@@ -25,7 +25,7 @@ GIB = 1 << 30
 def main():
     ops = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
     ndev = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    live_cap = float(sys.argv[3]) if len(sys.argv) > 3 else 24.0
+    live_cap = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
     devices = [torch.device("cuda", i) for i in range(ndev)]
     rt = ctypes.CDLL("libcudart.so.13")
     rng = random.Random(1234)
@@ -40,7 +40,8 @@ def main():
 
     def check_all():
         for k, (t, v) in live.items():
-            bad = int((t != v).sum().item())
+            # In slices: the comparison's temporary stays small under memory pressure.
+            bad = sum(int((t[o : o + 256 * MIB] != v).sum().item()) for o in range(0, t.numel(), 256 * MIB))
             stats["checks"] += 1
             stats["checked_bytes"] += t.numel()
             if bad:
@@ -113,7 +114,7 @@ def main():
                     except torch.OutOfMemoryError:
                         pass
                 check_all()
-            elif 0.91 <= op < 0.95 and live:
+            elif 0.91 <= op < 0.92 and live:
                 k = rng.choice(list(live))
                 t, _ = live[k]
                 h = (ctypes.c_byte * 64)()
@@ -124,7 +125,7 @@ def main():
                     stats["ipc_ctypes_fail"] += 1
                 stats["ipc_ctypes"] += 1
                 check_all()
-            elif 0.95 <= op < 0.98 and live:
+            elif 0.92 <= op < 0.95 and live:
                 k = rng.choice(list(live))
                 t, _ = live[k]
                 try:

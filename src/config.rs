@@ -52,6 +52,10 @@ pub struct Config {
     /// `EXPSEG_COALESCE_MARGIN`: free memory kept in hand while pages are admitted without
     /// being created; nearer the limit pages are created at once.
     pub coalesce_margin: u64,
+    /// `EXPSEG_RELEASE_DELAY`: milliseconds of allocator quiet after which released coalesced
+    /// handles go back to the driver; until then the program's next pages reuse them. 0:
+    /// released at once.
+    pub release_delay_ms: u64,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
@@ -88,6 +92,10 @@ impl Default for Config {
             // Released memory reaches the driver at the next allocator call.
             strand_max: 0,
             coalesce_margin: GIB,
+            // A churn step re-acquires what empty_cache() released within well under a
+            // millisecond; a colocated engine that is handed the memory starts allocating
+            // after an inter-process signal. 2 ms separates the two (docs/design.md).
+            release_delay_ms: 2,
             report: None,
             test_panic: None,
             test_fail_move: None,
@@ -168,6 +176,20 @@ const VARS: &[Var] = &[
         name: "EXPSEG_COALESCE_MARGIN",
         set: |c, v| parse_size(v).map(|s| c.coalesce_margin = s),
         show: |c| fmt_size(c.coalesce_margin),
+    },
+    Var {
+        name: "EXPSEG_RELEASE_DELAY",
+        set: |c, v| {
+            let ms = v.strip_suffix("ms").unwrap_or(v);
+            match ms.parse::<u64>() {
+                Ok(n) if n <= 60_000 => {
+                    c.release_delay_ms = n;
+                    Ok(())
+                }
+                _ => Err("milliseconds from 0 to 60000, such as 2 or 10ms"),
+            }
+        },
+        show: |c| format!("{}ms", c.release_delay_ms),
     },
     Var {
         name: "EXPSEG_IPC_MOVE_MAX",

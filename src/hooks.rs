@@ -6,7 +6,7 @@
 //! `#[cfg_attr(not(test), no_mangle)]` keeps `cargo test` from hooking its own test binary.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use crate::api::{self, Answer, UNKNOWN};
+use crate::api::{self, Answer, OUT_OF_MEMORY, UNKNOWN};
 use crate::real::{next, CudaIpcMemHandle};
 use crate::stats::GLOBAL;
 use libc::{c_char, c_int, c_uint, c_void, size_t};
@@ -52,14 +52,43 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> 
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
         return next::cudaMalloc(dev_ptr, size);
     };
-    boundary("cudaMalloc", || match api::cudaMalloc(size) {
+    let once = || match api::cudaMalloc(size) {
         Answer::Done(Ok(p)) => {
             *dev_ptr = p as *mut c_void;
             0
         }
         Answer::Done(Err(e)) => e,
         Answer::PassThrough => next::cudaMalloc(dev_ptr, size),
+    };
+    boundary("cudaMalloc", || match once() {
+        // Handles kept for PyTorch's next pages must not cost this allocation its memory.
+        OUT_OF_MEMORY if api::vmm::release_kept_for_others() => {
+            next::cudaGetLastError();
+            once()
+        }
+        e => e,
     })
+}
+
+/// `cuMemCreate` of programs that link the driver (vLLM's CuMemAllocator): the driver's own,
+/// asked again after kept handles went back if it found no memory. (PyTorch's pages get
+/// `crate::vmm_hooks::cuMemCreate` through the entry point API instead.)
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    h: *mut u64,
+    size: size_t,
+    prop: *const c_void,
+    flags: u64,
+) -> u32 {
+    let Ok(t) = crate::real::driver() else {
+        return NO_DRIVER;
+    };
+    let r = (t.cuMemCreate)(h, size, prop.cast(), flags);
+    if r == OUT_OF_MEMORY as u32 && catch_unwind(api::vmm::release_kept_for_others).unwrap_or(false)
+    {
+        return (t.cuMemCreate)(h, size, prop.cast(), flags);
+    }
+    r
 }
 
 #[cfg_attr(not(test), no_mangle)]

@@ -77,6 +77,36 @@ struct ForeignShare {
     no_room: bool,
 }
 
+/// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
+/// (their tickets go stale, their mirrors are freed).
+pub fn forget_foreign_range(va: u64, size: u64) {
+    if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
+        return;
+    }
+    let mut st = lock();
+    if st.ipc.foreign.is_empty() {
+        return;
+    }
+    let gone: Vec<u64> = st
+        .ipc
+        .foreign
+        .keys()
+        .filter(|b| (va..va + size).contains(*b))
+        .copied()
+        .collect();
+    for base in gone {
+        let Some(f) = st.ipc.foreign.remove(&base) else {
+            continue;
+        };
+        if let Some((mirror, _)) = f.mirror {
+            if crate::real::runtime::free(mirror) != 0 {
+                log::warn!("freeing the mirror of a foreign run at {base:#x} failed");
+            }
+        }
+        st.ipc.forget(f.dev, base);
+    }
+}
+
 /// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
 const MAX_RUN: usize = transport::MAX_CHUNKS;
 

@@ -17,7 +17,7 @@ pub mod vmm;
 
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
-    mirror_foreign,
+    forget_foreign_range, mirror_foreign,
 };
 
 use crate::config::Config;
@@ -191,6 +191,11 @@ impl State {
 
 fn lock() -> MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether this is a forked child (CUDA state is not inherited).
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
 }
 
 /// Whether calls should even look at the pool.

@@ -6,11 +6,12 @@
 use super::config;
 use crate::coalesce::{is_virtual, CoalesceConfig, CoalesceStats, Coalescer};
 use crate::gpu::cuda::{self, CudaDriver};
-use crate::gpu::{ChunkHandle, DrvError, PageProps};
+use crate::gpu::{ChunkHandle, DrvError, Op, PageProps};
 use crate::real;
 use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 struct Vmm {
     devs: Vec<Option<Coalescer<CudaDriver>>>,
@@ -25,6 +26,7 @@ static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
                 max_handle: c.coalesce_max,
                 strand_max: c.strand_max,
                 margin: c.coalesce_margin,
+                release_delay: Duration::from_millis(c.release_delay_ms),
             };
             (0..n)
                 .map(|d| match CudaDriver::open(t, d) {
@@ -38,6 +40,9 @@ static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
         }
         Err(_) => Vec::new(),
     };
+    if !devs.is_empty() {
+        start_releaser();
+    }
     STARTED.store(true, Ordering::Release);
     Mutex::new(Vmm { devs })
 });
@@ -114,14 +119,21 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         return None;
     }
     let mut v = lock();
+    let mut answer = None;
     for c in v.all() {
         match c.unmap(va, size) {
             Ok(false) => continue,
-            Ok(true) => return Some(0),
-            Err(e) => return Some(e.0),
+            Ok(true) => answer = Some(0),
+            Err(e) => answer = Some(e.0),
         }
+        break;
     }
-    None
+    drop(v);
+    if answer == Some(0) {
+        // Handles given out for runs that started here stand for nothing any more.
+        super::forget_foreign_range(va, size);
+    }
+    answer
 }
 
 pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
@@ -200,19 +212,74 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
     None
 }
 
-/// Compact what the bound asks for (at `cudaMemGetInfo`: what the program is told is free
-/// should be free).
+/// At `cudaMemGetInfo`: what the program is told is free should be free. Compact what the
+/// bound asks for and give kept handles back.
 pub fn settle() {
     if !started() {
         return;
     }
     for c in lock().all() {
         c.settle(false);
+        c.release_kept();
     }
 }
 
-/// Per device: counters, pages held, physical handles, stranded bytes.
-pub fn stats() -> Vec<(i32, CoalesceStats, usize, usize, u64)> {
+/// Another allocation of this process (a direct `cuMemCreate`, `cudaMalloc`) found no memory:
+/// give kept handles back. True if there were any (worth asking the driver again).
+pub fn release_kept_for_others() -> bool {
+    if !started() {
+        return false;
+    }
+    let mut any = false;
+    for c in lock().all() {
+        if c.kept_bytes() > 0 {
+            c.release_kept();
+            any = true;
+        }
+    }
+    any
+}
+
+/// Kept handles go back to the driver once the program has been quiet for the delay: a
+/// thread of its own checks every millisecond while any are kept (started at the first
+/// coalescer; never in a forked child).
+fn start_releaser() {
+    let delay = Duration::from_millis(config().release_delay_ms);
+    if delay.is_zero() {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("expseg-release".into())
+        .spawn(move || {
+            let mut context_set = false;
+            loop {
+                std::thread::sleep(Duration::from_millis(1));
+                if super::forked() {
+                    return;
+                }
+                let mut v = lock();
+                for c in v.all() {
+                    if c.kept_bytes() > 0 && c.idle_for() >= delay {
+                        if !context_set {
+                            if let Ok(t) = real::driver() {
+                                use crate::gpu::Driver as _;
+                                cuda::ensure_context(t, c.driver().device());
+                            }
+                            context_set = true;
+                        }
+                        c.release_kept();
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log::warn!("no thread to give kept handles back ({e}); releasing at once instead");
+    }
+}
+
+/// Per device: counters, pages held, physical handles, stranded bytes, driver calls.
+#[allow(clippy::type_complexity)]
+pub fn stats() -> Vec<(i32, CoalesceStats, usize, usize, u64, Vec<(u64, u64)>)> {
     if !started() {
         return Vec::new();
     }
@@ -231,6 +298,7 @@ pub fn stats() -> Vec<(i32, CoalesceStats, usize, usize, u64)> {
                 pages,
                 phys,
                 c.stranded(),
+                c.driver_calls().to_vec(),
             )
         })
         .collect()
@@ -243,7 +311,7 @@ pub fn report_rows() -> Vec<(&'static str, u64)> {
         return Vec::new();
     }
     let sum = |f: &dyn Fn(&CoalesceStats) -> u64| all.iter().map(|(_, s, ..)| f(s)).sum::<u64>();
-    vec![
+    let mut rows = vec![
         ("coalesce_pages_created", sum(&|s| s.pages_created)),
         ("coalesce_handles_created", sum(&|s| s.phys_created)),
         ("coalesce_handles_released", sum(&|s| s.phys_released)),
@@ -251,12 +319,59 @@ pub fn report_rows() -> Vec<(&'static str, u64)> {
         ("coalesce_compactions", sum(&|s| s.compactions)),
         ("coalesce_compacted_bytes", sum(&|s| s.compacted_bytes)),
         ("coalesce_host_copies", sum(&|s| s.host_copies)),
-        ("coalesce_compaction_failures", sum(&|s| s.compaction_failures)),
+        (
+            "coalesce_compaction_failures",
+            sum(&|s| s.compaction_failures),
+        ),
         ("coalesce_access_fallbacks", sum(&|s| s.access_fallbacks)),
         ("coalesce_exports_split", sum(&|s| s.exports_split)),
         ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
+        ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
+        ("coalesce_kept_released", sum(&|s| s.kept_released)),
         ("coalesce_pages_live", all.iter().map(|a| a.2 as u64).sum()),
-        ("coalesce_handles_live", all.iter().map(|a| a.3 as u64).sum()),
+        (
+            "coalesce_handles_live",
+            all.iter().map(|a| a.3 as u64).sum(),
+        ),
         ("coalesce_stranded_bytes", all.iter().map(|a| a.4).sum()),
-    ]
+    ];
+    // Driver time of the coalescers, per operation that was called.
+    const NAMES: [&str; Op::ALL.len() + 1] = [
+        "coalesce_create",
+        "coalesce_release",
+        "coalesce_reserve",
+        "coalesce_free_va",
+        "coalesce_map",
+        "coalesce_unmap",
+        "coalesce_set_access",
+        "coalesce_legacy_alloc",
+        "coalesce_legacy_free",
+        "coalesce_copy",
+        "coalesce_ipc_handle",
+        "coalesce_sync",
+        "coalesce_meminfo",
+    ];
+    const NS: [&str; Op::ALL.len() + 1] = [
+        "coalesce_create_ns",
+        "coalesce_release_ns",
+        "coalesce_reserve_ns",
+        "coalesce_free_va_ns",
+        "coalesce_map_ns",
+        "coalesce_unmap_ns",
+        "coalesce_set_access_ns",
+        "coalesce_legacy_alloc_ns",
+        "coalesce_legacy_free_ns",
+        "coalesce_copy_ns",
+        "coalesce_ipc_handle_ns",
+        "coalesce_sync_ns",
+        "coalesce_meminfo_ns",
+    ];
+    for i in 0..NAMES.len() {
+        let calls: u64 = all.iter().map(|a| a.5[i].0).sum();
+        if calls > 0 {
+            rows.push((NAMES[i], calls));
+            rows.push((NS[i], all.iter().map(|a| a.5[i].1).sum()));
+        }
+    }
+    rows
 }

@@ -36,8 +36,98 @@
 #[cfg(test)]
 mod tests;
 
-use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
+use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, IpcHandle, Op, PageProps};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
+use std::time::Instant;
+
+/// The driver, with calls and nanoseconds counted per operation (`Op::ALL` order; the last
+/// slot is `cuMemGetInfo`).
+pub struct Timed<D> {
+    inner: D,
+    pub calls: [(u64, u64); Op::ALL.len() + 1],
+}
+
+impl<D> Timed<D> {
+    fn count<T>(&mut self, slot: usize, f: impl FnOnce(&mut D) -> T) -> T {
+        let t = Instant::now();
+        let r = f(&mut self.inner);
+        let c = &mut self.calls[slot];
+        c.0 += 1;
+        c.1 += t.elapsed().as_nanos() as u64;
+        r
+    }
+}
+
+const MEMINFO: usize = Op::ALL.len();
+
+impl<D: Driver> Driver for Timed<D> {
+    fn device(&self) -> i32 {
+        self.inner.device()
+    }
+    fn granularity(&self) -> u64 {
+        self.inner.granularity()
+    }
+    fn create(&mut self, size: u64) -> DrvResult<ChunkHandle> {
+        self.count(Op::Create.index(), |d| d.create(size))
+    }
+    fn release(&mut self, h: ChunkHandle) -> DrvResult<()> {
+        self.count(Op::Release.index(), |d| d.release(h))
+    }
+    fn reserve(&mut self, size: u64) -> DrvResult<u64> {
+        self.count(Op::Reserve.index(), |d| d.reserve(size))
+    }
+    fn free_va(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        self.count(Op::FreeVa.index(), |d| d.free_va(va, size))
+    }
+    fn map(&mut self, va: u64, size: u64, h: ChunkHandle) -> DrvResult<()> {
+        self.count(Op::Map.index(), |d| d.map(va, size, h))
+    }
+    fn unmap(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        self.count(Op::Unmap.index(), |d| d.unmap(va, size))
+    }
+    fn set_access(&mut self, va: u64, size: u64, r: &[i32], v: &[i32]) -> DrvResult<()> {
+        self.count(Op::SetAccess.index(), |d| d.set_access(va, size, r, v))
+    }
+    fn reserve_at(&mut self, va: u64, size: u64) -> DrvResult<u64> {
+        self.count(Op::Reserve.index(), |d| d.reserve_at(va, size))
+    }
+    fn legacy_alloc(&mut self, size: u64) -> DrvResult<u64> {
+        self.count(Op::LegacyAlloc.index(), |d| d.legacy_alloc(size))
+    }
+    fn legacy_free(&mut self, ptr: u64) -> DrvResult<()> {
+        self.count(Op::LegacyFree.index(), |d| d.legacy_free(ptr))
+    }
+    fn copy(&mut self, dst: u64, src: u64, size: u64) -> DrvResult<()> {
+        self.count(Op::Copy.index(), |d| d.copy(dst, src, size))
+    }
+    fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle> {
+        self.count(Op::IpcHandle.index(), |d| d.legacy_handle(ptr))
+    }
+    fn synchronize(&mut self) -> DrvResult<()> {
+        self.count(Op::Sync.index(), |d| d.synchronize())
+    }
+    fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<OwnedFd> {
+        self.inner.export_fd(h)
+    }
+    fn create_as(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle> {
+        self.count(Op::Create.index(), |d| d.create_as(size, props))
+    }
+    fn free_memory(&mut self) -> DrvResult<u64> {
+        self.count(MEMINFO, |d| d.free_memory())
+    }
+    fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {
+        self.count(Op::SetAccess.index(), |d| {
+            d.set_access_flags(va, size, descs)
+        })
+    }
+    fn save(&mut self, src: u64, size: u64) -> DrvResult<Vec<u8>> {
+        self.count(Op::Copy.index(), |d| d.save(src, size))
+    }
+    fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()> {
+        self.count(Op::Copy.index(), |d| d.load(dst, data))
+    }
+}
 
 /// `CUDA_ERROR_INVALID_VALUE`.
 pub const INVALID: DrvError = DrvError(1);
@@ -61,6 +151,9 @@ pub struct CoalesceConfig {
     pub strand_max: u64,
     /// Free memory kept in hand when pages are admitted without creating them.
     pub margin: u64,
+    /// Keep fully released handles for reuse while the program keeps allocating; 0: release
+    /// at once. The caller releases them after this much quiet ([`Coalescer::idle_for`]).
+    pub release_delay: std::time::Duration,
 }
 
 impl Default for CoalesceConfig {
@@ -69,6 +162,7 @@ impl Default for CoalesceConfig {
             max_handle: 1 << 30,
             strand_max: 0,
             margin: 1 << 30,
+            release_delay: std::time::Duration::ZERO,
         }
     }
 }
@@ -87,6 +181,10 @@ pub struct CoalesceStats {
     pub access_fallbacks: u64,
     pub exports_split: u64,
     pub peak_stranded: u64,
+    /// Bytes of pages served from released handles kept for reuse.
+    pub reused_bytes: u64,
+    /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).
+    pub kept_released: u64,
 }
 
 #[derive(Debug)]
@@ -115,6 +213,13 @@ struct Phys {
     access: Vec<(i32, u32)>,
 }
 
+/// Page properties as an ordered key.
+type KeyProps = (bool, bool);
+
+fn key(p: PageProps) -> KeyProps {
+    (p.shareable, p.rdma)
+}
+
 /// A run of a phys's live pages that moves to one new handle.
 #[derive(Debug, Clone)]
 struct Group {
@@ -137,7 +242,7 @@ struct Work {
 }
 
 pub struct Coalescer<D: Driver> {
-    drv: D,
+    drv: Timed<D>,
     cfg: CoalesceConfig,
     next_vh: u64,
     next_phys: u64,
@@ -155,13 +260,22 @@ pub struct Coalescer<D: Driver> {
     dirty: BTreeSet<u64>,
     /// Temporary mappings whose teardown failed, retried at the next settle.
     stray: Vec<(u64, u64)>,
+    /// Fully released handles kept for reuse: (properties, size, sequence) -> handle.
+    kept: BTreeMap<(KeyProps, u64, u64), ChunkHandle>,
+    kept_bytes: u64,
+    kept_seq: u64,
+    /// The program's last call.
+    last_call: Instant,
     stats: CoalesceStats,
 }
 
 impl<D: Driver> Coalescer<D> {
     pub fn new(drv: D, cfg: CoalesceConfig) -> Self {
         Coalescer {
-            drv,
+            drv: Timed {
+                inner: drv,
+                calls: Default::default(),
+            },
             cfg,
             next_vh: 1,
             next_phys: 1,
@@ -174,16 +288,25 @@ impl<D: Driver> Coalescer<D> {
             free_est: 0,
             dirty: BTreeSet::new(),
             stray: Vec::new(),
+            kept: BTreeMap::new(),
+            kept_bytes: 0,
+            kept_seq: 0,
+            last_call: Instant::now(),
             stats: CoalesceStats::default(),
         }
     }
 
     pub fn driver(&self) -> &D {
-        &self.drv
+        &self.drv.inner
     }
 
     pub fn driver_mut(&mut self) -> &mut D {
-        &mut self.drv
+        &mut self.drv.inner
+    }
+
+    /// Driver calls and nanoseconds per operation (`Op::ALL` order, then `cuMemGetInfo`).
+    pub fn driver_calls(&self) -> &[(u64, u64)] {
+        &self.drv.calls
     }
 
     pub fn stats(&self) -> &CoalesceStats {
@@ -199,14 +322,77 @@ impl<D: Driver> Coalescer<D> {
         (self.pages.len(), self.phys.len())
     }
 
+    /// Bytes of released handles kept for reuse.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_bytes
+    }
+
+    /// How long the program has made no call.
+    pub fn idle_for(&self) -> std::time::Duration {
+        self.last_call.elapsed()
+    }
+
+    /// Give every kept handle back to the driver.
+    pub fn release_kept(&mut self) {
+        for (_, h) in std::mem::take(&mut self.kept) {
+            if let Err(e) = self.drv.release(h) {
+                log::warn!("releasing a kept handle failed ({e})");
+            }
+            self.stats.kept_released += 1;
+            self.stats.phys_released += 1;
+        }
+        self.kept_bytes = 0;
+    }
+
+    /// A handle of exactly the pages' memory that is no longer needed: kept for reuse while
+    /// the program keeps allocating, else released.
+    fn dispose(&mut self, handle: ChunkHandle, size: u64, props: PageProps) -> DrvResult<()> {
+        if self.cfg.release_delay.is_zero() {
+            self.stats.phys_released += 1;
+            return self.drv.release(handle);
+        }
+        self.kept_seq += 1;
+        self.kept.insert((key(props), size, self.kept_seq), handle);
+        self.kept_bytes += size;
+        Ok(())
+    }
+
+    /// Create `size` bytes: the driver first; on out-of-memory, kept handles go back and the
+    /// driver is asked again.
+    fn create_fresh(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle> {
+        match self.drv.create_as(size, props) {
+            Err(e) if e.is_oom() && self.kept_bytes > 0 => {
+                self.release_kept();
+                self.drv.create_as(size, props)
+            }
+            r => r,
+        }
+    }
+
+    /// The largest kept handle of these properties of at most `max` bytes, a multiple of
+    /// `unit`.
+    fn take_kept(&mut self, props: PageProps, max: u64, unit: u64) -> Option<(ChunkHandle, u64)> {
+        let k = key(props);
+        let found = self
+            .kept
+            .range((k, 0, 0)..=(k, max, u64::MAX))
+            .rev()
+            .find(|((_, s, _), _)| s.is_multiple_of(unit))
+            .map(|(key, h)| (*key, *h))?;
+        self.kept.remove(&found.0);
+        self.kept_bytes -= found.0 .1;
+        self.stats.reused_bytes += found.0 .1;
+        Some((found.1, found.0 .1))
+    }
+
     /// Dead bytes still held in partly released handles.
     pub fn stranded(&self) -> u64 {
         self.dirty.iter().map(|p| self.dead(*p)).sum()
     }
 
-    /// Physical bytes held (created handles).
+    /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
-        self.phys.values().map(|p| p.size).sum()
+        self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes
     }
 
     fn dead(&self, pid: u64) -> u64 {
@@ -245,6 +431,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.
     pub fn create(&mut self, size: u64, props: PageProps) -> DrvResult<u64> {
+        self.last_call = Instant::now();
         let gran = self.drv.granularity();
         if size == 0 || !size.is_multiple_of(gran) {
             return Err(INVALID);
@@ -253,7 +440,7 @@ impl<D: Driver> Coalescer<D> {
         if self.pending_bytes == 0 {
             self.free_est = self.drv.free_memory()?;
         }
-        let admit = |c: &Self| c.pending_bytes + size + c.cfg.margin <= c.free_est;
+        let admit = |c: &Self| c.pending_bytes + size + c.cfg.margin <= c.free_est + c.kept_bytes;
         if !admit(self) {
             // Near the limit: stranded memory first, then a fresh look.
             self.settle(true);
@@ -285,7 +472,7 @@ impl<D: Driver> Coalescer<D> {
                 .collect();
             batch.sort_unstable();
             let total: u64 = batch.iter().map(|v| self.pages[v].size).sum();
-            match self.drv.create_as(total, props) {
+            match self.create_fresh(total, props) {
                 Ok(h) => {
                     self.stats.exact_creates += 1;
                     let pid = self.add_phys(h, total, None, Vec::new());
@@ -370,6 +557,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemUnmap(va, size)`: Ok(false) if no page of ours is mapped there (pass through).
     pub fn unmap(&mut self, va: u64, size: u64) -> DrvResult<bool> {
+        self.last_call = Instant::now();
         let inside: Vec<(u64, u64)> = self
             .maps
             .range(va..va + size)
@@ -397,6 +585,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemSetAccess(va, size, descs)`: give memory to the pending pages mapped in the range,
     /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
+        self.last_call = Instant::now();
         let inside: Vec<(u64, u64)> = self
             .maps
             .range(va..va + size)
@@ -585,6 +774,7 @@ impl<D: Driver> Coalescer<D> {
             return;
         }
         let slot = p.slot;
+        let props = p.props;
         self.pages.remove(&vh);
         let Some((pid, off)) = slot else { return };
         let ph = self.phys.get_mut(&pid).unwrap();
@@ -600,11 +790,11 @@ impl<D: Driver> Coalescer<D> {
             self.dirty.insert(pid);
             return;
         }
-        match self.drv.release(ph.handle) {
+        let (handle, size) = (ph.handle, ph.size);
+        match self.dispose(handle, size, props) {
             Ok(()) => {
                 self.phys.remove(&pid);
                 self.dirty.remove(&pid);
-                self.stats.phys_released += 1;
             }
             Err(e) => {
                 log::warn!("releasing a coalesced handle failed ({e})");
@@ -667,23 +857,34 @@ impl<D: Driver> Coalescer<D> {
             .is_some_and(|(s, l)| end <= s + l)
     }
 
-    /// One handle for a run of pending pages; one per page if that cannot be had.
+    /// Memory for a run of pending pages: kept handles first (largest that fits, several back
+    /// to back), the rest as one new handle; one per page if that cannot be had.
     fn back_run(&mut self, run: &[(u64, u64)]) -> DrvResult<()> {
         let props = self.pages[&run[0].1].props;
-        let total: u64 = run.iter().map(|(_, v)| self.pages[v].size).sum();
-        match self.drv.create_as(total, props) {
+        let unit = self.pages[&run[0].1].size;
+        let uniform = run.iter().all(|(_, v)| self.pages[v].size == unit);
+        let mut rest = run;
+        while uniform && !rest.is_empty() && self.kept_bytes > 0 {
+            let want = rest.len() as u64 * unit;
+            let Some((h, size)) = self.take_kept(props, want, unit) else {
+                break;
+            };
+            let n = (size / unit) as usize;
+            self.adopt(h, size, &rest[..n]);
+            rest = &rest[n..];
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let total: u64 = rest.iter().map(|(_, v)| self.pages[v].size).sum();
+        match self.create_fresh(total, props) {
             Ok(h) => {
-                let pid = self.add_phys(h, total, None, Vec::new());
-                let mut off = 0;
-                for (_, vh) in run {
-                    self.attach(*vh, pid, off);
-                    off += self.pages[vh].size;
-                }
+                self.adopt(h, total, rest);
                 Ok(())
             }
-            Err(e) if e.is_oom() && run.len() > 1 => {
+            Err(e) if e.is_oom() && rest.len() > 1 => {
                 self.stats.access_fallbacks += 1;
-                for (_, vh) in run {
+                for (_, vh) in rest {
                     self.back_run(&[(0, *vh)])?;
                 }
                 Ok(())
@@ -695,6 +896,16 @@ impl<D: Driver> Coalescer<D> {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// A handle becomes the memory of pending pages, in order.
+    fn adopt(&mut self, h: ChunkHandle, size: u64, pages: &[(u64, u64)]) {
+        let pid = self.add_phys(h, size, None, Vec::new());
+        let mut off = 0;
+        for (_, vh) in pages {
+            self.attach(*vh, pid, off);
+            off += self.pages[vh].size;
         }
     }
 

@@ -16,8 +16,8 @@ const PROPS: PageProps = PageProps {
 
 fn setup(capacity: u64, cfg: CoalesceConfig) -> (Coalescer<FakeDriver>, u64) {
     let mut c = Coalescer::new(FakeDriver::new(0, G, capacity), cfg);
-    let va = c.driver_mut().reserve(400 * PAGE).unwrap();
-    c.reserved(va, 400 * PAGE);
+    let va = c.driver_mut().reserve(4000 * PAGE).unwrap();
+    c.reserved(va, 4000 * PAGE);
     (c, va)
 }
 
@@ -26,6 +26,7 @@ fn cfg() -> CoalesceConfig {
         max_handle: 64 * PAGE,
         strand_max: 0,
         margin: 4 * PAGE,
+        release_delay: std::time::Duration::ZERO,
     }
 }
 
@@ -320,6 +321,9 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
         let mut k = cfg();
         k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
         k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
+        if seed % 2 == 0 {
+            k.release_delay = std::time::Duration::from_secs(3600);
+        }
         let (mut c, va) = setup(60 * PAGE, k);
         // slot index -> live page handle
         let mut live: BTreeMap<u64, u64> = BTreeMap::new();
@@ -392,9 +396,12 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             let live_bytes = live.len() as u64 * PAGE;
             assert_eq!(
                 c.physical_bytes(),
-                live_bytes + c.stranded(),
-                "seed {seed} step {step}: every byte is live or stranded"
+                live_bytes + c.stranded() + c.kept_bytes(),
+                "seed {seed} step {step}: every byte is live, stranded or kept"
             );
+            if rng.below(20) == 0 {
+                c.release_kept();
+            }
             // Stranded bytes are bounded at every settle (the start of the next call).
             c.settle(false);
             if c.stats().compaction_failures == 0 {
@@ -406,6 +413,7 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             shrink(&mut c, va + s * PAGE, &[h]);
         }
         c.settle(true);
+        c.release_kept();
         assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
         assert_eq!(c.driver().mapping_count(), 0, "seed {seed}");
         assert_eq!(c.counts(), (0, 0), "seed {seed}");
@@ -420,7 +428,11 @@ fn memory_shared_with_another_process_is_split_per_page_and_never_moves() {
     let b = grow(&mut c, va + 4 * PAGE, 3).unwrap();
     fill(&mut c, va, 7);
     c.isolate_run(va + PAGE + 7).unwrap();
-    assert_eq!(c.driver().chunk_count(), 7, "both batches of the run, page by page");
+    assert_eq!(
+        c.driver().chunk_count(),
+        7,
+        "both batches of the run, page by page"
+    );
     assert!(intact(&c, va, 7));
     let creates = c.driver().calls_of(Op::Create);
     shrink(&mut c, va + PAGE, &a[1..3]);
@@ -432,4 +444,63 @@ fn memory_shared_with_another_process_is_split_per_page_and_never_moves() {
     shrink(&mut c, va + 3 * PAGE, &a[3..]);
     shrink(&mut c, va + 4 * PAGE, &b);
     assert_eq!(c.driver().used(), 0);
+}
+
+/// Not a test: the coalescer's own cost per page of PyTorch's pattern (fake driver), printed.
+#[test]
+#[ignore]
+fn bookkeeping_cost_per_page() {
+    let (mut c, va) = setup(1 << 44, cfg());
+    let t = std::time::Instant::now();
+    let mut pages = 0;
+    for _ in 0..20 {
+        let mut at = 0;
+        let mut batches = Vec::new();
+        for k in 0..150u64 {
+            let n = 3 + k % 28;
+            batches.push((at, grow(&mut c, va + at * PAGE, n).unwrap()));
+            at += n;
+            pages += n;
+        }
+        for (a, hs) in batches {
+            shrink(&mut c, va + a * PAGE, &hs);
+        }
+    }
+    eprintln!(
+        "{:.2} us per page",
+        t.elapsed().as_secs_f64() * 1e6 / pages as f64
+    );
+}
+
+#[test]
+fn released_handles_are_reused_for_the_next_pages_and_given_back_on_demand() {
+    let mut k = cfg();
+    k.release_delay = std::time::Duration::from_secs(3600);
+    let (mut c, va) = setup(20 * PAGE, k);
+    let a = grow(&mut c, va, 4).unwrap();
+    let b = grow(&mut c, va + 4 * PAGE, 4).unwrap();
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 4 * PAGE, &b);
+    assert_eq!(c.kept_bytes(), 8 * PAGE);
+    assert_eq!(c.driver().used(), 8 * PAGE, "kept, not released");
+    let creates = c.driver().calls_of(Op::Create);
+    let d = grow(&mut c, va + 2 * PAGE, 9).unwrap();
+    assert_eq!(
+        c.driver().calls_of(Op::Create),
+        creates + 1,
+        "8 pages from the kept handles, 1 new"
+    );
+    assert_eq!(c.stats().reused_bytes, 8 * PAGE);
+    fill(&mut c, va + 2 * PAGE, 9);
+    assert!(intact(&c, va + 2 * PAGE, 9));
+    // A create that needs more than the driver has gets the kept memory back first.
+    shrink(&mut c, va + 2 * PAGE, &d);
+    assert_eq!(c.kept_bytes(), 9 * PAGE);
+    let e = grow(&mut c, va, 17).unwrap();
+    fill(&mut c, va, 17);
+    assert!(intact(&c, va, 17));
+    shrink(&mut c, va, &e);
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.kept_bytes(), 0);
 }
