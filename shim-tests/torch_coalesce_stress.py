@@ -40,13 +40,13 @@ def main():
 
     def check_all():
         for k, (t, v) in live.items():
-            # In slices: the comparison's temporary stays small under memory pressure.
-            bad = sum(int((t[o : o + 256 * MIB] != v).sum().item()) for o in range(0, t.numel(), 256 * MIB))
+            # In slices, with a boolean reduction: the temporaries stay small under pressure.
+            bad = sum(bool((t[o : o + 64 * MIB] != v).any().item()) for o in range(0, t.numel(), 64 * MIB))
             stats["checks"] += 1
             stats["checked_bytes"] += t.numel()
             if bad:
                 stats["mismatches"] += 1
-                stats["errors"].append(f"tensor {k}: {bad} of {t.numel()} bytes differ")
+                stats["errors"].append(f"tensor {k}: {bad} of {t.numel() // (64 * MIB) + 1} 64 MiB slices differ")
 
     def size():
         r = rng.random()
@@ -125,9 +125,13 @@ def main():
                     stats["ipc_ctypes_fail"] += 1
                 stats["ipc_ctypes"] += 1
                 check_all()
-            elif 0.92 <= op < 0.95 and live:
-                k = rng.choice(list(live))
-                t, _ = live[k]
+            elif 0.92 <= op < 0.95 and live and stats["share_cuda"] < 60:
+                # PyTorch keeps every storage shared this way alive (its IPC reference
+                # counting waits for a consumer), so only small ones, and a bounded number.
+                small = [k for k, (t, _) in live.items() if t.numel() <= 64 * MIB]
+                if not small:
+                    continue
+                t, _ = live[rng.choice(small)]
                 try:
                     t.untyped_storage()._share_cuda_()
                     stats["share_cuda"] += 1

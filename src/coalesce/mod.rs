@@ -357,9 +357,30 @@ impl<D: Driver> Coalescer<D> {
         Ok(())
     }
 
-    /// Create `size` bytes: the driver first; on out-of-memory, kept handles go back and the
+    /// Create `size` bytes. Kept handles that could not serve the pages make room first (the
+    /// best fit, else the largest), so the memory held never exceeds what the program's pages
+    /// and the kept handles held before; on out-of-memory all kept handles go back and the
     /// driver is asked again.
     fn create_fresh(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle> {
+        let mut freed = 0;
+        while freed < size && self.kept_bytes > 0 {
+            let fit = self
+                .kept
+                .iter()
+                .filter(|((_, s, _), _)| *s >= size - freed)
+                .min_by_key(|((_, s, _), _)| *s)
+                .or_else(|| self.kept.iter().max_by_key(|((_, s, _), _)| *s))
+                .map(|(k, h)| (*k, *h));
+            let Some((k, h)) = fit else { break };
+            self.kept.remove(&k);
+            self.kept_bytes -= k.1;
+            freed += k.1;
+            self.stats.kept_released += 1;
+            self.stats.phys_released += 1;
+            if let Err(e) = self.drv.release(h) {
+                log::warn!("releasing a kept handle failed ({e})");
+            }
+        }
         match self.drv.create_as(size, props) {
             Err(e) if e.is_oom() && self.kept_bytes > 0 => {
                 self.release_kept();
