@@ -142,6 +142,10 @@ pub fn is_virtual(h: u64) -> bool {
     h & (0xFFFF << 48) == TAG
 }
 
+/// Virtual handles are numbered process-wide: each device has its coalescer, and a handle
+/// must name one page of one of them.
+static NEXT_VH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Tuning.
 #[derive(Clone, Copy, Debug)]
 pub struct CoalesceConfig {
@@ -244,7 +248,6 @@ struct Work {
 pub struct Coalescer<D: Driver> {
     drv: Timed<D>,
     cfg: CoalesceConfig,
-    next_vh: u64,
     next_phys: u64,
     pages: HashMap<u64, Page>,
     phys: BTreeMap<u64, Phys>,
@@ -277,7 +280,6 @@ impl<D: Driver> Coalescer<D> {
                 calls: Default::default(),
             },
             cfg,
-            next_vh: 1,
             next_phys: 1,
             pages: HashMap::new(),
             phys: BTreeMap::new(),
@@ -467,8 +469,7 @@ impl<D: Driver> Coalescer<D> {
             self.settle(true);
             self.free_est = self.drv.free_memory()?;
         }
-        let vh = TAG | self.next_vh;
-        self.next_vh += 1;
+        let vh = TAG | NEXT_VH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.pages.insert(
             vh,
             Page {

@@ -504,3 +504,21 @@ fn released_handles_are_reused_for_the_next_pages_and_given_back_on_demand() {
     assert_eq!(c.driver().used(), 0);
     assert_eq!(c.kept_bytes(), 0);
 }
+
+#[test]
+fn handles_of_two_devices_never_collide() {
+    let (mut a, _) = setup(100 * PAGE, cfg());
+    let mut b = Coalescer::new(FakeDriver::new(1, G, 100 * PAGE), cfg());
+    let ha: Vec<u64> = (0..5).map(|_| a.create(PAGE, PROPS).unwrap()).collect();
+    let hb: Vec<u64> = (0..5).map(|_| b.create(PAGE, PROPS).unwrap()).collect();
+    for h in &hb {
+        assert!(!a.owns(*h), "device 0 must not own device 1's page");
+        assert!(b.owns(*h));
+    }
+    for h in ha {
+        a.release(h).unwrap();
+    }
+    for h in hb {
+        b.release(h).unwrap();
+    }
+}
