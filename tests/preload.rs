@@ -1158,3 +1158,19 @@ fn coalesced_creates_run_out_of_memory_exactly_where_the_drivers_pages_do() {
         assert_eq!(r.get("used_end"), "0", "margin {margin}");
     }
 }
+
+#[test]
+fn only_the_first_device_of_a_process_is_coalesced() {
+    let r = pages("libc10_cuda.so", "two", &[("FAKE_DEVICES", "2")]).ok();
+    for (k, v) in [
+        ("dev0_rc", "0"),
+        ("dev0_creates", "1"),
+        ("dev1_rc", "0"),
+        ("dev1_creates", "8"),
+        ("intact", "1"),
+        ("shrink_rc", "0"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
+    }
+}

@@ -76,8 +76,28 @@ fn code(r: Result<(), DrvError>) -> u32 {
     }
 }
 
+/// The first device whose pages were coalesced (-1: none yet).
+static FIRST_DEVICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
 /// `cuMemCreate` of a page with coalescable properties on `dev`: `None` to pass through.
+///
+/// Only the first device a process creates pages on is coalesced; the pages of any other
+/// device pass through to the driver. A process that used two GPUs at once hit an illegal
+/// address under coalescing on 2 x H200 (2026-11-23; the same stress passes with coalescing
+/// off and, on one GPU, with it on), cause not found yet: one process per GPU (torchrun, Ray
+/// workers) is what is served.
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
+    let first = match FIRST_DEVICE.compare_exchange(-1, dev, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => dev,
+        Err(d) => d,
+    };
+    if first != dev {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            log::info!("device {dev}: pages pass through (only device {first}'s are coalesced in a process)");
+        }
+        return None;
+    }
     let mut v = lock();
     let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
     Some(c.create(size, props).map_err(|e| e.0))

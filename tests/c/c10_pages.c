@@ -40,7 +40,8 @@ static void* get(const char* name) {
   if (cudaGetDriverEntryPointByVersion(name, &f, 12000, 0, &st) || !f) { fprintf(stderr, "no %s\n", name); exit(2); }
   return f;
 }
-static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = 0; return p; }
+static int dev_ = 0;
+static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = dev_; return p; }
 static int grow(int at, int n) {
   Prop p = prop();
   for (int i = 0; i < n; i++) {
@@ -48,7 +49,7 @@ static int grow(int at, int n) {
     if (r) { for (int j = 0; j < i; j++) release(h[at + j]); return r; }
   }
   for (int i = 0; i < n; i++) if (map(va + (at + i) * PAGE, PAGE, 0, h[at + i], 0)) return -1;
-  Access a = {{1, 0}, 3};
+  Access a = {{1, dev_}, 3};
   return access_(va + at * PAGE, n * PAGE, &a, 1) ? -2 : 0;
 }
 static int shrink(int at, int n) {
@@ -73,6 +74,22 @@ int expandable(const char* what) {
     for (int i = 0; i < n; i++) release(h[i]);
     usleep(50 * 1000); /* quiet: kept handles go back to the driver */
     printf("used_end=%ld\n", fakecu_used());
+    return 0;
+  }
+  if (!strcmp(what, "two")) {
+    /* Pages of a second device in the same process pass through (one handle per page). */
+    long c0 = fakecu_count("cuMemCreate");
+    printf("dev0_rc=%d", grow(0, 8));
+    printf(" dev0_creates=%ld", fakecu_count("cuMemCreate") - c0);
+    dev_ = 1; c0 = fakecu_count("cuMemCreate");
+    printf(" dev1_rc=%d", grow(16, 8));
+    printf(" dev1_creates=%ld", fakecu_count("cuMemCreate") - c0);
+    for (int i = 0; i < 8; i++) { fill(i); fill(16 + i); }
+    int ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i) && holds((char*)(va + (16 + i) * PAGE), 16 + i);
+    printf(" intact=%d", ok);
+    printf(" shrink_rc=%d", shrink(16, 8) | shrink(0, 8));
+    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
+    printf(" used_end=%ld\n", fakecu_used());
     return 0;
   }
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
