@@ -13,6 +13,8 @@
 //! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
 //! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
 //! | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting, IPC export |
+//! | [`coalesce`] | safe logic behind PyTorch's VMM pages: virtual handles, one physical handle per run, compaction, reuse |
+//! | [`vmm_hooks`] | the VMM entry points handed to PyTorch's `libc10_cuda` (never exported) and the load-time PyTorch default |
 //! | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
 //! | [`config`] | the `EXPSEG_*` table |
 //! | [`stats`] | counters and the exit report |
@@ -22,7 +24,7 @@
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
-//! `dlsym`, `real`, `gpu::cuda` and `ipc::transport`.
+//! `vmm_hooks`, `dlsym`, `real`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;
