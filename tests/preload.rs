@@ -645,28 +645,34 @@ fn a_plain_consumer_gets_a_mirror_of_the_whole_run_of_another_allocators_mapping
 }
 
 #[test]
-fn without_memory_for_a_mirror_another_allocators_memory_is_shared_by_ticket_alone() {
+fn without_memory_for_a_mirror_the_producer_fails_clearly_unless_every_peer_runs_expseg() {
     // The runtime refuses anything above 16 MiB: no 32 MiB mirror.
     let low = [("FAKE_RT_MALLOC_MAX", "16777216")];
-    let r = share_in("share_foreign", "expseg", &low).ok();
+    let r = share_in("share_foreign", "plain", &low).ok();
+    assert_eq!(r.get("get_rc"), "2", "out of memory, in the producer");
+    let stderr = r.stderr();
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("[expseg ERROR]"))
+        .collect();
+    assert!(
+        !errors.is_empty() && errors.iter().all(|l| l.contains("EXPSEG_IPC_PEERS=expseg")),
+        "a clear line naming the way out: {}",
+        r.stderr()
+    );
+    // Every consumer runs expseg: no mirror is needed, the ticket shares the memory itself.
+    let r = share_in(
+        "share_foreign",
+        "expseg",
+        &[low[0], ("EXPSEG_IPC_PEERS", "expseg")],
+    )
+    .ok();
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
     assert_eq!(nth(&r, "consumer_sees", 0), "1");
     assert_eq!(r.get("producer_sees_write"), "1");
     assert_eq!(
-        r.stderr().matches("no mirror of").count(),
-        1,
-        "not retried at the next request: {}",
-        r.stderr()
-    );
-    assert_eq!(
         (r.get("again_rc"), r.get("same_handle")),
         ("0".into(), "1".into())
-    );
-    let r = share_in("share_foreign", "plain", &low).ok();
-    assert_ne!(
-        nth(&r, "open_rc", 0),
-        "0",
-        "a plain consumer cannot open a ticket-only handle"
     );
 }
 

@@ -73,8 +73,6 @@ struct ForeignShare {
     dev: i32,
     size: u64,
     mirror: Option<(u64, IpcHandle)>,
-    /// A mirror was wanted but there was no memory for it: ticket only, not retried.
-    no_room: bool,
 }
 
 /// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
@@ -134,9 +132,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         .ipc
         .foreign
         .get(&base)
-        .filter(|f| {
-            f.size == size && f.dev == dev && (f.mirror.is_some() || f.no_room) == want_mirror
-        })
+        .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
         .map(|f| f.mirror);
     let mirror = match same {
         Some(Some((p, h))) => {
@@ -158,13 +154,14 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
             let mirror = if want_mirror {
                 match make_mirror(dev, base, size) {
                     Ok(m) => Some(m),
-                    // The run can be far larger than the tensor: consumers running expseg
-                    // still get the memory itself.
-                    Err(e) if ticketed => {
-                        log::warn!("IPC: no mirror of {base:#x} ({size} bytes): error {e}");
-                        None
+                    // A handle plain consumers could not open would fail in the consumer,
+                    // far from the cause: fail here, saying why and what helps.
+                    Err(e) => {
+                        log::error!(
+                            "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}); free memory, or set EXPSEG_IPC_PEERS=expseg if every consumer runs expseg (they map the memory itself)"
+                        );
+                        return Some(Err(e));
                     }
-                    Err(e) => return Some(Err(e)),
                 }
             } else {
                 None
@@ -174,21 +171,14 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                 sizes.len(),
                 match (ticketed, mirror) {
                     (true, Some((p, _))) => format!("consumers running expseg share it both ways; others get a mirror at {p:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process"),
-                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg, or no memory for a mirror): plain consumers cannot open its handle".to_string(),
+                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg): plain consumers cannot open its handle".to_string(),
                     (false, Some((p, _))) => format!("shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"),
                     (false, None) => unreachable!("no mirror only with tickets"),
                 }
             );
-            let no_room = want_mirror && mirror.is_none();
-            st.ipc.foreign.insert(
-                base,
-                ForeignShare {
-                    dev,
-                    size,
-                    mirror,
-                    no_room,
-                },
-            );
+            st.ipc
+                .foreign
+                .insert(base, ForeignShare { dev, size, mirror });
             mirror
         }
     };
