@@ -715,11 +715,11 @@ fn only_allowed_users_map_shared_memory() {
     let r = share("nobody", &[("EXPSEG_IPC_ALLOW_UIDS", "65534")]).ok();
     assert_eq!(nth(&r, "open_rc", 0), "0", "{}", r.stderr());
     assert_eq!(r.get("producer_sees_write"), "1");
-    // Reachable but not allowed: refused by the producer's uid check.
+    // Reachable but not allowed: closed by the producer's uid check before it reads a byte.
     let r = share("nobody", &[("EXPSEG_IPC_ALLOW_UIDS", "12345")]).ok();
     assert_eq!(nth(&r, "open_rc", 0), "400");
     assert!(
-        r.stderr().contains("refused a ticket from uid 65534"),
+        r.stderr().contains("closed a connection from uid 65534"),
         "{}",
         r.stderr()
     );
@@ -1179,4 +1179,51 @@ fn only_the_first_device_of_a_process_is_coalesced() {
     ] {
         assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
     }
+}
+
+#[test]
+fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc_geteuid() } != 0 {
+        eprintln!("not root: cannot give a directory to another user; skipping");
+        return;
+    }
+    let f = fixture();
+    let run_with = |peers: Option<&str>| {
+        let base = f.dir.join(format!("sockets-squatted-{}", peers.is_some()));
+        let _ = std::fs::remove_dir_all(&base);
+        let squatted = base.join("expseg-0");
+        std::fs::create_dir_all(&squatted).unwrap();
+        std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
+        let mut env = vec![("EXPSEG_IPC_DIR", base.to_str().unwrap().to_string())];
+        if let Some(p) = peers {
+            env.push(("EXPSEG_IPC_PEERS", p.to_string()));
+        }
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run_in(
+            &f.dir,
+            f.dir.join("prog").to_str().unwrap(),
+            &["share", "expseg"],
+            &env,
+        )
+        .ok()
+    };
+    // Every consumer is promised the memory itself: no silent mirror, a loud failure.
+    let r = run_with(Some("expseg"));
+    assert_eq!(r.get("get_rc"), "801", "{}", r.stderr());
+    assert!(
+        r.stderr().contains("EXPSEG_IPC_PEERS=expseg needs tickets")
+            && r.stderr().contains("expseg-0"),
+        "the line says why: {}",
+        r.stderr()
+    );
+    // Otherwise a mirror, and a warning that tickets are off and why.
+    let r = run_with(None);
+    assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "0".into()));
+    assert_eq!(nth(&r, "consumer_sees", 0), "1");
+    assert!(
+        r.stderr().contains("IPC tickets disabled"),
+        "{}",
+        r.stderr()
+    );
 }

@@ -31,6 +31,8 @@ pub(super) struct IpcState {
     freed: std::collections::HashSet<u32>,
     /// Whether the ticket socket is serving (`None`: not tried yet).
     server: Option<bool>,
+    /// Why the socket could not serve.
+    server_error: Option<String>,
     /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
     foreign: HashMap<u64, ForeignShare>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
@@ -127,7 +129,10 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     let c = config();
     let mut st = ensure_state();
     let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
-    let want_mirror = !(c.ipc_peers_expseg && ticketed);
+    if c.ipc_peers_expseg && !ticketed {
+        return Some(Err(peers_without_tickets(&st, ptr)));
+    }
+    let want_mirror = !c.ipc_peers_expseg;
     let same = st
         .ipc
         .foreign
@@ -285,7 +290,10 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     else {
         return Answer::PassThrough;
     };
-    if c.ipc_peers_expseg && c.ipc_tickets && tickets_ready(&mut st, dev) {
+    if c.ipc_peers_expseg && !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
+        return Answer::Done(Err(peers_without_tickets(&st, ptr)));
+    }
+    if c.ipc_peers_expseg {
         // Every consumer runs expseg: no mirror, the ticket alone.
         let pool = st.open_pool(dev).expect("found above");
         let (base, _) = pool.share(ptr).expect("found above");
@@ -339,6 +347,18 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     }
 }
 
+/// `EXPSEG_IPC_PEERS=expseg` promises consumers the memory itself; without tickets there is
+/// no way to keep that promise, and a mirror would silently break it: fail, saying why.
+fn peers_without_tickets(st: &State, ptr: u64) -> i32 {
+    let why = match (&st.ipc.server_error, config().ipc_tickets) {
+        (_, false) => "EXPSEG_IPC_TICKETS=0".to_string(),
+        (Some(e), _) => e.clone(),
+        (None, _) => "this device's memory cannot be exported, or the driver does not accept ticketed handles (expseg doctor tells)".to_string(),
+    };
+    log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}) fails: EXPSEG_IPC_PEERS=expseg needs tickets, and tickets are off: {why}");
+    NOT_SUPPORTED
+}
+
 /// Whether tickets can be issued: the device's chunks are exportable, the socket serves, and
 /// a ticketed handle still opens with the plain driver (checked once, in a child process).
 fn tickets_ready(st: &mut State, dev: i32) -> bool {
@@ -354,6 +374,7 @@ fn server_ready(st: &mut State) -> bool {
         let started = start_server();
         if let Err(e) = &started {
             log::warn!("IPC tickets disabled: {e}");
+            st.ipc.server_error = Some(e.clone());
         }
         st.ipc.server = Some(started.is_ok());
     }
@@ -365,7 +386,7 @@ fn start_server() -> Result<(), String> {
     let others = !config().ipc_allow_uids.is_empty();
     transport::prepare_dir(uid, others)?;
     let path = transport::socket_path(uid, std::process::id());
-    transport::serve(&path, others, decide)?;
+    transport::serve(&path, others, admitted, decide)?;
     extern "C" fn remove_socket() {
         let _ = std::fs::remove_file(transport::socket_path(
             transport::current_uid(),
@@ -380,10 +401,22 @@ fn start_server() -> Result<(), String> {
     Ok(())
 }
 
-/// The producer's answer to a ticket: runs on the socket thread.
+/// Whether a process of `uid` may ask for tickets at all (checked before its request is
+/// read; the first refusal is logged).
+fn admitted(uid: u32) -> bool {
+    let ok = uid == transport::current_uid() || config().ipc_allow_uids.contains(&uid);
+    if !ok {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            log::warn!("IPC: closed a connection from uid {uid} (not ours, not in EXPSEG_IPC_ALLOW_UIDS); later ones are closed silently");
+        }
+    }
+    ok
+}
+
+/// The producer's answer to a ticket: runs on a thread of the socket server.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
-    if peer != transport::current_uid() && !config().ipc_allow_uids.contains(&peer) {
-        log::warn!("IPC: refused a ticket from uid {peer} (EXPSEG_IPC_ALLOW_UIDS)");
+    if !admitted(peer) {
         return Err(Refusal::Forbidden);
     }
     let mut st = lock();
@@ -461,6 +494,9 @@ fn check_in_child(dev: i32) -> Result<(), String> {
     result
 }
 
+/// `cudaErrorNotSupported`.
+const NOT_SUPPORTED: i32 = 801;
+
 /// `cudaIpcOpenMemHandle`: a handle with an expseg ticket maps the producer's original memory
 /// (two-way sharing); plain handles pass through. If the producer cannot be reached, a handle
 /// that also carries a mirror opens the mirror; a refused ticket is an error.
@@ -474,8 +510,16 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     let ticket_only = handle[24..].iter().all(|b| *b == 0);
     let path = transport::socket_path(t.uid, t.pid);
     let started = std::time::Instant::now();
-    let (grant, mut incoming) = match transport::ask(&path, t.id, t.nonce) {
+    let (grant, mut incoming) = match transport::ask(&path, t.uid, t.pid, t.id, t.nonce) {
         Ok(g) => g,
+        Err(AskError::Untrusted(why)) => {
+            log::error!("IPC: not asking for the ticket of process {}: {why}", t.pid);
+            if ticket_only {
+                return Answer::Done(Err(INVALID_HANDLE));
+            }
+            log::error!("IPC: opening the handle's mirror instead (one-way)");
+            return Answer::PassThrough;
+        }
         Err(AskError::Refused(Refusal::Failed)) if !ticket_only => {
             log::warn!(
                 "IPC: process {} could not export the memory of its ticket; opening its mirror (one-way)",

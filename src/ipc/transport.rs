@@ -94,6 +94,11 @@ pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
 
 /// The uid of the process at the other end of `s`.
 fn peer_uid(s: &UnixStream) -> Option<u32> {
+    peer_cred(s).map(|(uid, _)| uid)
+}
+
+/// The uid and pid of the process at the other end of `s` (as it was at connect time).
+fn peer_cred(s: &UnixStream) -> Option<(u32, u32)> {
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` and `len` are valid for the size given.
@@ -106,7 +111,7 @@ fn peer_uid(s: &UnixStream) -> Option<u32> {
             &mut len,
         )
     };
-    (r == 0).then_some(cred.uid)
+    (r == 0).then_some((cred.uid, cred.pid as u32))
 }
 
 /// The descriptors of a grant, produced one at a time in chunk order (the producer exports
@@ -125,11 +130,18 @@ pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
     })
 }
 
-/// Listen at `path` on a thread of its own; `decide(id, nonce, peer_uid)` answers each request.
+/// Most requests served at once; a connection beyond them is closed unanswered.
+pub const MAX_IN_FLIGHT: usize = 32;
+
+/// Listen at `path` on a thread of its own. Each connection's peer is checked with
+/// `SO_PEERCRED` before a byte is read (`admit(uid)`; refused peers are closed at once), and
+/// each admitted request is answered on a thread of its own, so an idle or slow peer delays
+/// nobody else; `decide(id, nonce, peer_uid)` answers it.
 pub fn serve(
     path: &Path,
     others: bool,
-    decide: impl Fn(u32, u64, u32) -> Decision + Send + 'static,
+    admit: impl Fn(u32) -> bool + Send + 'static,
+    decide: impl Fn(u32, u64, u32) -> Decision + Send + Sync + 'static,
 ) -> Result<(), String> {
     let _ = std::fs::remove_file(path); // a stale socket of a dead process with our pid
     let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -138,27 +150,64 @@ pub fn serve(
     let mode = if others { 0o666 } else { 0o600 };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(|e| format!("{}: {e}", path.display()))?;
+    let decide = std::sync::Arc::new(decide);
+    let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("expseg-ipc".into())
         .spawn(move || {
             for conn in listener.incoming() {
-                let Ok(mut s) = conn else { continue };
-                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-                let mut req = [0u8; 16];
-                if s.read_exact(&mut req).is_err() {
+                let Ok(s) = conn else { continue };
+                let Some(uid) = peer_uid(&s).filter(|u| admit(*u)) else {
+                    continue; // closed unread
+                };
+                use std::sync::atomic::Ordering::AcqRel;
+                if in_flight.fetch_add(1, AcqRel) >= MAX_IN_FLIGHT {
+                    in_flight.fetch_sub(1, AcqRel);
                     continue;
                 }
-                let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
-                let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
-                let decision = match peer_uid(&s) {
-                    Some(uid) => decide(id, nonce, uid),
-                    None => Err(Refusal::Forbidden),
-                };
-                let _ = reply(&mut s, decision);
+                let (decide, mine) = (decide.clone(), in_flight.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("expseg-ipc-req".into())
+                    .spawn(move || {
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            answer(s, uid, &*decide)
+                        }));
+                        mine.fetch_sub(1, AcqRel);
+                    });
+                if spawned.is_err() {
+                    in_flight.fetch_sub(1, AcqRel);
+                }
             }
         })
         .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
+    Ok(())
+}
+
+/// Read one request from an admitted peer and answer it.
+fn answer(mut s: UnixStream, uid: u32, decide: &dyn Fn(u32, u64, u32) -> Decision) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+    let mut req = [0u8; 16];
+    if s.read_exact(&mut req).is_err() {
+        return;
+    }
+    let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
+    let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
+    let _ = reply(&mut s, decide(id, nonce, uid));
+}
+
+/// Whether `dir` may hold the sockets of user `uid`: a real directory (not a link) owned by
+/// `uid` that no one else can write.
+pub fn dir_trusted(dir: &Path, uid: u32) -> Result<(), String> {
+    let md = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if !md.is_dir() || md.uid() != uid || md.permissions().mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is not a directory of uid {uid} closed to others' writes (owner uid {}, mode {:o})",
+            dir.display(),
+            md.uid(),
+            md.permissions().mode() & 0o7777
+        ));
+    }
     Ok(())
 }
 
@@ -237,6 +286,9 @@ pub enum AskError {
     Refused(Refusal),
     /// A malformed answer.
     Protocol(&'static str),
+    /// The socket is not the producer's: its directory belongs to someone else, or another
+    /// process serves it.
+    Untrusted(String),
 }
 
 /// The descriptors of a grant as they arrive.
@@ -264,9 +316,32 @@ impl Incoming {
 }
 
 /// Ask the producer behind `path` for ticket (`id`, `nonce`): the grant, and its descriptors
-/// to be received batch by batch.
-pub fn ask(path: &Path, id: u32, nonce: u64) -> Result<(Grant, Incoming), AskError> {
+/// to be received batch by batch. The producer must be who the ticket says: the socket's
+/// directory is `uid`'s and closed to others, and the process serving it is `uid`'s process
+/// `pid`; anything else is [`AskError::Untrusted`], and nothing is sent or received.
+pub fn ask(
+    path: &Path,
+    uid: u32,
+    pid: u32,
+    id: u32,
+    nonce: u64,
+) -> Result<(Grant, Incoming), AskError> {
+    if let Some(dir) = path.parent() {
+        if dir.exists() || std::fs::symlink_metadata(dir).is_ok() {
+            dir_trusted(dir, uid).map_err(AskError::Untrusted)?;
+        }
+    }
     let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
+    match peer_cred(&s) {
+        Some(c) if c == (uid, pid) => {}
+        Some((u, p)) => {
+            return Err(AskError::Untrusted(format!(
+                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
+                path.display()
+            )))
+        }
+        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
+    }
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let mut req = [0u8; 16];
     req[0..4].copy_from_slice(&id.to_le_bytes());
@@ -352,27 +427,33 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("expseg-transport-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.sock");
-        serve(&path, false, |id, nonce, uid| {
-            if uid != current_uid() {
-                return Err(Refusal::Forbidden);
-            }
-            if id != 3 || nonce != 99 {
-                return Err(Refusal::Unknown);
-            }
-            // 150 chunks: three batches (64, 64, 22), made one at a time.
-            let n = 150;
-            let source: FdSource =
-                Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
-            Ok((
-                Grant {
-                    size: 5 << 20,
-                    chunks: (0..n).map(|i| (i + 1) << 21).collect(),
-                },
-                source,
-            ))
-        })
+        serve(
+            &path,
+            false,
+            |_| true,
+            |id, nonce, uid| {
+                if uid != current_uid() {
+                    return Err(Refusal::Forbidden);
+                }
+                if id != 3 || nonce != 99 {
+                    return Err(Refusal::Unknown);
+                }
+                // 150 chunks: three batches (64, 64, 22), made one at a time.
+                let n = 150;
+                let source: FdSource =
+                    Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
+                Ok((
+                    Grant {
+                        size: 5 << 20,
+                        chunks: (0..n).map(|i| (i + 1) << 21).collect(),
+                    },
+                    source,
+                ))
+            },
+        )
         .unwrap();
-        let (g, mut incoming) = ask(&path, 3, 99).unwrap();
+        let me = (current_uid(), std::process::id());
+        let (g, mut incoming) = ask(&path, me.0, me.1, 3, 99).unwrap();
         assert_eq!(g.size, 5 << 20);
         assert_eq!(g.chunks.len(), 150);
         assert_eq!(g.chunks[149], 150 << 21);
@@ -386,14 +467,120 @@ mod tests {
         }
         assert_eq!(batches, vec![64, 64, 22]);
         assert!(matches!(
-            ask(&path, 3, 98),
+            ask(&path, me.0, me.1, 3, 98),
             Err(AskError::Refused(Refusal::Unknown))
         ));
         assert!(matches!(
-            ask(&dir.join("none.sock"), 3, 99),
+            ask(&dir.join("none.sock"), me.0, me.1, 3, 99),
             Err(AskError::Unreachable(_))
         ));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A server whose requests are counted; `admit` decides who is read at all.
+    fn counting_server(
+        name: &str,
+        admit: impl Fn(u32) -> bool + Send + 'static,
+    ) -> (PathBuf, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let dir = std::env::temp_dir().join(format!("expseg-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let path = dir.join("p.sock");
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = seen.clone();
+        serve(&path, false, admit, move |id, _, _| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if id != 7 {
+                return Err(Refusal::Unknown);
+            }
+            let source: FdSource =
+                Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
+            Ok((
+                Grant {
+                    size: 2 << 20,
+                    chunks: vec![2 << 20],
+                },
+                source,
+            ))
+        })
+        .unwrap();
+        (path, seen)
+    }
+
+    #[test]
+    fn idle_peers_do_not_delay_a_request() {
+        let (path, _) = counting_server("idle", |_| true);
+        // Three connections that never send a byte: each holds a server thread 5 s.
+        let idle: Vec<UnixStream> = (0..3)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        let t = std::time::Instant::now();
+        let me = (current_uid(), std::process::id());
+        let (g, _) = ask(&path, me.0, me.1, 7, 1).unwrap();
+        assert_eq!(g.chunks.len(), 1);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "served in {:?}",
+            t.elapsed()
+        );
+        drop(idle);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_peer_that_is_not_admitted_is_closed_before_its_request_is_read() {
+        let (path, seen) = counting_server("refused", |_| false);
+        let mut s = UnixStream::connect(&path).unwrap();
+        let _ = s.write_all(&[0u8; 16]);
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 16];
+        let t = std::time::Instant::now();
+        let n = s.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "closed, not answered");
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert_eq!(
+            seen.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "never decided"
+        );
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_consumer_asks_only_the_process_and_directory_the_ticket_names() {
+        let (path, seen) = counting_server("who", |_| true);
+        let me = (current_uid(), std::process::id());
+        // Another pid (the server is this process): nothing is sent.
+        assert!(matches!(
+            ask(&path, me.0, me.1 + 1, 7, 1),
+            Err(AskError::Untrusted(_))
+        ));
+        // Another uid.
+        assert!(matches!(
+            ask(&path, me.0 + 1, me.1, 7, 1),
+            Err(AskError::Untrusted(_))
+        ));
+        assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // A directory others can write.
+        let dir = path.parent().unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(
+            ask(&path, me.0, me.1, 7, 1),
+            Err(AskError::Untrusted(_))
+        ));
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(ask(&path, me.0, me.1, 7, 1).is_ok());
+        // A directory of another user (as root only: chown).
+        if me.0 == 0 {
+            std::os::unix::fs::chown(dir, Some(65534), None).unwrap();
+            assert!(matches!(
+                ask(&path, me.0, me.1, 7, 1),
+                Err(AskError::Untrusted(_))
+            ));
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
