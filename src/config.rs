@@ -56,6 +56,9 @@ pub struct Config {
     /// handles go back to the driver; until then the program's next pages reuse them. 0:
     /// released at once.
     pub release_delay_ms: u64,
+    /// `EXPSEG_IPC_DIR`: where the per-user socket directory lives; an existing absolute
+    /// directory.
+    pub ipc_dir: String,
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
@@ -96,6 +99,7 @@ impl Default for Config {
             // millisecond; a colocated engine that is handed the memory starts allocating
             // after an inter-process signal. 2 ms separates the two (docs/design.md).
             release_delay_ms: 2,
+            ipc_dir: "/tmp".into(),
             report: None,
             test_panic: None,
             test_fail_move: None,
@@ -192,6 +196,15 @@ const VARS: &[Var] = &[
         show: |c| format!("{}ms", c.release_delay_ms),
     },
     Var {
+        name: "EXPSEG_IPC_DIR",
+        set: |c, v| {
+            valid_ipc_dir(v)?;
+            c.ipc_dir = v.to_string();
+            Ok(())
+        },
+        show: |c| c.ipc_dir.clone(),
+    },
+    Var {
         name: "EXPSEG_IPC_MOVE_MAX",
         set: |c, v| parse_size(v).map(|s| c.ipc_move_max = s),
         show: |c| fmt_size(c.ipc_move_max),
@@ -274,14 +287,27 @@ impl Config {
         self.test_panic.as_deref() == Some(name)
     }
 
-    /// Build from a lookup function; each invalid value is reported through `bad`.
+    /// Build from a lookup function (`Err`: the value is not UTF-8, shown lossily); each invalid
+    /// value is reported through `bad`.
     pub fn from_lookup(
-        get: impl Fn(&str) -> Option<String>,
+        get: impl Fn(&str) -> Option<Result<String, String>>,
         mut bad: impl FnMut(String),
     ) -> Config {
         let mut c = Config::default();
         for v in VARS {
             if let Some(val) = get(v.name) {
+                let val = match val {
+                    Ok(val) => val,
+                    Err(lossy) => {
+                        bad(format!(
+                            "expseg: invalid {}={:?} (not UTF-8); using the default {}",
+                            v.name,
+                            lossy,
+                            (v.show)(&Config::default())
+                        ));
+                        continue;
+                    }
+                };
                 if let Err(expected) = (v.set)(&mut c, &val) {
                     bad(format!(
                         "expseg: invalid {}={:?} (expected {}); using the default {}",
@@ -296,19 +322,35 @@ impl Config {
         c
     }
 
+    /// A variable of the process environment for [`Config::from_lookup`].
+    pub fn env_value(name: &str) -> Option<Result<String, String>> {
+        std::env::var_os(name).map(|v| match v.to_str() {
+            Some(s) => Ok(s.to_string()),
+            None => Err(v.to_string_lossy().into_owned()),
+        })
+    }
+
     /// Read the process environment, printing one stderr line per invalid value.
     pub fn from_env() -> Config {
-        Config::from_lookup(
-            |n| std::env::var(n).ok(),
-            |line| {
-                let _ = writeln!(std::io::stderr(), "{line}");
-            },
-        )
+        Config::from_lookup(Config::env_value, |line| {
+            let _ = writeln!(std::io::stderr(), "{line}");
+        })
     }
 
     /// Every variable and its effective value, for logs and `expseg doctor`.
     pub fn effective(&self) -> Vec<(&'static str, String)> {
         VARS.iter().map(|v| (v.name, (v.show)(self))).collect()
+    }
+}
+
+/// `EXPSEG_IPC_DIR` must name an existing directory by an absolute path (an empty value would
+/// mean the working directory; a missing one would be created with its parents).
+pub fn valid_ipc_dir(v: &str) -> Result<(), &'static str> {
+    let p = std::path::Path::new(v);
+    if p.is_absolute() && p.is_dir() {
+        Ok(())
+    } else {
+        Err("the absolute path of an existing directory")
     }
 }
 
@@ -355,15 +397,18 @@ pub fn fmt_size(b: u64) -> String {
 /// Accept what env_logger accepts in practice: comma-separated `level`, `target` or
 /// `target=level` directives.
 fn check_log_filter(v: &str) -> Result<(), &'static str> {
-    const EXPECTED: &str = "an env_logger filter such as warn, info or expseg=debug";
+    const EXPECTED: &str =
+        "levels off, error, warn, info, debug or trace, alone or as expseg=LEVEL, comma-separated";
     let level = |l: &str| {
         matches!(
             l.to_ascii_lowercase().as_str(),
             "off" | "error" | "warn" | "info" | "debug" | "trace"
         )
     };
+    // expseg's own module paths only: any other bare word (`loud`, `warning`) would be taken
+    // by env_logger as a module name and silence every line of expseg.
     let target = |t: &str| {
-        !t.is_empty()
+        (t == "expseg" || t.starts_with("expseg::"))
             && t.chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
     };
@@ -393,7 +438,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         let mut bad = Vec::new();
-        let c = Config::from_lookup(|n| m.get(n).cloned(), |l| bad.push(l));
+        let c = Config::from_lookup(|n| m.get(n).cloned().map(Ok), |l| bad.push(l));
         (c, bad)
     }
 
@@ -449,5 +494,39 @@ mod tests {
                 && bad[1].contains("1G")
         );
         assert!(bad.iter().all(|l| !l.contains('\n')));
+    }
+
+    #[test]
+    fn log_words_that_would_silence_expseg_are_refused() {
+        for word in ["loud", "warning", "verbose", "torch=debug"] {
+            let (c, bad) = with(&[("EXPSEG_LOG", word)]);
+            assert_eq!(c.log, "warn", "{word}");
+            assert_eq!(bad.len(), 1, "{word}: {bad:?}");
+        }
+        for ok in ["debug", "expseg=debug", "info,expseg::api=trace", "off"] {
+            assert!(with(&[("EXPSEG_LOG", ok)]).1.is_empty(), "{ok}");
+        }
+    }
+
+    #[test]
+    fn a_value_that_is_not_utf8_gets_its_line() {
+        let mut bad = Vec::new();
+        let c = Config::from_lookup(
+            |n| (n == "EXPSEG_CACHE_MAX").then(|| Err("1\u{FFFD}G".to_string())),
+            |l| bad.push(l),
+        );
+        assert_eq!(c.cache_max, GIB);
+        assert_eq!(bad.len(), 1);
+        assert!(bad[0].contains("EXPSEG_CACHE_MAX") && bad[0].contains("not UTF-8"));
+    }
+
+    #[test]
+    fn the_ipc_directory_must_exist_and_be_absolute() {
+        for v in ["", "relative/dir", "/nonexistent/expseg/dir"] {
+            let (c, bad) = with(&[("EXPSEG_IPC_DIR", v)]);
+            assert_eq!(c.ipc_dir, "/tmp", "{v:?}");
+            assert_eq!(bad.len(), 1, "{v:?}");
+        }
+        assert!(with(&[("EXPSEG_IPC_DIR", "/tmp")]).1.is_empty());
     }
 }

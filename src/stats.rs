@@ -285,13 +285,45 @@ pub fn write_report(template: &str, s: &Snapshot) -> std::io::Result<()> {
         return std::io::stderr().write_all(render_table(s).as_bytes());
     }
     let path = expand_path(template, s.pid, &s.rank);
-    std::fs::write(&path, render_table(s))?;
-    std::fs::write(format!("{path}.json"), render_json(s))
+    write_no_follow(&path, &render_table(s))?;
+    write_no_follow(&format!("{path}.json"), &render_json(s))
+}
+
+/// Write a report file, never through a symbolic link (a link planted at the report's path
+/// must not make the process overwrite what it points to).
+fn write_no_follow(path: &str, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o644)
+        .open(path)?
+        .write_all(text.as_bytes())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_report_is_never_written_through_a_symlink() {
+        let dir = std::env::temp_dir().join(format!("expseg-report-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        let link = dir.join("r.txt");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert!(write_no_follow(link.to_str().unwrap(), "report").is_err());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        let plain = dir.join("plain.txt");
+        write_no_follow(plain.to_str().unwrap(), "report").unwrap();
+        assert_eq!(std::fs::read_to_string(&plain).unwrap(), "report");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn placeholders_expand() {

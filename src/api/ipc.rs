@@ -27,8 +27,10 @@ pub(super) struct IpcState {
     /// (device, base) -> ticket id: one ticket per allocation, so repeated requests return
     /// the same 64 bytes
     by_alloc: HashMap<(i32, u64), u32>,
-    /// Tickets of freed allocations: refused as stale, not as unknown.
+    /// Tickets of the most recently freed allocations (at most [`FREED_KEPT`]): refused as
+    /// stale, not as unknown; older ones are refused as unknown.
     freed: std::collections::HashSet<u32>,
+    freed_order: std::collections::VecDeque<u32>,
     /// Whether the ticket socket is serving (`None`: not tried yet).
     server: Option<bool>,
     /// Why the socket could not serve.
@@ -64,10 +66,20 @@ impl IpcState {
     pub(super) fn forget(&mut self, dev: i32, base: u64) {
         if let Some(id) = self.by_alloc.remove(&(dev, base)) {
             self.by_id.remove(&id);
-            self.freed.insert(id);
+            if self.freed.insert(id) {
+                self.freed_order.push_back(id);
+            }
+            while self.freed_order.len() > FREED_KEPT {
+                if let Some(old) = self.freed_order.pop_front() {
+                    self.freed.remove(&old);
+                }
+            }
         }
     }
 }
+
+/// How many freed tickets are remembered as stale.
+const FREED_KEPT: usize = 4096;
 
 /// VMM memory of another allocator that was asked for a handle: the run of mappings the
 /// handle stands for, and its mirror (none when only expseg consumers are served).
@@ -612,4 +624,24 @@ pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
         cuda::unmap_imported(t, imp);
     }
     Answer::Done(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_tickets_are_remembered_within_a_bound() {
+        let mut s = IpcState::default();
+        for base in 0..(3 * FREED_KEPT as u64) {
+            s.ticket(0, base << 21);
+            s.forget(0, base << 21);
+        }
+        assert_eq!(s.freed.len(), FREED_KEPT);
+        assert_eq!(s.freed_order.len(), FREED_KEPT);
+        assert!(s.by_id.is_empty() && s.by_alloc.is_empty());
+        // The newest is stale, the oldest forgotten.
+        assert!(s.freed.contains(&(3 * FREED_KEPT as u32)));
+        assert!(!s.freed.contains(&1));
+    }
 }

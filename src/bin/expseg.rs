@@ -320,7 +320,7 @@ fn check_ipc(r: &mut Report, cudart: Option<String>) {
 
 fn check_config(r: &mut Report) {
     let mut bad = Vec::new();
-    let c = Config::from_lookup(|n| std::env::var(n).ok(), |l| bad.push(l));
+    let c = Config::from_lookup(Config::env_value, |l| bad.push(l));
     for (name, value) in c.effective() {
         if name.starts_with("EXPSEG_TEST_") && value.is_empty() {
             continue;

@@ -49,8 +49,12 @@ pub fn fill_random(buf: &mut [u8]) {
 }
 
 /// The directory holding the sockets of user `uid`: `${EXPSEG_IPC_DIR:-/tmp}/expseg-<uid>`.
+/// An invalid `EXPSEG_IPC_DIR` (named once on stderr by the configuration) means `/tmp`.
 pub fn socket_dir(uid: u32) -> PathBuf {
-    let base = std::env::var_os("EXPSEG_IPC_DIR").unwrap_or_else(|| "/tmp".into());
+    let base = std::env::var("EXPSEG_IPC_DIR")
+        .ok()
+        .filter(|v| crate::config::valid_ipc_dir(v).is_ok())
+        .unwrap_or_else(|| "/tmp".into());
     Path::new(&base).join(format!("expseg-{uid}"))
 }
 
@@ -70,9 +74,6 @@ pub fn current_uid() -> u32 {
 pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
     let mode = if others { 0o711 } else { 0o700 };
     let dir = socket_dir(uid);
-    if let Some(parent) = dir.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-    }
     match std::fs::DirBuilder::new().mode(mode).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -361,10 +362,26 @@ pub fn ask(
     }
     let mut sizes = vec![0u8; 8 * count];
     s.read_exact(&mut sizes).map_err(AskError::Unreachable)?;
-    let chunks = sizes
+    let chunks: Vec<u64> = sizes
         .chunks_exact(8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
         .collect();
+    // Nothing the producer says is trusted blindly: every chunk a whole number of 2 MiB pages
+    // (VMM granularity), their total without overflow, the allocation inside them.
+    const PAGE: u64 = 2 << 20;
+    let total = chunks.iter().try_fold(0u64, |t, c| {
+        (*c > 0 && c % PAGE == 0)
+            .then(|| t.checked_add(*c))
+            .flatten()
+    });
+    match total {
+        Some(t) if size > 0 && size <= t => {}
+        _ => {
+            return Err(AskError::Protocol(
+                "chunk sizes that do not hold the allocation",
+            ))
+        }
+    }
     Ok((Grant { size, chunks }, Incoming { s, left: count }))
 }
 
@@ -581,6 +598,44 @@ mod tests {
             ));
         }
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn forged_sizes_from_a_producer_are_refused() {
+        let dir = std::env::temp_dir().join(format!("expseg-forged-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let me = (current_uid(), std::process::id());
+        let cases: [(u64, Vec<u64>); 4] = [
+            (1 << 40, vec![2 << 20]), // a 1 TiB allocation in one 2 MiB chunk
+            (2 << 20, vec![0]),       // an empty chunk
+            (2 << 20, vec![3 << 20]), // not whole pages
+            (2 << 20, vec![u64::MAX - 1, 4 << 20]), // a total that overflows
+        ];
+        for (i, (size, chunks)) in cases.into_iter().enumerate() {
+            let path = dir.join(format!("{i}.sock"));
+            let l = UnixListener::bind(&path).unwrap();
+            let reply = std::thread::spawn(move || {
+                let (mut c, _) = l.accept().unwrap();
+                let mut req = [0u8; 16];
+                c.read_exact(&mut req).unwrap();
+                let mut msg = Vec::new();
+                msg.extend_from_slice(&0u32.to_le_bytes());
+                msg.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+                msg.extend_from_slice(&size.to_le_bytes());
+                for c in &chunks {
+                    msg.extend_from_slice(&c.to_le_bytes());
+                }
+                let _ = c.write_all(&msg);
+            });
+            assert!(
+                matches!(ask(&path, me.0, me.1, 1, 1), Err(AskError::Protocol(_))),
+                "case {i}"
+            );
+            reply.join().unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
