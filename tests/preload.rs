@@ -1227,3 +1227,44 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
         r.stderr()
     );
 }
+
+#[test]
+fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_created() {
+    let tools: Vec<(PathBuf, Vec<&str>)> = vec![
+        (script("expseg-run"), vec!["--help"]),
+        (script("expseg-srun"), vec!["--help"]),
+        (PathBuf::from(env!("CARGO_BIN_EXE_expseg")), vec!["--help"]),
+        (
+            PathBuf::from(env!("CARGO_BIN_EXE_expseg")),
+            vec!["doctor", "--help"],
+        ),
+    ];
+    for (tool, args) in tools {
+        let out = Command::new(&tool).args(&args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{} {args:?}: {:?}",
+            tool.display(),
+            out
+        );
+        assert!(
+            text.starts_with("usage") || text.contains("\nusage"),
+            "{} {args:?}: {text}",
+            tool.display()
+        );
+    }
+    let dir = fixture().dir.join("no-srun");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(script("expseg-srun"))
+        .args(["-N1", "--", "true"])
+        .current_dir(&dir)
+        .env("PATH", "/usr/bin:/bin")
+        .env_remove("EXPSEG_REPORT_DIR")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("srun not found"));
+    assert!(!dir.join("expseg-reports").exists(), "nothing created");
+}

@@ -373,9 +373,44 @@ fn doctor() -> ExitCode {
     }
 }
 
+const HELP: &str = "\
+expseg: tools for libexpseg.so
+
+usage:
+  expseg doctor        check whether expseg can work on this machine: glibc, driver, VMM and
+                       POSIX-fd export per device, pidfd_getfd, ticketed IPC in a child
+                       process, PyTorch's libcudart, the effective EXPSEG_* configuration;
+                       exits 1 when expseg cannot work (EXPSEG_LIB: the library to check)
+  expseg glibc FILE    the highest GLIBC_ version FILE requires
+  expseg --help        this text
+
+Run a program under expseg with scripts/expseg-run CMD (or LD_PRELOAD=libexpseg.so CMD);
+README.md lists the EXPSEG_* variables.
+";
+
+const DOCTOR_HELP: &str = "\
+usage: expseg doctor
+
+Prints one verdict per line (ok, info, warn, FAIL): the system's glibc and the one
+libexpseg.so needs, the driver's CUDA version, each device's VMM support, POSIX-fd handles,
+granularity and export, whether pidfd_getfd is permitted, whether a ticketed IPC handle opens
+in a child process, which libcudart a PyTorch process loads, and every EXPSEG_* variable with
+its effective value (invalid values named). Exit status 1 when expseg cannot work here.
+The library checked is $EXPSEG_LIB, else the one next to this program.
+";
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    let help = |a: Option<&String>| a.is_some_and(|a| a == "--help" || a == "-h");
+    if help(args.get(1)) || args.get(1).is_some_and(|a| a == "help") {
+        print!("{HELP}");
+        return ExitCode::SUCCESS;
+    }
     match args.get(1).map(String::as_str) {
+        Some("doctor") if help(args.get(2)) => {
+            print!("{DOCTOR_HELP}");
+            ExitCode::SUCCESS
+        }
         Some("doctor") => doctor(),
         Some("glibc") if args.len() == 3 => match std::fs::read(&args[2])
             .map_err(|e| e.to_string())
@@ -391,7 +426,7 @@ fn main() -> ExitCode {
             }
         },
         _ => {
-            eprintln!("usage: expseg doctor | expseg glibc FILE");
+            eprint!("{HELP}");
             ExitCode::from(2)
         }
     }
