@@ -64,6 +64,9 @@ pub struct Config {
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
     /// panics become error codes).
     pub test_panic: Option<String>,
+    /// `EXPSEG_TEST_SLOW_CHECK`: for tests only, milliseconds the one-time ticket check waits
+    /// (a hanging helper).
+    pub test_slow_check_ms: Option<u64>,
     /// `EXPSEG_TEST_FAIL_MOVE`: for tests only, the step of an IPC move that fails on purpose.
     pub test_fail_move: Option<String>,
 }
@@ -102,6 +105,7 @@ impl Default for Config {
             ipc_dir: "/tmp".into(),
             report: None,
             test_panic: None,
+            test_slow_check_ms: None,
             test_fail_move: None,
         }
     }
@@ -264,6 +268,20 @@ const VARS: &[Var] = &[
             Ok(())
         },
         show: |c| c.test_panic.clone().unwrap_or_default(),
+    },
+    Var {
+        name: "EXPSEG_TEST_SLOW_CHECK",
+        set: |c, v| {
+            v.trim()
+                .parse::<u64>()
+                .map(|ms| c.test_slow_check_ms = Some(ms))
+                .map_err(|_| "milliseconds")
+        },
+        show: |c| {
+            c.test_slow_check_ms
+                .map(|m| m.to_string())
+                .unwrap_or_default()
+        },
     },
     Var {
         name: "EXPSEG_TEST_FAIL_MOVE",

@@ -70,6 +70,17 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> 
     })
 }
 
+/// `cuMemUnmap` of programs that link the driver: waits while an IPC mirror refresh is
+/// reading the range (`api::reads`), then the driver's own.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
+    let Ok(t) = crate::real::driver() else {
+        return NO_DRIVER;
+    };
+    let _unmapping = catch_unwind(|| api::reads::begin_unmap(va, size as u64)).ok();
+    (t.cuMemUnmap)(va, size)
+}
+
 /// `cuMemCreate` of programs that link the driver (vLLM's CuMemAllocator): the driver's own,
 /// asked again after kept handles went back if it found no memory. (PyTorch's pages get
 /// `crate::vmm_hooks::cuMemCreate` through the entry point API instead.)

@@ -414,6 +414,7 @@ driver_table! {
         cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, u32);
         cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
         cuMemGetAllocationPropertiesFromHandle(*mut c_void, CUmemGenericAllocationHandle);
+        cuMemGetAccess(*mut u64, *const c_void, CUdeviceptr);
         cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
         cuCtxSetCurrent(CUcontext);
     }

@@ -133,7 +133,10 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => c,
-        Ok(None) => f(va, size),
+        Ok(None) => {
+            let _unmapping = catch_unwind(|| crate::api::reads::begin_unmap(va, size as u64)).ok();
+            f(va, size)
+        }
         Err(_) => UNKNOWN,
     }
 }

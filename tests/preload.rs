@@ -1268,3 +1268,42 @@ fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_create
     assert!(String::from_utf8_lossy(&out.stderr).contains("srun not found"));
     assert!(!dir.join("expseg-reports").exists(), "nothing created");
 }
+
+#[test]
+fn handle_requests_beside_a_changing_foreign_run_never_touch_a_freed_mirror() {
+    // Before: the lock was dropped during a refresh and another thread freed the mirror.
+    for round in 0..3 {
+        let r = run("mirror_race", &[]);
+        assert!(
+            r.out.status.success(),
+            "round {round}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
+        assert_eq!(r.get("race_done"), "1");
+    }
+}
+
+#[test]
+fn the_one_time_ticket_check_does_not_hold_up_other_threads() {
+    let f = fixture();
+    let dir = f.dir.join("sockets-slow-check");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = run(
+        "slow_check",
+        &[
+            ("EXPSEG_TEST_SLOW_CHECK", "1500"),
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+        ],
+    )
+    .ok();
+    assert_eq!(r.get("get_rc"), "0");
+    let got: f64 = r.get("get_ms").parse().unwrap();
+    let worst: f64 = r.get("worst_other_ms").parse().unwrap();
+    assert!(got >= 1400.0, "the check ran: {got} ms");
+    assert!(
+        worst < 500.0,
+        "another thread's cudaMalloc waited {worst} ms"
+    );
+}

@@ -14,6 +14,7 @@ use crate::stats::GLOBAL;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// `cudaErrorInvalidResourceHandle`: a ticket that cannot be honoured.
 const INVALID_HANDLE: i32 = 400;
@@ -86,11 +87,26 @@ const FREED_KEPT: usize = 4096;
 struct ForeignShare {
     dev: i32,
     size: u64,
-    mirror: Option<(u64, IpcHandle)>,
+    mirror: Option<Arc<Mirror>>,
+}
+
+/// A standard buffer mirroring a foreign run, with its legacy handle. Freed when the last
+/// reference goes: a refresh in flight on another thread keeps it alive.
+struct Mirror {
+    ptr: u64,
+    handle: IpcHandle,
+}
+
+impl Drop for Mirror {
+    fn drop(&mut self) {
+        if runtime::free(self.ptr) != 0 {
+            log::warn!("IPC: freeing the mirror at {:#x} failed", self.ptr);
+        }
+    }
 }
 
 /// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
-/// (their tickets go stale, their mirrors are freed).
+/// (their tickets go stale, their mirrors are freed once no refresh uses them).
 pub fn forget_foreign_range(va: u64, size: u64) {
     if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
         return;
@@ -106,21 +122,22 @@ pub fn forget_foreign_range(va: u64, size: u64) {
         .filter(|b| (va..va + size).contains(*b))
         .copied()
         .collect();
+    let mut dropped = Vec::new();
     for base in gone {
-        let Some(f) = st.ipc.foreign.remove(&base) else {
-            continue;
-        };
-        if let Some((mirror, _)) = f.mirror {
-            if crate::real::runtime::free(mirror) != 0 {
-                log::warn!("freeing the mirror of a foreign run at {base:#x} failed");
-            }
+        if let Some(f) = st.ipc.foreign.remove(&base) {
+            st.ipc.forget(f.dev, base);
+            dropped.push(f);
         }
-        st.ipc.forget(f.dev, base);
     }
+    drop(st);
+    drop(dropped); // cudaFree outside the lock
 }
 
 /// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
 const MAX_RUN: usize = transport::MAX_CHUNKS;
+
+/// How many times a request starts over when another thread changed the share meanwhile.
+const RACE_RETRIES: usize = 8;
 
 /// `cudaIpcGetMemHandle` on VMM memory expseg does not own (PyTorch's expandable segments,
 /// vLLM's cumem pool), after the runtime refused it. The handle stands for the run of
@@ -136,74 +153,118 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     }
     let t = crate::real::driver().ok()?;
     super::vmm::isolate_run(ptr);
-    let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
-    let size: u64 = sizes.iter().sum();
     let c = config();
-    let mut st = ensure_state();
-    let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
-    if c.ipc_peers_expseg && !ticketed {
-        return Some(Err(peers_without_tickets(&st, ptr)));
-    }
-    let want_mirror = !c.ipc_peers_expseg;
-    let same = st
-        .ipc
-        .foreign
-        .get(&base)
-        .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
-        .map(|f| f.mirror);
-    let mirror = match same {
-        Some(Some((p, h))) => {
-            drop(st);
-            let refreshed = refresh_mirror(dev, p, base, size);
-            st = lock();
-            match refreshed {
-                Ok(()) => Some((p, h)),
-                Err(e) => return Some(Err(e)),
-            }
+    for _ in 0..RACE_RETRIES {
+        let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
+        let size: u64 = sizes.iter().sum();
+        if c.ipc_tickets {
+            // Once per process, possibly slow (a child process): never under the lock.
+            plain_driver_ignores_tickets(dev);
         }
-        Some(None) => None,
-        None => {
-            if let Some(old) = st.ipc.foreign.remove(&base) {
-                if let Some((p, _)) = old.mirror {
-                    runtime::free(p);
+        let mut st = ensure_state();
+        let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
+        if c.ipc_peers_expseg && !ticketed {
+            return Some(Err(peers_without_tickets(&st, ptr)));
+        }
+        let want_mirror = !c.ipc_peers_expseg;
+        let same = st
+            .ipc
+            .foreign
+            .get(&base)
+            .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
+            .map(|f| f.mirror.clone());
+        let mirror = match same {
+            Some(Some(m)) => {
+                // Refresh without the lock; the reference keeps the buffer alive even if
+                // another thread replaces or forgets the share meanwhile, and the registered
+                // read holds back unmaps of the run until the copy is done.
+                drop(st);
+                let reading = super::vmm::begin_read(base, size);
+                if !still_mapped(t, base, size) {
+                    continue; // unmapped meanwhile: look again
                 }
+                let refreshed = refresh_mirror(dev, m.ptr, base, size);
+                drop(reading);
+                if let Err(e) = refreshed {
+                    return Some(Err(e));
+                }
+                st = lock();
+                let current = st
+                    .ipc
+                    .foreign
+                    .get(&base)
+                    .and_then(|f| f.mirror.as_ref())
+                    .is_some_and(|cur| Arc::ptr_eq(cur, &m));
+                if !current {
+                    continue; // replaced while refreshing: its handle would die with it
+                }
+                Some(m)
             }
-            let mirror = if want_mirror {
-                match make_mirror(dev, base, size) {
-                    Ok(m) => Some(m),
-                    // A handle plain consumers could not open would fail in the consumer,
-                    // far from the cause: fail here, saying why and what helps.
-                    Err(e) => {
-                        log::error!(
-                            "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}); free memory, or set EXPSEG_IPC_PEERS=expseg if every consumer runs expseg (they map the memory itself)"
-                        );
-                        return Some(Err(e));
+            Some(None) => None,
+            None => {
+                let old = st.ipc.foreign.remove(&base);
+                drop(st);
+                drop(old); // cudaFree outside the lock
+                let reading = super::vmm::begin_read(base, size);
+                if !still_mapped(t, base, size) {
+                    continue;
+                }
+                let made = want_mirror.then(|| make_mirror(dev, base, size));
+                drop(reading);
+                let mirror = if let Some(made) = made {
+                    match made {
+                        Ok(m) => Some(Arc::new(m)),
+                        // A handle plain consumers could not open would fail in the consumer,
+                        // far from the cause: fail here, saying why and what helps.
+                        Err(e) => {
+                            log::error!(
+                                "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}); free memory, or set EXPSEG_IPC_PEERS=expseg if every consumer runs expseg (they map the memory itself)"
+                            );
+                            return Some(Err(e));
+                        }
                     }
+                } else {
+                    None
+                };
+                st = lock();
+                if st.ipc.foreign.contains_key(&base) {
+                    continue; // another thread shared this base meanwhile: start over
                 }
-            } else {
-                None
-            };
-            log::warn!(
-                "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
-                sizes.len(),
-                match (ticketed, mirror) {
-                    (true, Some((p, _))) => format!("consumers running expseg share it both ways; others get a mirror at {p:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process"),
-                    (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg): plain consumers cannot open its handle".to_string(),
-                    (false, Some((p, _))) => format!("shared through a mirror at {p:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process"),
-                    (false, None) => unreachable!("no mirror only with tickets"),
-                }
-            );
-            st.ipc
-                .foreign
-                .insert(base, ForeignShare { dev, size, mirror });
-            mirror
+                log::warn!(
+                    "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
+                    sizes.len(),
+                    match (ticketed, &mirror) {
+                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror at {:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.ptr),
+                        (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg): plain consumers cannot open its handle".to_string(),
+                        (false, Some(m)) => format!("shared through a mirror at {:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.ptr),
+                        (false, None) => unreachable!("no mirror only with tickets"),
+                    }
+                );
+                st.ipc.foreign.insert(
+                    base,
+                    ForeignShare {
+                        dev,
+                        size,
+                        mirror: mirror.clone(),
+                    },
+                );
+                mirror
+            }
+        };
+        let mut handle = mirror.map_or([0u8; 64], |m| m.handle);
+        if ticketed {
+            st.ipc.ticket(dev, base).stamp(&mut handle);
         }
-    };
-    let mut handle = mirror.map_or([0u8; 64], |m| m.1);
-    if ticketed {
-        st.ipc.ticket(dev, base).stamp(&mut handle);
+        return Some(Ok(handle));
     }
-    Some(Ok(handle))
+    log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}): the mappings kept changing under concurrent requests; giving up");
+    Some(Err(UNKNOWN))
+}
+
+/// Whether `[base, base+size)` is still one run of mappings from `base` on.
+fn still_mapped(t: &crate::real::DriverTable, base: u64, size: u64) -> bool {
+    cuda::run_from(t, base, MAX_RUN)
+        .is_some_and(|(b, sizes, _)| b == base && sizes.iter().sum::<u64>() >= size)
 }
 
 /// Copy `size` bytes at `base` into the mirror at `p`, after the device's pending work.
@@ -221,7 +282,7 @@ fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
 }
 
 /// A standard buffer holding a copy of `size` bytes at `base`, and its legacy handle.
-fn make_mirror(dev: i32, base: u64, size: u64) -> Result<(u64, IpcHandle), i32> {
+fn make_mirror(dev: i32, base: u64, size: u64) -> Result<Mirror, i32> {
     let p = runtime::on_device(dev, || match runtime::malloc(size as usize) {
         (0, p) => Ok(p),
         (e, _) => Err(e),
@@ -229,7 +290,7 @@ fn make_mirror(dev: i32, base: u64, size: u64) -> Result<(u64, IpcHandle), i32> 
     let made = refresh_mirror(dev, p, base, size)
         .and_then(|()| runtime::on_device(dev, || runtime::ipc_get_mem_handle(p)));
     match made {
-        Ok(h) => Ok((p, h)),
+        Ok(handle) => Ok(Mirror { ptr: p, handle }),
         Err(e) => {
             runtime::free(p);
             Err(e)
@@ -295,13 +356,28 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     }
     let c = config();
     let mut st = lock();
-    let Some(dev) = st
+    let Some((mut dev, size)) = st
         .open_pools()
-        .find(|(_, p)| p.find(ptr).is_some())
-        .map(|(d, _)| d)
+        .find_map(|(d, p)| p.find(ptr).map(|(_, size)| (d, size)))
     else {
         return Answer::PassThrough;
     };
+    let needs_tickets = c.ipc_peers_expseg || size > c.ipc_move_max;
+    if c.ipc_tickets && needs_tickets && TICKET_CHECK.get().is_none() {
+        // The one-time check runs a child process: never under the lock (a move that falls
+        // back to a mirror, rare, still runs it there).
+        drop(st);
+        plain_driver_ignores_tickets(dev);
+        st = lock();
+        match st
+            .open_pools()
+            .find(|(_, p)| p.find(ptr).is_some())
+            .map(|(d, _)| d)
+        {
+            Some(d) => dev = d,
+            None => return Answer::PassThrough,
+        }
+    }
     if c.ipc_peers_expseg && !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
         return Answer::Done(Err(peers_without_tickets(&st, ptr)));
     }
@@ -469,9 +545,11 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
 /// Run the ticket check once per process: a child process without expseg opens a ticketed
 /// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
 /// `expseg-ipc-check` next to libexpseg.so.
+/// The one-time ticket check's answer, once known.
+static TICKET_CHECK: OnceCell<bool> = OnceCell::new();
+
 fn plain_driver_ignores_tickets(dev: i32) -> bool {
-    static OK: OnceCell<bool> = OnceCell::new();
-    *OK.get_or_init(|| match check_in_child(dev) {
+    *TICKET_CHECK.get_or_init(|| match check_in_child(dev) {
         Ok(()) => {
             log::info!("IPC: a ticketed handle opens with the plain driver; tickets enabled");
             true
@@ -484,6 +562,9 @@ fn plain_driver_ignores_tickets(dev: i32) -> bool {
 }
 
 fn check_in_child(dev: i32) -> Result<(), String> {
+    if let Some(ms) = config().test_slow_check_ms {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
     let helper = crate::real::self_dir()
         .map(|d| d.join("expseg-ipc-check"))
         .ok_or("cannot tell where libexpseg.so is")?;

@@ -13,6 +13,7 @@
 #![allow(non_snake_case)]
 
 mod ipc;
+pub mod reads;
 pub mod vmm;
 
 pub use ipc::{

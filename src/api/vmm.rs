@@ -50,8 +50,22 @@ static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
 /// Set once the coalescers exist (before that no handle or address can be theirs).
 static STARTED: AtomicBool = AtomicBool::new(false);
 
+/// The coalescers, once no IPC mirror refresh is reading memory (any call may unmap pages it
+/// moves: `super::reads`). A refresh registers under this lock, so none starts meanwhile.
 fn lock() -> MutexGuard<'static, Vmm> {
-    VMM.lock().unwrap_or_else(|e| e.into_inner())
+    let g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+    super::reads::wait_none();
+    g
+}
+
+/// Register a read of another allocator's memory (an IPC mirror refresh) while no coalescer
+/// call is running.
+pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
+    if !started() {
+        return super::reads::begin(base, size);
+    }
+    let _g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+    super::reads::begin(base, size)
 }
 
 fn started() -> bool {

@@ -152,14 +152,15 @@ pub fn mapping_of(t: &DriverTable, ptr: u64) -> Option<(u64, u64, i32)> {
 /// be the start of `ptr`'s mapping (what range queries answer, from which a consumer computes
 /// its offset), and the buffer at `ptr` may run on into the following mappings (PyTorch maps
 /// an expandable segment 20 MiB at a time). The walk stops at a gap, at memory that is not
-/// VMM, at another device, or after `max_mappings`.
+/// VMM, at another device, at a mapping the device may not read yet (mapped by another thread,
+/// access not set: copying from it would fault), or after `max_mappings`.
 pub fn run_from(t: &DriverTable, ptr: u64, max_mappings: usize) -> Option<(u64, Vec<u64>, i32)> {
     let (base, size, dev) = mapping_of(t, ptr)?;
     let mut sizes = vec![size];
     let mut end = base + size;
     while sizes.len() < max_mappings {
         match mapping_of(t, end) {
-            Some((b, s, d)) if b == end && d == dev && is_vmm(t, end) => {
+            Some((b, s, d)) if b == end && d == dev && is_vmm(t, end) && readable(t, end, dev) => {
                 sizes.push(s);
                 end += s;
             }
@@ -167,6 +168,19 @@ pub fn run_from(t: &DriverTable, ptr: u64, max_mappings: usize) -> Option<(u64, 
         }
     }
     Some((base, sizes, dev))
+}
+
+/// Whether device `dev` may read the mapping at `ptr` (`cuMemGetAccess`; true where the driver
+/// lacks the call).
+fn readable(t: &DriverTable, ptr: u64, dev: i32) -> bool {
+    let Some(get) = t.cuMemGetAccess else {
+        return true;
+    };
+    // CUmemLocation { type: CU_MEM_LOCATION_TYPE_DEVICE, id }
+    let loc: [i32; 2] = [1, dev];
+    let mut flags: u64 = 0;
+    // SAFETY: valid out-pointer and location struct (two ints); the driver validates `ptr`.
+    unsafe { get(&mut flags, loc.as_ptr().cast(), ptr) == 0 && flags & 1 != 0 }
 }
 
 /// Whether `ptr` is VMM memory (not legacy-IPC capable), by the driver's own attribute.

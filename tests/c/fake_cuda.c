@@ -132,20 +132,29 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
   return 0;
 }
 CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* d, size_t n) {
+  /* Under the lock throughout: a query never reports access the memory does not have yet. */
   pthread_mutex_lock(&mu); counts[C_ACCESS]++;
   size_t covered = 0;
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) covered += maps[i].size;
+  if (covered != size) { pthread_mutex_unlock(&mu); return 1; }
+  int any = 0;
   for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
-    covered += maps[i].size;
+    unsigned acc = maps[i].access;
+    for (size_t k = 0; k < n; k++) {
+      unsigned bit = 1u << d[k].location.id;
+      if (d[k].flags == 3) acc |= bit; else acc &= ~bit;
+    }
+    if (acc) any = 1;
+  }
+  /* the host stands in for every device: readable while any device has access */
+  mprotect((void*)va, size, any ? PROT_READ | PROT_WRITE : PROT_NONE);
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
     for (size_t k = 0; k < n; k++) {
       unsigned bit = 1u << d[k].location.id;
       if (d[k].flags == 3) maps[i].access |= bit; else maps[i].access &= ~bit;
     }
   }
   pthread_mutex_unlock(&mu);
-  if (covered != size) return 1;
-  /* the host stands in for every device: readable while any device has access */
-  int any = 0; for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size && maps[i].access) any = 1;
-  mprotect((void*)va, size, any ? PROT_READ | PROT_WRITE : PROT_NONE);
   return 0;
 }
 /* POSIX-fd sharing: the chunk's memfd, duplicated; importing makes a handle of the fd. */
@@ -194,6 +203,14 @@ CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* p, CUmemGen
   if (h == 0 || h >= MAXH || !handles[h].size) return 1;
   memset(p, 0, sizeof *p); p->type = 1; p->requestedHandleTypes = 1; p->location.type = 1; p->location.id = 0;
   return 0;
+}
+/* Access flags of the mapping containing ptr for one device (3: read-write, 0: none). */
+CUresult cuMemGetAccess(unsigned long long* flags, const int* location, CUdeviceptr ptr) {
+  pthread_mutex_lock(&mu); CUresult r = 1;
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && ptr >= maps[i].va && ptr < maps[i].va + maps[i].size) {
+    *flags = (maps[i].access >> location[1]) & 1 ? 3 : 0; r = 0; break;
+  }
+  pthread_mutex_unlock(&mu); return r;
 }
 /* Which devices may access the mapping containing va (bit mask), -1 if unmapped. */
 long fakecu_access(uint64_t va) {

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <time.h>
 
 int cudaMalloc(void**, size_t);
 int cudaFree(void*);
@@ -250,6 +251,8 @@ int cuMemCreate(uint64_t*, size_t, const Prop*, unsigned long long);
 int cuMemAddressReserve(uint64_t*, size_t, size_t, uint64_t, unsigned long long);
 int cuMemMap(uint64_t, size_t, size_t, uint64_t, unsigned long long);
 int cuMemSetAccess(uint64_t, size_t, const Access*, size_t);
+int cuMemUnmap(uint64_t, size_t);
+int cuMemRelease(uint64_t);
 
 /* VMM memory made by another allocator, mapped in pieces as PyTorch's expandable segments
  * do: `n` back-to-back mappings of `piece` bytes. */
@@ -298,6 +301,75 @@ static int share_foreign(const char* self, const char* how) {
   return 0;
 }
 
+/* Handle requests on a foreign run from two threads while a third grows and shrinks it (each
+ * change of extent replaces the share and its mirror): no request may copy into a mirror
+ * another thread freed. */
+static uint64_t race_va; static volatile int race_stop;
+static void* race_requester(void* arg) {
+  (void)arg; unsigned char h[64]; long ok = 0;
+  while (!race_stop) if (cudaIpcGetMemHandle(h, (void*)race_va) == 0) ok++; else cudaGetLastError();
+  return (void*)ok;
+}
+static void* race_mutator(void* arg) {
+  (void)arg;
+  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1; p.requestedHandleTypes = 1;
+  Access a; memset(&a, 0, sizeof a); a.location.type = 1; a.flags = 3;
+  for (int i = 0; i < 300; i++) {
+    uint64_t h;
+    if (cuMemCreate(&h, 2 * MIB, &p, 0)) continue;
+    if (cuMemMap(race_va + 4 * MIB, 2 * MIB, 0, h, 0) == 0) {
+      cuMemSetAccess(race_va + 4 * MIB, 2 * MIB, &a, 1);
+      usleep(200);
+      cuMemUnmap(race_va + 4 * MIB, 2 * MIB);
+    }
+    cuMemRelease(h);
+    usleep(200);
+  }
+  race_stop = 1;
+  return 0;
+}
+static int mirror_race(void) {
+  /* Two 2 MiB mappings, room for a third right after them. */
+  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1; p.requestedHandleTypes = 1;
+  Access a; memset(&a, 0, sizeof a); a.location.type = 1; a.flags = 3;
+  uint64_t h; CHECK(cuMemAddressReserve(&race_va, 6 * MIB, 0, 0, 0) == 0);
+  for (int i = 0; i < 2; i++) CHECK(cuMemCreate(&h, 2 * MIB, &p, 0) == 0 && cuMemMap(race_va + i * 2 * MIB, 2 * MIB, 0, h, 0) == 0);
+  CHECK(cuMemSetAccess(race_va, 4 * MIB, &a, 1) == 0);
+  pthread_t r1, r2, m;
+  pthread_create(&r1, 0, race_requester, 0); pthread_create(&r2, 0, race_requester, 0);
+  pthread_create(&m, 0, race_mutator, 0);
+  void *a1, *a2; pthread_join(m, 0); pthread_join(r1, &a1); pthread_join(r2, &a2);
+  printf("race_done=1 handles=%ld\n", (long)a1 + (long)a2);
+  return 0;
+}
+
+/* The one-time ticket check (made slow with EXPSEG_TEST_SLOW_CHECK) must not hold up another
+ * thread's allocations: the worst cudaMalloc+cudaFree of a second thread during it. */
+static volatile int slow_stop;
+static double now_ms(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e3 + t.tv_nsec / 1e6; }
+static void* slow_allocator(void* arg) {
+  double worst = 0;
+  while (!slow_stop) {
+    double t = now_ms(); void* q = 0;
+    if (cudaMalloc(&q, 4 * MIB) == 0) cudaFree(q);
+    double d = now_ms() - t; if (d > worst) worst = d;
+    usleep(1000);
+  }
+  *(double*)arg = worst;
+  return 0;
+}
+static int slow_check(void) {
+  void* p = 0; CHECK(cudaMalloc(&p, 32 * MIB) == 0);
+  double worst = 0; pthread_t t; pthread_create(&t, 0, slow_allocator, &worst);
+  usleep(100 * 1000);
+  unsigned char h[64]; double t0 = now_ms();
+  int rc = cudaIpcGetMemHandle(h, p);
+  double took = now_ms() - t0;
+  usleep(100 * 1000); slow_stop = 1; pthread_join(t, 0);
+  printf("get_rc=%d get_ms=%.0f worst_other_ms=%.0f\n", rc, took, worst);
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -319,6 +391,8 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
+  if (!strcmp(s, "mirror_race")) return mirror_race();
+  if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "foreign")) return foreign();
