@@ -60,10 +60,16 @@ if [ -x "$build/ipc_test" ]; then
     grep -E '^(PASS|FAIL|SKIP) ipc' "$logs/$name.log" | sed 's/^/    /'
   done
   grep -h "ticket .* opened" "$logs"/ipc_expseg_producer_expseg_consumer.err | sed 's/^/    /' 
+  # Moves in place are opt-in (EXPSEG_IPC_MOVE_MAX): with them, a plain consumer of a small
+  # allocation shares it both ways.
+  EXPSEG_IPC_MOVE_MAX=20M LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_moves.log" 2>&1
+  rc=$?
+  grep -q "moved/standard" "$logs/ipc_moves.log" || { echo "    no allocation was moved"; rc=1; }
+  result ipc_expseg_producer_plain_consumer_with_moves $rc "$(tail -n 1 "$logs/ipc_moves.log")"
   # A move that fails at any step: data intact, a working handle (a mirror) all the same.
   rc=0
   for step in sync temp_reserve temp_map unmap free_range alloc placement copy handle; do
-    EXPSEG_TEST_FAIL_MOVE=$step LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_fail_$step.log" 2>&1 \
+    EXPSEG_IPC_MOVE_MAX=20M EXPSEG_TEST_FAIL_MOVE=$step LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_fail_$step.log" 2>&1 \
       || { rc=1; echo "    move failing at $step: $(tail -n 1 "$logs/ipc_fail_$step.log")"; }
   done
   result ipc_move_failure_at_each_step $rc ""

@@ -85,9 +85,12 @@ impl Default for Config {
             // One chunk per allocation: measured as fast as or faster than 2 GiB pieces at 4 and
             // 16 GiB (shim-tests/RESULTS.md, "cache0_onechunk" against "cache0").
             max_chunk: 0,
-            // Measured reliable up to 20 MiB: cudaMalloc of at most 20 MiB shares the address
-            // heap of VMM reservations (../shared/notes/driver-facts.md).
-            ipc_move_max: 20 * MIB,
+            // Off: a move unmaps the allocation for a moment, and expseg cannot tell whether
+            // another thread is using it (a writer thread beside a move crashed 8/8 runs,
+            // issue 13). Programs that guarantee no such use may set it; 20M is the size
+            // measured reliable (cudaMalloc of at most 20 MiB shares the address heap of VMM
+            // reservations, ../shared/notes/driver-facts.md).
+            ipc_move_max: 0,
             ipc_tickets: true,
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),

@@ -459,7 +459,15 @@ fn processes_that_never_touch_cuda_are_not_disturbed() {
 
 #[test]
 fn ipc_moves_in_place_when_cudamalloc_lands_on_the_address() {
-    let r = run("ipc", &[("FAKE_MALLOC_REUSES_VA", "1")]).ok();
+    // Moves are opt-in (EXPSEG_IPC_MOVE_MAX): they unmap the allocation for a moment.
+    let r = run(
+        "ipc",
+        &[
+            ("FAKE_MALLOC_REUSES_VA", "1"),
+            ("EXPSEG_IPC_MOVE_MAX", "20M"),
+        ],
+    )
+    .ok();
     assert_eq!(r.get("vmm_before"), "1");
     assert_eq!(r.get("ipc_rc"), "0");
     assert_eq!(
@@ -503,13 +511,20 @@ fn ipc_falls_back_to_a_mirror_and_says_so_once() {
         "one-way: the consumer's writes stay in the mirror"
     );
     assert_eq!(r.get("free_rc"), "0");
-    // One from the move attempt (its cudaMalloc landed elsewhere and was given back), one
-    // for the mirror, freed with the allocation.
+    // No move is tried by default: one free, the mirror's, with the allocation.
     assert_eq!(
         r.get("runtime_frees"),
-        "2",
+        "1",
         "freeing the allocation freed its mirror"
     );
+    // With moves allowed, one more: the move's cudaMalloc landed elsewhere and went back.
+    let r = run(
+        "ipc",
+        &[("EXPSEG_IPC_TICKETS", "0"), ("EXPSEG_IPC_MOVE_MAX", "20M")],
+    )
+    .ok();
+    assert_eq!(r.get("same_address"), "0");
+    assert_eq!(r.get("runtime_frees"), "2");
     let err = r.stderr();
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
@@ -535,6 +550,7 @@ fn a_move_failing_at_any_step_keeps_the_data_and_still_gives_a_handle() {
             "ipc",
             &[
                 ("FAKE_MALLOC_REUSES_VA", "1"),
+                ("EXPSEG_IPC_MOVE_MAX", "20M"),
                 ("EXPSEG_TEST_FAIL_MOVE", step),
             ],
         )
@@ -1306,4 +1322,21 @@ fn the_one_time_ticket_check_does_not_hold_up_other_threads() {
         worst < 500.0,
         "another thread's cudaMalloc waited {worst} ms"
     );
+}
+
+#[test]
+fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
+    // Before: the default moved allocations up to 20 MiB in place, unmapping them for a
+    // moment; a thread writing to one crashed. Moves are opt-in now: mirror (and ticket).
+    for round in 0..3 {
+        let r = run("move_race", &[("FAKE_MALLOC_REUSES_VA", "1")]);
+        assert!(
+            r.out.status.success(),
+            "round {round}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
+        assert_eq!(r.get("requests_ok"), "200");
+        assert_eq!(r.get("still_pool_memory"), "1", "no move happened");
+    }
 }

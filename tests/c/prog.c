@@ -370,6 +370,23 @@ static int slow_check(void) {
   return 0;
 }
 
+/* A thread keeps writing to a 4 MiB pool allocation while the main thread asks for its IPC
+ * handle again and again. */
+static volatile int writer_stop;
+static void* writer(void* arg) {
+  while (!writer_stop) memset(arg, 0x5c, 4 * MIB);
+  return 0;
+}
+static int move_race(void) {
+  unsigned char* p = 0; CHECK(cudaMalloc((void**)&p, 4 * MIB) == 0);
+  pthread_t t; pthread_create(&t, 0, writer, p);
+  int ok = 0; unsigned char h[64];
+  for (int i = 0; i < 200; i++) if (cudaIpcGetMemHandle(h, p) == 0) ok++;
+  writer_stop = 1; pthread_join(t, 0);
+  printf("requests_ok=%d still_pool_memory=%d\n", ok, fakecu_access((uint64_t)p) >= 0);
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -392,6 +409,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
   if (!strcmp(s, "mirror_race")) return mirror_race();
+  if (!strcmp(s, "move_race")) return move_race();
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
