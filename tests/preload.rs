@@ -939,7 +939,11 @@ fn the_wrapper_sets_pytorch_defaults_only_when_none_are_set() {
 fn the_wrapper_fails_clearly_without_a_usable_library() {
     let out = wrapped(&["true"], &[("EXPSEG_LIB", "/nonexistent/libexpseg.so")]);
     assert_eq!(out.status.code(), Some(127));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("libexpseg.so not found"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("EXPSEG_LIB=/nonexistent/libexpseg.so"),
+        "the message names the path: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Not a loadable library at all (here: a text file): the loader's reason is passed on.
     let bogus = fixture().dir.join("bogus.so");
     std::fs::write(&bogus, "not an ELF file").unwrap();

@@ -394,8 +394,12 @@ impl Driver for CudaDriver {
         let mut fd: libc::c_int = -1;
         // SAFETY: `fd` receives an int for POSIX-fd handles.
         check(unsafe { f((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) })?;
-        // SAFETY: the driver handed us a new descriptor we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // SAFETY: the driver handed us a new descriptor we now own; children must not
+        // inherit it.
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            Ok(OwnedFd::from_raw_fd(fd))
+        }
     }
 
     fn create_as(&mut self, size: u64, props: super::PageProps) -> DrvResult<ChunkHandle> {

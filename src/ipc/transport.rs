@@ -86,9 +86,15 @@ pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
             dir.display()
         ));
     }
-    if md.permissions().mode() & 0o777 != mode {
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+    // An existing directory is never chmod-ed: processes of one user with different settings
+    // would otherwise flip it against each other. A private one (0700) while other users are
+    // allowed only means they cannot reach the socket; say so.
+    if others && md.permissions().mode() & 0o011 == 0 {
+        log::warn!(
+            "{} is closed to other users (mode {:o}): EXPSEG_IPC_ALLOW_UIDS users cannot reach this process's tickets",
+            dir.display(),
+            md.permissions().mode() & 0o777
+        );
     }
     Ok(dir)
 }
@@ -158,7 +164,10 @@ pub fn serve(
         .spawn(move || {
             for conn in listener.incoming() {
                 let Ok(s) = conn else { continue };
-                let Some(uid) = peer_uid(&s).filter(|u| admit(*u)) else {
+                let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    peer_uid(&s).filter(|u| admit(*u))
+                }));
+                let Ok(Some(uid)) = admitted else {
                     continue; // closed unread
                 };
                 use std::sync::atomic::Ordering::AcqRel;
@@ -649,7 +658,15 @@ mod tests {
             std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
             0o700
         );
+        // An existing directory keeps its mode whatever the next process's settings.
         assert!(prepare_dir(uid, true).is_ok());
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        std::fs::remove_dir(&dir).unwrap();
+        assert!(prepare_dir(uid, true).is_ok());
+        assert!(prepare_dir(uid, false).is_ok());
         assert_eq!(
             std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
             0o711

@@ -141,6 +141,10 @@ const PLUG_BYTES: u64 = 4 << 30;
 /// An injected failure.
 const INJECTED: DrvError = DrvError(999);
 
+/// Most chunk descriptors kept open for shared allocations; beyond, each consumer request
+/// exports afresh.
+pub const FD_CACHE_MAX: usize = 256;
+
 impl<D: Driver> Pool<D> {
     /// Make the allocation containing `ptr` exportable with a legacy handle.
     pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
@@ -224,17 +228,27 @@ impl<D: Driver> Pool<D> {
         let (base, user) = self.find(ptr)?;
         let b = self.blocks.get_mut(&base).expect("live block");
         b.shared = true;
-        if b.fds.is_empty() {
+        // Descriptors are kept (a consumer's request then costs a dup) only up to a bound:
+        // each is an open file of the process, and a process has about a thousand.
+        if b.fds.is_empty() && self.cached_fds + b.chunks.len() <= FD_CACHE_MAX {
             let handles: Vec<_> = b.chunks.iter().map(|c| c.handle).collect();
             let fds: Result<Vec<_>, _> =
                 handles.into_iter().map(|h| self.drv.export_fd(h)).collect();
             match fds {
-                Ok(f) => self.blocks.get_mut(&base).expect("live block").fds = f,
+                Ok(f) => {
+                    self.cached_fds += f.len();
+                    self.blocks.get_mut(&base).expect("live block").fds = f;
+                }
                 // Tried again when a consumer asks.
                 Err(e) => log::warn!("exporting the chunks of {base:#x} failed: {e}"),
             }
         }
         Some((base, user))
+    }
+
+    /// Descriptors kept open for shared chunks, all allocations together.
+    pub fn cached_fd_count(&self) -> usize {
+        self.cached_fds
     }
 
     /// File descriptors for the chunks of the shared live allocation at `base`, in mapping
@@ -267,6 +281,7 @@ impl<D: Driver> Pool<D> {
     /// the pages alive while other processes still map them.
     pub(super) fn free_shared(&mut self, base: u64) -> u64 {
         let b = self.blocks.remove(&base).expect("live block");
+        self.cached_fds -= b.fds.len();
         self.stats.on_free(b.user, b.size);
         if let Some(m) = b.mirror {
             self.drop_mirror(m);

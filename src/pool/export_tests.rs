@@ -310,3 +310,35 @@ fn shared_allocations_hand_out_their_chunks_and_are_never_reused() {
     assert!(p.export_fds(a).is_none(), "stale");
     check(&p);
 }
+
+#[test]
+fn descriptors_kept_for_shared_allocations_are_bounded() {
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+    }
+    let mut p = Pool::new(
+        FakeDriver::new(0, GRAN, 20_000 * GRAN),
+        PoolConfig::default(),
+    );
+    let before = open_fds();
+    let mut live = Vec::new();
+    for _ in 0..5000 {
+        let a = p.alloc(GRAN).unwrap();
+        p.share(a).unwrap();
+        live.push(a);
+    }
+    assert_eq!(p.cached_fd_count(), super::export::FD_CACHE_MAX);
+    assert!(
+        open_fds() <= before + super::export::FD_CACHE_MAX + 16,
+        "{} descriptors open",
+        open_fds() - before
+    );
+    // Every allocation still gets its descriptors when a consumer asks.
+    let (_, fds) = p.export_fds(live[4999]).unwrap().unwrap();
+    assert_eq!(fds.len(), 1);
+    drop(fds);
+    for a in live {
+        p.free(a).unwrap();
+    }
+    assert_eq!(p.cached_fd_count(), 0);
+}

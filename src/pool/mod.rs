@@ -114,6 +114,8 @@ pub struct Pool<D: Driver> {
     stray_va: Vec<(u64, u64)>,
     /// Set by a failed allocation, cleared by the next successful one.
     retry_window: bool,
+    /// Descriptors kept in `Block::fds`, all blocks together.
+    cached_fds: usize,
     tick: u64,
     stats: PoolStats,
 }
@@ -133,6 +135,7 @@ impl<D: Driver> Pool<D> {
             stray_va: Vec::new(),
             readers,
             retry_window: false,
+            cached_fds: 0,
             tick: 0,
             stats: PoolStats::default(),
         }
