@@ -75,6 +75,17 @@ if [ -x "$build/ipc_test" ]; then
   result ipc_move_failure_at_each_step $rc ""
 fi
 
+# Threads sharing allocations while in use: 8 threads, 10,000 operations, every word checked.
+nvcc -O2 -cudart shared -o "$build/ipc_stress" "$here/ipc_stress.cu" -lpthread >>"$logs/build.log" 2>&1
+result build_ipc_stress $? ""
+if [ -x "$build/ipc_stress" ]; then
+  EXPSEG_REPORT="$logs/ipc_stress_report.txt" LD_PRELOAD="$lib" "$build/ipc_stress" "${IPC_STRESS_OPS:-10000}" 8 >"$logs/ipc_stress.log" 2>"$logs/ipc_stress.err"
+  rc=$?
+  grep -q '"allocs":[1-9]' "$logs/ipc_stress_report.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
+  result ipc_stress_8_threads $rc "$(head -n 1 "$logs/ipc_stress.log")"
+  head -3 "$logs/ipc_stress.err" | sed 's/^/    /'
+fi
+
 # PyTorch: same losses with and without expseg, and PyTorch's segments from the pool.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   python3 "$here/torch_train.py" "$logs/torch_native.json" 300 >"$logs/torch_native.log" 2>&1
