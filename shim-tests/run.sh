@@ -62,7 +62,8 @@ if [ -x "$build/ipc_test" ]; then
   grep -h "ticket .* opened" "$logs"/ipc_expseg_producer_expseg_consumer.err | sed 's/^/    /' 
   # Moves in place are opt-in (EXPSEG_IPC_MOVE_MAX): with them, a plain consumer of a small
   # allocation shares it both ways.
-  EXPSEG_IPC_MOVE_MAX=20M LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_moves.log" 2>&1
+  # (64 MiB is mirrored: the ticket socket starts before the descriptor-counting cycles.)
+  EXPSEG_IPC_MOVE_MAX=20M LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 64 >"$logs/ipc_moves.log" 2>&1
   rc=$?
   grep -q "moved/standard" "$logs/ipc_moves.log" || { echo "    no allocation was moved"; rc=1; }
   result ipc_expseg_producer_plain_consumer_with_moves $rc "$(tail -n 1 "$logs/ipc_moves.log")"
