@@ -577,14 +577,18 @@ impl<D: Driver> Coalescer<D> {
         Ok(())
     }
 
+    /// The pages the program mapped in `[va, va+size)`: (address, page), in address order.
+    fn mapped_in(&self, va: u64, size: u64) -> Vec<(u64, u64)> {
+        self.maps
+            .range(va..va + size)
+            .map(|(a, v)| (*a, *v))
+            .collect()
+    }
+
     /// `cuMemUnmap(va, size)`: Ok(false) if no page of ours is mapped there (pass through).
     pub fn unmap(&mut self, va: u64, size: u64) -> DrvResult<bool> {
         self.last_call = Instant::now();
-        let inside: Vec<(u64, u64)> = self
-            .maps
-            .range(va..va + size)
-            .map(|(a, v)| (*a, *v))
-            .collect();
+        let inside = self.mapped_in(va, size);
         if inside.is_empty() {
             return Ok(false);
         }
@@ -608,11 +612,7 @@ impl<D: Driver> Coalescer<D> {
     /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
         self.last_call = Instant::now();
-        let inside: Vec<(u64, u64)> = self
-            .maps
-            .range(va..va + size)
-            .map(|(a, v)| (*a, *v))
-            .collect();
+        let inside = self.mapped_in(va, size);
         if inside.is_empty() {
             return Ok(false);
         }
