@@ -1344,3 +1344,41 @@ fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
         assert_eq!(r.get("still_pool_memory"), "1", "no move happened");
     }
 }
+
+#[test]
+fn a_report_is_written_when_the_job_is_terminated() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let f = fixture();
+    let report = f.dir.join("term-report.txt");
+    let _ = std::fs::remove_file(&report);
+    let _ = std::fs::remove_file(f.dir.join("term-report.txt.json"));
+    let mut child = Command::new(f.dir.join("prog"))
+        .arg("wait")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", &f.dir)
+        .env("LD_PRELOAD", &f.shim)
+        .env("EXPSEG_REPORT", &report)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready=1");
+    // SAFETY: sends a signal to our own child.
+    unsafe {
+        libc_kill(child.id() as i32, 15);
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(15), "still ends by SIGTERM");
+    let json = std::fs::read_to_string(f.dir.join("term-report.txt.json")).expect("report written");
+    assert!(json.contains("\"allocs\":1"), "{json}");
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}

@@ -43,24 +43,29 @@ pub(super) struct IpcState {
 }
 
 impl IpcState {
-    /// The ticket of allocation `base` on `dev`, issued on first use.
-    fn ticket(&mut self, dev: i32, base: u64) -> Ticket {
+    /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
+    /// source for its nonce (the handle then carries no ticket).
+    fn ticket(&mut self, dev: i32, base: u64) -> Option<Ticket> {
         let id = match self.by_alloc.get(&(dev, base)) {
             Some(id) => *id,
             None => {
+                let Some(nonce) = random_u64() else {
+                    log::error!("IPC: no random source for a ticket's nonce; no ticket");
+                    return None;
+                };
                 self.next_id += 1;
                 let id = self.next_id;
-                self.by_id.insert(id, (dev, base, random_u64()));
+                self.by_id.insert(id, (dev, base, nonce));
                 self.by_alloc.insert((dev, base), id);
                 id
             }
         };
-        Ticket {
+        Some(Ticket {
             pid: std::process::id(),
             uid: transport::current_uid(),
             id,
             nonce: self.by_id[&id].2,
-        }
+        })
     }
 
     /// The allocation was freed: its tickets are stale from now on.
@@ -253,7 +258,9 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         };
         let mut handle = mirror.map_or([0u8; 64], |m| m.handle);
         if ticketed {
-            st.ipc.ticket(dev, base).stamp(&mut handle);
+            if let Some(t) = st.ipc.ticket(dev, base) {
+                t.stamp(&mut handle);
+            }
         }
         return Some(Ok(handle));
     }
@@ -386,8 +393,13 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         let pool = st.open_pool(dev).expect("found above");
         let (base, _) = pool.share(ptr).expect("found above");
         let mut h = [0u8; 64];
-        st.ipc.ticket(dev, base).stamp(&mut h);
-        return Answer::Done(Ok(h));
+        return match st.ipc.ticket(dev, base) {
+            Some(t) => {
+                t.stamp(&mut h);
+                Answer::Done(Ok(h))
+            }
+            None => Answer::Done(Err(NOT_SUPPORTED)),
+        };
     }
     let policy = ExportPolicy {
         move_max: c.ipc_move_max,
@@ -401,7 +413,9 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
                 let ticketed = c.ipc_tickets && tickets_ready(&mut st, dev);
                 if ticketed {
                     st.open_pool(dev).expect("found above").share(ex.base);
-                    st.ipc.ticket(dev, ex.base).stamp(&mut handle);
+                    if let Some(t) = st.ipc.ticket(dev, ex.base) {
+                        t.stamp(&mut handle);
+                    }
                 }
                 if first {
                     log::warn!(
@@ -470,6 +484,9 @@ fn server_ready(st: &mut State) -> bool {
 }
 
 fn start_server() -> Result<(), String> {
+    // Nonces are what keeps other processes of the user from guessing tickets.
+    crate::ipc::random_u64()
+        .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
     let uid = transport::current_uid();
     let others = !config().ipc_allow_uids.is_empty();
     transport::prepare_dir(uid, others)?;
@@ -710,6 +727,19 @@ pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_a_random_source_no_ticket_is_issued() {
+        use crate::ipc::transport::tests::NO_RANDOM;
+        NO_RANDOM.with(|n| n.set(true));
+        let mut s = IpcState::default();
+        let t = s.ticket(0, 1 << 21);
+        let r = crate::ipc::random_u64();
+        NO_RANDOM.with(|n| n.set(false));
+        assert!(t.is_none(), "no guessable nonce");
+        assert!(r.is_none());
+        assert!(s.by_id.is_empty());
+    }
 
     #[test]
     fn freed_tickets_are_remembered_within_a_bound() {

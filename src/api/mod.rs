@@ -52,9 +52,43 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
         unsafe {
             libc::atexit(at_exit);
         }
+        report_on_sigterm();
     }
     c
 });
+
+/// Jobs end by SIGTERM (`scancel`, Ray teardown, torchrun's elastic agent): where the program
+/// left SIGTERM at its default, a one-shot handler writes the report, then the default action
+/// runs as before (the process dies by SIGTERM). A program that installs its own handler
+/// later replaces this one. Writing in a signal handler is not async-signal-safe: a SIGTERM
+/// that lands while that very thread is inside `malloc` can hang the exit until the sender's
+/// SIGKILL, which is what the job would get without a report anyway.
+fn report_on_sigterm() {
+    extern "C" fn on_sigterm(_: libc::c_int) {
+        write_exit_report();
+        #[allow(unsafe_code)]
+        // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
+        // the signal would have.
+        unsafe {
+            libc::raise(libc::SIGTERM);
+        }
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: sigaction with zeroed, then filled, structs; only installed over SIG_DFL.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) != 0
+            || old.sa_sigaction != libc::SIG_DFL
+        {
+            return;
+        }
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigterm as *const () as usize;
+        sa.sa_flags = libc::SA_RESETHAND;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
+    }
+}
 
 /// The configuration, read (and the logger set up) at the first call.
 pub fn config() -> &'static Config {

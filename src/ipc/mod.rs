@@ -104,7 +104,7 @@ pub fn check_ticketed_handle(
         pid: 0,
         uid: 0,
         id: 0,
-        nonce: random_u64(),
+        nonce: random_u64().ok_or("no random source for ticket nonces")?,
     }
     .stamp(&mut handle);
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -133,10 +133,11 @@ pub fn check_ticketed_handle(
 }
 
 /// A 64-bit random number from the kernel (the nonce source).
-pub fn random_u64() -> u64 {
+/// A random 64-bit value, or `None` where the kernel has no random source.
+pub fn random_u64() -> Option<u64> {
     let mut b = [0u8; 8];
-    transport::fill_random(&mut b);
-    u64::from_le_bytes(b)
+    transport::fill_random(&mut b).ok()?;
+    Some(u64::from_le_bytes(b))
 }
 
 #[cfg(test)]
@@ -163,7 +164,7 @@ mod tests {
 
     #[test]
     fn nonces_differ() {
-        let a: Vec<u64> = (0..16).map(|_| random_u64()).collect();
+        let a: Vec<u64> = (0..16).map(|_| random_u64().unwrap()).collect();
         let mut b = a.clone();
         b.sort_unstable();
         b.dedup();

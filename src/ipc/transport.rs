@@ -23,29 +23,28 @@ pub const MAX_CHUNKS: usize = 1 << 16;
 /// Most descriptors in one message.
 pub const BATCH: usize = 64;
 
-/// Fill `buf` from the kernel's random source.
-pub fn fill_random(buf: &mut [u8]) {
+/// Fill `buf` from the kernel's random source (`getrandom`, else `/dev/urandom`). Never from
+/// anything guessable: without a random source there are no tickets.
+pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::NO_RANDOM.with(|n| n.get()) {
+        return Err(std::io::Error::other("no random source (test)"));
+    }
     let mut done = 0;
     while done < buf.len() {
         // SAFETY: writes at most the remaining length into `buf`.
         let n = unsafe { libc::getrandom(buf[done..].as_mut_ptr().cast(), buf.len() - done, 0) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
         if n <= 0 {
-            // No getrandom (very old kernels): fall back to urandom, then to the clock.
-            if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-                if f.read_exact(&mut buf[done..]).is_ok() {
-                    return;
-                }
-            }
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64);
-            for (i, b) in buf[done..].iter_mut().enumerate() {
-                *b = (t >> ((i % 8) * 8)) as u8 ^ (i as u8);
-            }
-            return;
+            // No getrandom (very old kernels): urandom.
+            let mut f = std::fs::File::open("/dev/urandom")?;
+            return f.read_exact(&mut buf[done..]);
         }
         done += n as usize;
     }
+    Ok(())
 }
 
 /// The directory holding the sockets of user `uid`: `${EXPSEG_IPC_DIR:-/tmp}/expseg-<uid>`.
@@ -445,8 +444,13 @@ fn recv_with_fds(sock: RawFd, data: &mut [u8]) -> std::io::Result<(usize, Vec<Ow
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes `fill_random` fail on this thread, as on a system without a random source.
+        pub static NO_RANDOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     #[test]
     fn a_grant_carries_its_descriptors_and_refusals_carry_none() {

@@ -387,6 +387,14 @@ static int move_race(void) {
   return 0;
 }
 
+/* Allocate, say so, and wait to be terminated. */
+static int wait_for_term(void) {
+  void* p = 0; CHECK(cudaMalloc(&p, 4 * MIB) == 0);
+  printf("ready=1\n"); fflush(stdout);
+  sleep(20);
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -410,6 +418,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "simple")) return simple();
   if (!strcmp(s, "mirror_race")) return mirror_race();
   if (!strcmp(s, "move_race")) return move_race();
+  if (!strcmp(s, "wait")) return wait_for_term();
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
