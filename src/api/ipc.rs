@@ -370,11 +370,18 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         return Answer::PassThrough;
     };
     let needs_tickets = c.ipc_peers_expseg || size > c.ipc_move_max;
-    if c.ipc_tickets && needs_tickets && TICKET_CHECK.get().is_none() {
-        // The one-time check runs a child process: never under the lock (a move that falls
-        // back to a mirror, rare, still runs it there).
+    {
+        // Waits happen without the lock: the device's pending work (the export waits again
+        // under the lock, for what was queued meanwhile only) and the one-time ticket check,
+        // a child process (a move that falls back to a mirror, rare, still runs it there).
         drop(st);
-        plain_driver_ignores_tickets(dev);
+        let e = super::synchronize(dev);
+        if e != 0 {
+            return Answer::Done(Err(e));
+        }
+        if c.ipc_tickets && needs_tickets {
+            plain_driver_ignores_tickets(dev);
+        }
         st = lock();
         match st
             .open_pools()

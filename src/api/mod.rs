@@ -353,7 +353,7 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
 static STATE_STARTED: AtomicBool = AtomicBool::new(false);
 
 /// Wait for all work on `dev`, leaving the calling thread's current device as it was.
-fn synchronize(dev: i32) -> i32 {
+pub(crate) fn synchronize(dev: i32) -> i32 {
     let t = Instant::now();
     let e = runtime::synchronize_device(dev);
     GLOBAL.syncs.add(1);
