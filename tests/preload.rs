@@ -1253,6 +1253,7 @@ fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_create
     let tools: Vec<(PathBuf, Vec<&str>)> = vec![
         (script("expseg-run"), vec!["--help"]),
         (script("expseg-srun"), vec!["--help"]),
+        (script("expseg-report-merge"), vec!["--help"]),
         (PathBuf::from(env!("CARGO_BIN_EXE_expseg")), vec!["--help"]),
         (
             PathBuf::from(env!("CARGO_BIN_EXE_expseg")),
@@ -1381,4 +1382,11 @@ fn a_report_is_written_when_the_job_is_terminated() {
 extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+#[test]
+fn the_mirror_of_a_foreign_run_goes_when_its_allocator_unmaps_it() {
+    let r = run("foreign_unmap", &[]).ok();
+    assert_eq!(r.get("get_rc"), "0");
+    assert_eq!(r.get("mirror_freed"), "1", "{}", r.stderr());
 }

@@ -387,6 +387,17 @@ static int move_race(void) {
   return 0;
 }
 
+/* A foreign run shared through a mirror, then unmapped by its allocator: the mirror goes. */
+static int foreign_unmap(void) {
+  unsigned char* m = foreign_run(2, 4 * MIB);
+  unsigned char h[64];
+  printf("get_rc=%d", cudaIpcGetMemHandle(h, m));
+  long frees = fakert_count("cudaFree");
+  CHECK(cuMemUnmap((uint64_t)m, 4 * MIB) == 0 && cuMemUnmap((uint64_t)m + 4 * MIB, 4 * MIB) == 0);
+  printf(" mirror_freed=%ld\n", fakert_count("cudaFree") - frees);
+  return 0;
+}
+
 /* Allocate, say so, and wait to be terminated. */
 static int wait_for_term(void) {
   void* p = 0; CHECK(cudaMalloc(&p, 4 * MIB) == 0);
@@ -419,6 +430,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "mirror_race")) return mirror_race();
   if (!strcmp(s, "move_race")) return move_race();
   if (!strcmp(s, "wait")) return wait_for_term();
+  if (!strcmp(s, "foreign_unmap")) return foreign_unmap();
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
