@@ -1390,3 +1390,32 @@ fn the_mirror_of_a_foreign_run_goes_when_its_allocator_unmaps_it() {
     assert_eq!(r.get("get_rc"), "0");
     assert_eq!(r.get("mirror_freed"), "1", "{}", r.stderr());
 }
+
+#[test]
+fn a_mirror_refresh_waits_for_the_device_without_holding_up_allocations_or_frees() {
+    let f = fixture();
+    let dir = f.dir.join("sockets-refresh-wait");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for round in 0..3 {
+        let r = run("refresh_wait", &[("EXPSEG_IPC_DIR", dir.to_str().unwrap())]);
+        assert!(
+            r.out.status.success(),
+            "round {round}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
+        assert_eq!(r.get("refresh_rc"), "0");
+        let took: f64 = r.get("refresh_ms").parse().unwrap();
+        let worst: f64 = r.get("worst_malloc_ms").parse().unwrap();
+        assert!(
+            took >= 380.0,
+            "the refresh waited for the device: {took} ms"
+        );
+        assert!(
+            worst < 200.0,
+            "round {round}: a cudaMalloc waited {worst} ms"
+        );
+        assert_eq!(r.get("free_rc"), "0");
+    }
+}

@@ -395,6 +395,12 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     if c.ipc_peers_expseg && !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
         return Answer::Done(Err(peers_without_tickets(&st, ptr)));
     }
+    if !c.ipc_peers_expseg {
+        if let Some(h) = refresh_outside_lock(st, dev, ptr) {
+            return h;
+        }
+        st = lock();
+    }
     if c.ipc_peers_expseg {
         // Every consumer runs expseg: no mirror, the ticket alone.
         let pool = st.open_pool(dev).expect("found above");
@@ -466,6 +472,50 @@ fn peers_without_tickets(st: &State, ptr: u64) -> i32 {
     };
     log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}) fails: EXPSEG_IPC_PEERS=expseg needs tickets, and tickets are off: {why}");
     NOT_SUPPORTED
+}
+
+/// Refresh an existing mirror of a pool allocation without the global lock (weight sync
+/// repeats this every step): register the read, check under the lock that the allocation
+/// still has that mirror (a `cudaFree` that got there first has freed both; one that comes
+/// later waits for the read), copy, then stamp the ticket. `None`: no mirror yet, take the
+/// locked path.
+fn refresh_outside_lock(
+    st: std::sync::MutexGuard<'static, State>,
+    dev: i32,
+    ptr: u64,
+) -> Option<Answer<Result<IpcHandle, i32>>> {
+    let mut st = st;
+    let (base, size, m, handle) = st.open_pool(dev)?.mirror_of(ptr)?;
+    drop(st);
+    let reading = super::reads::begin(base, size);
+    if lock()
+        .open_pool(dev)
+        .and_then(|p| p.mirror_of(ptr))
+        .map(|x| x.2)
+        != Some(m)
+    {
+        return None;
+    }
+    let copied = refresh_mirror(dev, m, base, size);
+    drop(reading);
+    if let Err(e) = copied {
+        log::error!("IPC: refreshing the mirror of {base:#x} failed ({e})");
+        return Some(Answer::Done(Err(e)));
+    }
+    let mut st = lock();
+    let mut handle = handle;
+    if let Some(p) = st.open_pool(dev) {
+        p.count_mirror_refresh();
+    }
+    if config().ipc_tickets && tickets_ready(&mut st, dev) {
+        if let Some(pool) = st.open_pool(dev) {
+            pool.share(base);
+        }
+        if let Some(t) = st.ipc.ticket(dev, base) {
+            t.stamp(&mut handle);
+        }
+    }
+    Some(Answer::Done(Ok(handle)))
 }
 
 /// Whether tickets can be issued: the device's chunks are exportable, the socket serves, and

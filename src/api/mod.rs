@@ -339,6 +339,17 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
         return Answer::Done(e);
     }
     let mut st = lock();
+    // An IPC mirror refresh may be copying from this allocation without the lock
+    // (`ipc::cudaIpcGetMemHandle`): registered reads are checked under the lock, and an
+    // overlapping one is waited for without it.
+    let _unmapping = if reads::active() {
+        drop(st);
+        let g = reads::begin_unmap(ptr, 1);
+        st = lock();
+        Some(g)
+    } else {
+        None
+    };
     match st.pool(dev).map(|p| p.free(ptr)) {
         Some(Ok(_)) => {
             st.ipc.forget(dev, ptr);

@@ -66,6 +66,11 @@ impl Drop for Reading {
     }
 }
 
+/// Whether any read is registered (one atomic load: the check on hot paths).
+pub fn active() -> bool {
+    ACTIVE.load(Ordering::Acquire) > 0
+}
+
 /// Wait until no read is registered at all.
 pub fn wait_none() {
     if ACTIVE.load(Ordering::Acquire) == 0 {

@@ -179,6 +179,19 @@ impl<D: Driver> Pool<D> {
         })
     }
 
+    /// The mirror of the live allocation containing `ptr`, if it has one: (base, mapped size,
+    /// mirror, its handle). For a refresh outside the pool's lock (`api::ipc`).
+    pub fn mirror_of(&self, ptr: u64) -> Option<(u64, u64, u64, IpcHandle)> {
+        let (base, _) = self.find(ptr)?;
+        let b = &self.blocks[&base];
+        b.mirror.map(|m| (base, b.size, m.ptr, m.handle))
+    }
+
+    /// Count a mirror refreshed outside the pool.
+    pub fn count_mirror_refresh(&mut self) {
+        self.stats.ipc_mirrored += 1;
+    }
+
     /// Create or refresh the mirror of the live block at `base`.
     fn mirror(&mut self, base: u64) -> Result<(IpcHandle, u64, bool), ExportError> {
         let size = self.blocks[&base].size;

@@ -80,7 +80,13 @@ int cudaFree(void* p) {
 int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
 int cudaGetDevice(int* d) { *d = cur_dev; return 0; }
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind(); return 0; }
-int cudaDeviceSynchronize(void) { __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED); return 0; }
+/* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
+int cudaDeviceSynchronize(void) {
+  __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
+  const char* ms = getenv("FAKE_SYNC_MS");
+  if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  return 0;
+}
 long fakecu_used(void) __attribute__((weak));
 /* FAKE_MEMINFO_REAL=1: free is FAKE_CAPACITY less the fake driver's chunks. */
 int cudaMemGetInfo(size_t* f, size_t* t) {

@@ -398,6 +398,47 @@ static int foreign_unmap(void) {
   return 0;
 }
 
+/* Refreshing a pool allocation's mirror waits for the device without the global lock: another
+ * thread's cudaMalloc meanwhile is not held up. Then a free beside refreshes. */
+static volatile int refresh_stop;
+static void* timed_mallocs(void* arg) {
+  double worst = 0;
+  while (!refresh_stop) {
+    double t = now_ms(); void* q = 0;
+    if (cudaMalloc(&q, 4 * MIB) == 0) { double d = now_ms() - t; if (d > worst) worst = d; cudaFree(q); }
+    usleep(1000);
+  }
+  *(double*)arg = worst;
+  return 0;
+}
+static void* refresher(void* arg) {
+  unsigned char h[64]; long ok = 0;
+  while (!refresh_stop) if (cudaIpcGetMemHandle(h, arg) == 0) ok++; else cudaGetLastError();
+  return (void*)ok;
+}
+static int refresh_wait(void) {
+  unsigned char* p = 0; CHECK(cudaMalloc((void**)&p, 32 * MIB) == 0);
+  unsigned char h[64]; CHECK(cudaIpcGetMemHandle(h, p) == 0); /* the mirror exists */
+  double worst = 0; pthread_t t; pthread_create(&t, 0, timed_mallocs, &worst);
+  usleep(50 * 1000);
+  setenv("FAKE_SYNC_MS", "400", 1);
+  double t0 = now_ms();
+  int rc = cudaIpcGetMemHandle(h, p);
+  double took = now_ms() - t0;
+  unsetenv("FAKE_SYNC_MS");
+  refresh_stop = 1; pthread_join(t, 0);
+  printf("refresh_rc=%d refresh_ms=%.0f worst_malloc_ms=%.0f\n", rc, took, worst);
+  /* A free beside a stream of refreshes. */
+  refresh_stop = 0;
+  pthread_t r; pthread_create(&r, 0, refresher, p);
+  usleep(30 * 1000);
+  int frc = cudaFree(p);
+  usleep(30 * 1000);
+  refresh_stop = 1; void* ok; pthread_join(r, &ok);
+  printf("free_rc=%d refreshes=%ld\n", frc, (long)ok);
+  return 0;
+}
+
 /* Allocate, say so, and wait to be terminated. */
 static int wait_for_term(void) {
   void* p = 0; CHECK(cudaMalloc(&p, 4 * MIB) == 0);
@@ -430,6 +471,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "mirror_race")) return mirror_race();
   if (!strcmp(s, "move_race")) return move_race();
   if (!strcmp(s, "wait")) return wait_for_term();
+  if (!strcmp(s, "refresh_wait")) return refresh_wait();
   if (!strcmp(s, "foreign_unmap")) return foreign_unmap();
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
