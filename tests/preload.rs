@@ -1045,6 +1045,29 @@ fn per_rank_reports_merge_into_one_table() {
         "{t}"
     );
     assert!(t.contains("| all |") && t.contains("pool active"), "{t}");
+    // A process whose PyTorch pages were coalesced: its row counts them.
+    let tpl = format!("{}/rank%r-pid%p.txt", dir.display());
+    pages(
+        "libc10_cuda.so",
+        "full",
+        &[("EXPSEG_REPORT", &tpl), ("RANK", "2")],
+    )
+    .ok();
+    let out = Command::new("python3")
+        .arg(script("expseg-report-merge"))
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    let row = t.lines().find(|l| l.starts_with("| 2 |")).expect("rank 2");
+    assert!(
+        t.contains("PyTorch pages") && row.contains("coalescing PyTorch's pages"),
+        "{t}"
+    );
+    assert!(
+        !row.contains("| 0 | 0 | coalescing"),
+        "pages and handles counted: {row}"
+    );
 }
 
 fn doctor(libdir: &Path, extra: &[(&str, &str)]) -> Output {

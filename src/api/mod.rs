@@ -486,6 +486,8 @@ pub fn write_exit_report() {
         None if !STATE_STARTED.load(Ordering::Acquire) => {
             let why = if config().disabled {
                 "disabled by EXPSEG_DISABLE"
+            } else if !vmm::report_rows().is_empty() {
+                "coalescing PyTorch's pages (no cudaMalloc reached the pool)"
             } else {
                 "pool never started"
             };
