@@ -452,6 +452,12 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
+    /// The driver's free memory; 0 if it cannot say (every page is then created at once, so
+    /// the answer is still the driver's own).
+    fn free_now(&mut self) -> u64 {
+        self.drv.free_memory().unwrap_or(0)
+    }
+
     /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.
     pub fn create(&mut self, size: u64, props: PageProps) -> DrvResult<u64> {
         self.last_call = Instant::now();
@@ -461,13 +467,13 @@ impl<D: Driver> Coalescer<D> {
         }
         self.settle(false);
         if self.pending_bytes == 0 {
-            self.free_est = self.drv.free_memory()?;
+            self.free_est = self.free_now();
         }
         let admit = |c: &Self| c.pending_bytes + size + c.cfg.margin <= c.free_est + c.kept_bytes;
         if !admit(self) {
             // Near the limit: stranded memory first, then a fresh look.
             self.settle(true);
-            self.free_est = self.drv.free_memory()?;
+            self.free_est = self.free_now();
         }
         let vh = TAG | NEXT_VH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.pages.insert(

@@ -522,3 +522,40 @@ fn handles_of_two_devices_never_collide() {
         b.release(h).unwrap();
     }
 }
+
+#[test]
+fn pages_released_before_they_were_mapped_never_cover_new_pages() {
+    // Near the limit the pages are created as one handle at once; PyTorch's out-of-memory path
+    // releases some before anything is mapped, and new pages take their addresses.
+    let mut k = cfg();
+    k.margin = 1 << 50; // always the exact path
+    let (mut c, va) = setup(100 * PAGE, k);
+    let hs: Vec<u64> = (0..4).map(|_| c.create(PAGE, PROPS).unwrap()).collect();
+    // Pages 2 and 3 go back unmapped; 0 and 1 are mapped and used.
+    c.release(hs[2]).unwrap();
+    c.release(hs[3]).unwrap();
+    c.map(va, PAGE, 0, hs[0]).unwrap();
+    c.map(va + PAGE, PAGE, 0, hs[1]).unwrap();
+    assert!(c.set_access(va, 2 * PAGE, &[(0, RW)]).unwrap());
+    fill(&mut c, va, 2);
+    let more = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    fill(&mut c, va + 2 * PAGE, 2);
+    assert!(intact(&c, va, 4));
+    assert_eq!(c.stranded(), 0);
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 2 * PAGE, &more);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn without_the_drivers_free_memory_pages_are_created_at_once_and_still_coalesced_by_batch() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    // A driver that cannot say how much is free: margin can never be checked.
+    c.cfg.margin = u64::MAX / 4;
+    let hs = grow(&mut c, va, 3).unwrap();
+    fill(&mut c, va, 3);
+    assert!(intact(&c, va, 3));
+    assert!(c.stats().exact_creates >= 1);
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
