@@ -1442,3 +1442,25 @@ fn a_mirror_refresh_waits_for_the_device_without_holding_up_allocations_or_frees
         assert_eq!(r.get("free_rc"), "0");
     }
 }
+
+#[test]
+fn two_devices_coalesced_in_one_process_keep_their_data() {
+    // Both devices coalesced (the default serves the first only): the bookkeeping across
+    // devices, checked granule by granule on the fake driver.
+    for all in ["1", "0"] {
+        let r = pages(
+            "libc10_cuda.so",
+            "two_random",
+            &[("FAKE_DEVICES", "2"), ("EXPSEG_TEST_ALL_DEVICES", all)],
+        );
+        assert!(
+            r.out.status.success(),
+            "all={all}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
+        assert_eq!(r.get("two_steps"), "400", "all={all}");
+        assert_eq!(r.get("two_bad"), "0", "all={all}\n{}", r.stderr());
+        assert_eq!(r.get("used_end"), "0", "all={all}");
+    }
+}

@@ -92,6 +92,37 @@ int expandable(const char* what) {
     printf(" used_end=%ld\n", fakecu_used());
     return 0;
   }
+  if (!strcmp(what, "two_random")) {
+    /* Two devices' segments in one process, each grown and shrunk at random page runs, data
+     * checked after every step and after cudaMemGetInfo (which compacts). */
+    uint64_t seg[2]; seg[0] = va;
+    if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
+    static uint64_t hh[2][NP]; static unsigned char tagv[2][NP];
+    unsigned r = 7; int bad = 0, steps = 0;
+    for (int step = 0; step < 400; step++) {
+      r = r * 1103515245u + 12345u; int d = (r >> 16) & 1;
+      r = r * 1103515245u + 12345u; int at = (r >> 16) % (NP - 6);
+      r = r * 1103515245u + 12345u; int n = 1 + (r >> 16) % 5;
+      va = seg[d]; dev_ = d;
+      int free_run = 1; for (int i = at; i < at + n; i++) if (hh[d][i]) free_run = 0;
+      if (free_run) {
+        for (int i = at; i < at + n; i++) h[i] = 0;
+        if (grow(at, n) == 0) for (int i = at; i < at + n; i++) { hh[d][i] = h[i]; tagv[d][i] = (unsigned char)(1 + (r >> 8) % 250); memset((char*)(va + i * PAGE), tagv[d][i], PAGE); }
+      } else {
+        for (int i = at; i < at + n; i++) if (hh[d][i]) { if (unmap(va + i * PAGE, PAGE) || release(hh[d][i])) bad++; hh[d][i] = 0; }
+      }
+      if (step % 7 == 0) { size_t fr, tot; cudaMemGetInfo(&fr, &tot); }
+      for (int e = 0; e < 2; e++) for (int i = 0; i < NP; i++) if (hh[e][i]) {
+        const unsigned char* q = (const unsigned char*)(seg[e] + i * PAGE);
+        for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != tagv[e][i]) { bad++; break; }
+      }
+      steps++;
+    }
+    for (int e = 0; e < 2; e++) { va = seg[e]; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
+    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
+    printf("two_steps=%d two_bad=%d used_end=%ld\n", steps, bad, fakecu_used());
+    return 0;
+  }
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
   printf("grow_rc=%d\n", grow(0, 8));
   printf("batch_creates=%ld batch_maps=%ld\n", fakecu_count("cuMemCreate") - c0, fakecu_count("cuMemMap") - m0);
