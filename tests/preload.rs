@@ -1440,6 +1440,18 @@ fn a_mirror_refresh_waits_for_the_device_without_holding_up_allocations_or_frees
             "round {round}: a cudaMalloc waited {worst} ms"
         );
         assert_eq!(r.get("free_rc"), "0");
+        // A first mirror: allocated under the lock, copied without it.
+        assert_eq!(r.get("first_rc"), "0");
+        let took: f64 = r.get("first_ms").parse().unwrap();
+        let worst: f64 = r.get("first_worst_malloc_ms").parse().unwrap();
+        assert!(
+            took >= 380.0,
+            "the first mirror waited for the device: {took} ms"
+        );
+        assert!(
+            worst < 200.0,
+            "round {round}: a cudaMalloc waited {worst} ms beside a first mirror"
+        );
     }
 }
 

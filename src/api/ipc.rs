@@ -395,11 +395,45 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     if c.ipc_peers_expseg && !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
         return Answer::Done(Err(peers_without_tickets(&st, ptr)));
     }
+    let policy = ExportPolicy {
+        move_max: c.ipc_move_max,
+        fail_move_at: c.test_fail_move.as_deref().and_then(MoveStep::from_name),
+    };
     if !c.ipc_peers_expseg {
         if let Some(h) = refresh_outside_lock(st, dev, ptr) {
             return h;
         }
         st = lock();
+        // A new mirror: its memory and handle under the lock, its copy (a device wait)
+        // without it, exactly as a refresh. Only a move (opt-in) works under the lock.
+        let Some(pool) = st.open_pool(dev) else {
+            return Answer::PassThrough;
+        };
+        if !pool.would_move(ptr, &policy) {
+            let (base, size) = match pool.find(ptr) {
+                Some(x) => x,
+                None => return Answer::PassThrough,
+            };
+            return match pool.prepare_mirror(ptr) {
+                Ok((m, first)) => {
+                    let ticketed = c.ipc_tickets && tickets_ready(&mut st, dev);
+                    match refresh_outside_lock(st, dev, ptr) {
+                        Some(answer) => {
+                            if first && matches!(answer, Answer::Done(Ok(_))) {
+                                log::warn!(
+                                    "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
+                                    if ticketed { " (consumers running expseg share it both ways)" } else { "" }
+                                );
+                            }
+                            answer
+                        }
+                        // Freed by another thread meanwhile: no longer the pool's pointer.
+                        None => Answer::PassThrough,
+                    }
+                }
+                Err(e) => export_error(ptr, e),
+            };
+        }
     }
     if c.ipc_peers_expseg {
         // Every consumer runs expseg: no mirror, the ticket alone.
@@ -414,10 +448,6 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
             None => Answer::Done(Err(NOT_SUPPORTED)),
         };
     }
-    let policy = ExportPolicy {
-        move_max: c.ipc_move_max,
-        fail_move_at: c.test_fail_move.as_deref().and_then(MoveStep::from_name),
-    };
     let pool = st.open_pool(dev).expect("found above");
     match pool.export(ptr, policy) {
         Ok(ex) => {
@@ -447,13 +477,19 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
             }
             Answer::Done(Ok(handle))
         }
-        Err(ExportError::NotOwned) => Answer::PassThrough,
-        Err(ExportError::OutOfMemory) => Answer::Done(Err(OUT_OF_MEMORY)),
-        Err(ExportError::Driver(e)) => {
+        Err(e) => export_error(ptr, e),
+    }
+}
+
+fn export_error(ptr: u64, e: ExportError) -> Answer<Result<IpcHandle, i32>> {
+    match e {
+        ExportError::NotOwned => Answer::PassThrough,
+        ExportError::OutOfMemory => Answer::Done(Err(OUT_OF_MEMORY)),
+        ExportError::Driver(e) => {
             log::error!("IPC export of {ptr:#x} failed: {e}; the allocation is unchanged");
             Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
         }
-        Err(ExportError::RangeLost { base, kept }) => {
+        ExportError::RangeLost { base, kept } => {
             log::error!(
                 "IPC export of {base:#x} lost its address range; its data is kept at {kept:#x}"
             );

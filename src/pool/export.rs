@@ -202,6 +202,39 @@ impl<D: Driver> Pool<D> {
                 .map_err(ExportError::Driver)?;
             return Ok((m.handle, m.ptr, false));
         }
+        let (handle, ptr) = self.new_mirror(base)?;
+        if let Err(e) = self.timed(Op::Copy, |d| d.copy(ptr, base, size)) {
+            self.forget_mirror(base);
+            return Err(ExportError::Driver(e));
+        }
+        Ok((handle, ptr, true))
+    }
+
+    /// Give the live allocation containing `ptr` a mirror whose data is not copied yet (the
+    /// caller copies it without the pool's lock, as for a refresh, before handing the handle
+    /// out): nothing here waits for the device. Returns (mirror, whether it is new); an
+    /// existing mirror is returned as it is.
+    pub fn prepare_mirror(&mut self, ptr: u64) -> Result<(u64, bool), ExportError> {
+        let (base, _) = self.find(ptr).ok_or(ExportError::NotOwned)?;
+        if let Some(m) = self.blocks[&base].mirror {
+            return Ok((m.ptr, false));
+        }
+        let (_, m) = self.new_mirror(base)?;
+        Ok((m, true))
+    }
+
+    /// Whether an export of the allocation containing `ptr` may move it in place.
+    pub fn would_move(&self, ptr: u64, policy: &ExportPolicy) -> bool {
+        self.find(ptr).is_some_and(|(base, _)| {
+            let b = &self.blocks[&base];
+            b.mirror.is_none() && !b.shared && b.size <= policy.move_max
+        })
+    }
+
+    /// Standard memory and its legacy handle for a mirror of the live block at `base`,
+    /// recorded on the block (its data still to be copied).
+    fn new_mirror(&mut self, base: u64) -> Result<(IpcHandle, u64), ExportError> {
+        let size = self.blocks[&base].size;
         let ptr = match self.timed(Op::LegacyAlloc, |d| d.legacy_alloc(size)) {
             Ok(p) => p,
             Err(e) if e.is_oom() => {
@@ -218,20 +251,24 @@ impl<D: Driver> Pool<D> {
             }
             Err(e) => return Err(ExportError::Driver(e)),
         };
-        let made = self
-            .timed(Op::Copy, |d| d.copy(ptr, base, size))
-            .and_then(|()| self.timed(Op::IpcHandle, |d| d.legacy_handle(ptr)));
-        match made {
+        match self.timed(Op::IpcHandle, |d| d.legacy_handle(ptr)) {
             Ok(handle) => {
                 let m = Mirror { ptr, size, handle };
                 self.blocks.get_mut(&base).expect("live block").mirror = Some(m);
                 self.stats.mirror_bytes += size;
-                Ok((handle, ptr, true))
+                Ok((handle, ptr))
             }
             Err(e) => {
                 let _ = self.timed(Op::LegacyFree, |d| d.legacy_free(ptr));
                 Err(ExportError::Driver(e))
             }
+        }
+    }
+
+    /// Undo `new_mirror` (its copy failed): nothing was handed out yet.
+    fn forget_mirror(&mut self, base: u64) {
+        if let Some(m) = self.blocks.get_mut(&base).and_then(|b| b.mirror.take()) {
+            self.drop_mirror(m);
         }
     }
 

@@ -402,12 +402,18 @@ static int foreign_unmap(void) {
  * thread's cudaMalloc meanwhile is not held up. Then a free beside refreshes. */
 static volatile int refresh_stop;
 static void* timed_mallocs(void* arg) {
-  double worst = 0;
+  /* Allocations are kept until the end: a cudaFree waits for the device (as the real one
+   * does), and a thread waiting there could not notice the lock being held. */
+  double worst = 0; void* kept[128]; int n = 0;
   while (!refresh_stop) {
     double t = now_ms(); void* q = 0;
-    if (cudaMalloc(&q, 4 * MIB) == 0) { double d = now_ms() - t; if (d > worst) worst = d; cudaFree(q); }
-    usleep(1000);
+    if (n < 128 && cudaMalloc(&q, 2 * MIB) == 0) {
+      double d = now_ms() - t; if (d > worst) worst = d; kept[n++] = q;
+    }
+    usleep(5000);
   }
+  if (n < 10) worst = 1e9; /* too few allocations to tell */
+  while (n) cudaFree(kept[--n]);
   *(double*)arg = worst;
   return 0;
 }
@@ -428,6 +434,19 @@ static int refresh_wait(void) {
   unsetenv("FAKE_SYNC_MS");
   refresh_stop = 1; pthread_join(t, 0);
   printf("refresh_rc=%d refresh_ms=%.0f worst_malloc_ms=%.0f\n", rc, took, worst);
+  /* The first mirror of another allocation: its copy waits for the device too. */
+  unsigned char* q = 0; CHECK(cudaMalloc((void**)&q, 32 * MIB) == 0);
+  fill(q, 32 * MIB, 7);
+  refresh_stop = 0; worst = 0; pthread_create(&t, 0, timed_mallocs, &worst);
+  usleep(50 * 1000);
+  setenv("FAKE_SYNC_MS", "400", 1);
+  t0 = now_ms();
+  rc = cudaIpcGetMemHandle(h, q);
+  took = now_ms() - t0;
+  unsetenv("FAKE_SYNC_MS");
+  refresh_stop = 1; pthread_join(t, 0);
+  printf("first_rc=%d first_ms=%.0f first_worst_malloc_ms=%.0f\n", rc, took, worst);
+  CHECK(cudaFree(q) == 0);
   /* A free beside a stream of refreshes. */
   refresh_stop = 0;
   pthread_t r; pthread_create(&r, 0, refresher, p);
