@@ -18,13 +18,14 @@
 //! | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
 //! | [`config`] | the `EXPSEG_*` table |
 //! | [`stats`] | counters and the exit report |
+//! | [`pyapi`] | C functions for the Python module: the live report as JSON |
 //!
 //! So "where is cudaMalloc handled?" is answered by `grep 'fn cudaMalloc'`: the hook in
 //! `hooks.rs`, the policy in `api.rs`; the pool behind it runs under `cargo test` against
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
-//! `vmm_hooks`, `dlsym`, `real`, `gpu::cuda` and `ipc::transport`.
+//! `vmm_hooks`, `dlsym`, `real`, `pyapi`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;
@@ -37,6 +38,8 @@ pub mod gpu;
 pub mod hooks;
 pub mod ipc;
 pub mod pool;
+#[allow(unsafe_code)]
+pub mod pyapi;
 #[allow(unsafe_code)]
 pub mod real;
 pub mod stats;

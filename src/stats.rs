@@ -277,6 +277,23 @@ pub fn render_json(s: &Snapshot) -> String {
     o
 }
 
+/// The report's JSON object with what a live query adds in front: `active` (and `why` not),
+/// the library's version and path.
+pub fn render_live_json(s: &Snapshot, why_not: Option<&str>, library: &str) -> String {
+    let report = render_json(s);
+    let mut o = format!(
+        "{{\"active\":{},\"version\":{},\"library\":{},",
+        why_not.is_none(),
+        json_str(env!("CARGO_PKG_VERSION")),
+        json_str(library)
+    );
+    if let Some(w) = why_not {
+        let _ = write!(o, "\"why\":{},", json_str(w));
+    }
+    o.push_str(report.trim_end().strip_prefix('{').unwrap_or(&report));
+    o
+}
+
 /// Write the table to the expanded path and the JSON next to it (`.json` appended).
 /// `stderr` as the path prints the table to standard error instead.
 pub fn write_report(template: &str, s: &Snapshot) -> std::io::Result<()> {
@@ -353,5 +370,24 @@ mod tests {
         );
         assert!(j.contains("\"EXPSEG_LOG\":\"w\\\"arn\""));
         assert_eq!(j.matches('{').count(), j.matches('}').count());
+    }
+
+    #[test]
+    fn live_json_is_the_report_with_active_and_why_in_front() {
+        let s = Snapshot::take(
+            "pool active".into(),
+            vec![],
+            vec![(0, PoolStats::default())],
+        );
+        let on = render_live_json(&s, None, "/x/lib\"expseg.so");
+        assert!(on.starts_with("{\"active\":true,\"version\":"), "{on}");
+        assert!(on.contains("\"library\":\"/x/lib\\\"expseg.so\""), "{on}");
+        assert!(!on.contains("\"why\"") && on.contains("\"devices\":[{\"device\":0"));
+        assert!(on.ends_with("}}") && !on.contains('\n'), "{on}");
+        assert_eq!(on.matches('{').count(), on.matches('}').count());
+        let off = render_live_json(&s, Some("disabled by EXPSEG_DISABLE"), "");
+        assert!(off.starts_with("{\"active\":false,"));
+        assert!(off.contains("\"why\":\"disabled by EXPSEG_DISABLE\""));
+        assert_eq!(off.matches('{').count(), off.matches('}').count());
     }
 }

@@ -501,3 +501,36 @@ pub fn write_exit_report() {
         log::error!("cannot write the report to {template}: {e}");
     }
 }
+
+/// The exit report's figures now, as its JSON object, with `active` (whether expseg serves
+/// this process) and, when not, `why`; for `expseg.stats()` in Python (`pyapi`). Starts
+/// nothing and makes no CUDA call.
+pub fn live_report_json(library: &str) -> String {
+    let started = STATE_STARTED.load(Ordering::Acquire);
+    let (status, pools) = if started {
+        let mut st = lock();
+        (status(&st), pool_stats(&mut st))
+    } else if config().disabled {
+        ("disabled by EXPSEG_DISABLE".to_string(), Vec::new())
+    } else if !vmm::report_rows().is_empty() {
+        (
+            "coalescing PyTorch's pages (no cudaMalloc reached the pool)".to_string(),
+            Vec::new(),
+        )
+    } else {
+        (
+            "pool not started yet (no cudaMalloc so far)".to_string(),
+            Vec::new(),
+        )
+    };
+    let why = if FORKED.load(Ordering::Relaxed) {
+        Some("a forked child: CUDA state is not inherited, everything passes through".to_string())
+    } else if config().disabled || status.starts_with("pass-through") {
+        Some(status.clone())
+    } else {
+        None
+    };
+    let mut snap = stats::Snapshot::take(status, config().effective(), pools);
+    snap.global.extend(vmm::report_rows());
+    stats::render_live_json(&snap, why.as_deref(), library)
+}

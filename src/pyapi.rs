@@ -1,0 +1,48 @@
+//! C functions for the Python module (`python/expseg`, through ctypes): live figures while
+//! the program runs. Exported under `expseg_` names that no CUDA library uses.
+
+use crate::api;
+use libc::{c_char, size_t};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// The path this library was loaded from, as the dynamic linker knows it.
+fn own_path() -> String {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address of a function of this library and fills `info`.
+    let found = unsafe { libc::dladdr(expseg_stats_json as *const libc::c_void, &mut info) };
+    if found == 0 || info.dli_fname.is_null() {
+        return String::new();
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the dynamic linker.
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let name = name.to_string_lossy().into_owned();
+    std::fs::canonicalize(&name)
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or(name)
+}
+
+/// Write the live report (JSON, see `api::live_report_json`) into `buf` of `len` bytes,
+/// NUL-terminated and cut if it does not fit; returns the report's full length without the
+/// NUL (so a caller whose buffer was too small asks again with more), 0 on an internal error.
+///
+/// # Safety
+/// `buf` is null or writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn expseg_stats_json(buf: *mut c_char, len: size_t) -> size_t {
+    let Ok(json) = catch_unwind(AssertUnwindSafe(|| api::live_report_json(&own_path()))) else {
+        return 0;
+    };
+    if !buf.is_null() && len > 0 {
+        let n = json.len().min(len - 1);
+        // SAFETY: `buf` is writable for `len` > n bytes; the source is `n` bytes of `json`.
+        std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
+        *buf.add(n) = 0;
+    }
+    json.len()
+}
+
+/// The library's version (Cargo.toml's), NUL-terminated, static.
+#[no_mangle]
+pub extern "C" fn expseg_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
