@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The Python wheel, without a GPU (run by .ci/run): build it from this checkout (cargo runs in
+# the build hook), install it into a fresh virtual environment, and check what it puts on
+# PATH, `python -m expseg --lib`, and `expseg.active()`/`expseg.stats()` in processes on the
+# fake CUDA runtime of the tests (tests/c), against the exit report's figures.
+#     scripts/test-wheel.sh [WHEEL]      (a given wheel is installed instead of building one)
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+passed=0 failed=0
+check() { if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1"; else failed=$((failed + 1)); echo "FAIL $1${3:+: $3}"; fi; }
+
+if [ $# -ge 1 ]; then
+  wheel=$(readlink -f "$1")
+else
+  python3 -m pip wheel --quiet --no-deps -w "$work/wheel" "$root" >"$work/build.log" 2>&1
+  check "wheel builds from the checkout" $? "$(tail -5 "$work/build.log")"
+  wheel=$(ls "$work"/wheel/expseg-*.whl 2>/dev/null | head -1)
+fi
+[ -f "${wheel:-}" ] || { echo "FAIL no wheel"; exit 1; }
+echo "wheel: $(basename "$wheel")"
+version=$(sed -n '/^\[package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' "$root/Cargo.toml")
+case "$(basename "$wheel")" in expseg-"$version"-py3-none-*) r=0 ;; *) r=1 ;; esac
+check "wheel version is Cargo.toml's ($version), tagged py3-none-<platform>" $r
+unzip -l "$wheel" | grep -q ' torch' && r=1 || r=0
+grep -qi '^Requires-Dist' <(unzip -p "$wheel" '*/METADATA') && r=1
+check "wheel depends on nothing" $r
+
+python3 -m venv "$work/venv" && "$work/venv/bin/pip" install --quiet --no-index --no-deps "$wheel" >"$work/install.log" 2>&1
+check "installs into a fresh virtual environment" $? "$(tail -3 "$work/install.log")"
+bin=$work/venv/bin
+py=$bin/python
+# From here, nothing of the checkout: the installed files only.
+cd "$work"
+lib=$("$py" -m expseg --lib)
+[ -f "$lib" ] && case "$lib" in "$work"/venv/*) true ;; *) false ;; esac
+check "python -m expseg --lib names the installed library ($lib)" $?
+[ "$("$py" -c 'import expseg; print(expseg.library_path())')" = "$lib" ]
+check "expseg.library_path() is the same" $?
+[ "$("$py" -m expseg --version)" = "$version" ] && [ "$("$py" -c 'import expseg; print(expseg.__version__)')" = "$version" ]
+check "versions are $version" $?
+for t in "expseg --help" "expseg doctor --help" "expseg-run --help" "expseg-srun --help" "expseg-report-merge --help" "python -m expseg --help"; do
+  set -- $t
+  cmd=$bin/$1; shift
+  out=$("$cmd" "$@" 2>&1)
+  r=$?; [ $r = 0 ] && echo "$out" | grep -qi usage || r=1
+  check "on PATH: $t" $r "$(echo "$out" | head -2)"
+done
+out=$("$bin/expseg" doctor 2>&1)
+echo "$out" | grep -q "glibc needed by libexpseg.so .*($lib)"
+check "expseg doctor checks the installed library" $? "$(echo "$out" | grep glibc)"
+
+# Stand-in CUDA: the fake runtime and driver of the preload tests.
+fakes=$work/fakes
+mkdir -p "$fakes"
+(cd "$fakes" &&
+  cc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o libcuda.so.1 "$root/tests/c/fake_cuda.c" &&
+  cc -shared -fPIC -O1 -Wl,-soname,libcudart.so.13 "-Wl,--version-script=$root/tests/c/cudart.map" \
+    -o libcudart.so.13 "$root/tests/c/fake_cudart.c" ./libcuda.so.1) >"$work/fakes.log" 2>&1
+check "fake CUDA runtime builds" $? "$(tail -3 "$work/fakes.log")"
+export LD_LIBRARY_PATH=$fakes
+cat >"$work/app.py" <<'PY'
+import ctypes, json, os, sys
+import expseg
+rt = ctypes.CDLL("libcudart.so.13")
+p, q = ctypes.c_void_p(), ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(p), 64 << 20) == 0
+assert rt.cudaMalloc(ctypes.byref(q), 8 << 20) == 0
+live = expseg.stats()
+assert rt.cudaFree(q) == 0
+end = expseg.stats()
+print(json.dumps({"active": expseg.active(), "live": live, "end": end}))
+PY
+cat >"$work/compare.py" <<'PY'
+import json, sys
+run = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+mode = sys.argv[3]
+report = json.load(open(sys.argv[2])) if mode == "on" else None
+errors = []
+if mode == "off":
+    if run["active"] or run["end"].get("active") or "why" not in run["end"]:
+        errors.append(f"outside expseg: {run['end']}")
+else:
+    live, end = run["live"], run["end"]
+    if not run["active"] or not live.get("active"):
+        errors.append(f"not active: {live.get('why')}")
+    d = live["devices"][0]
+    if d["live_user_bytes"] != 72 << 20 or d["allocs"] != 2:
+        errors.append(f"live figures: {d['live_user_bytes']} bytes in {d['allocs']} allocations, want 72 MiB in 2")
+    # Nothing happens between the last stats() and the exit: the report has the same figures.
+    r, e = report["devices"][0], end["devices"][0]
+    for k in ("allocs", "frees", "live_user_bytes", "live_bytes", "cached_bytes", "peak_held_bytes", "peak_live_user_bytes", "created_bytes", "released_bytes", "ipc_mirrored"):
+        if r[k] != e[k]:
+            errors.append(f"{k}: stats() {e[k]}, exit report {r[k]}")
+    if e["frees"] != 1 or e["live_user_bytes"] != 64 << 20:
+        errors.append(f"after the free: {e['frees']} frees, {e['live_user_bytes']} bytes live")
+    if end["library"] != sys.argv[4]:
+        errors.append(f"library {end['library']} != {sys.argv[4]}")
+print("; ".join(errors) or "same figures")
+sys.exit(1 if errors else 0)
+PY
+EXPSEG_REPORT=$work/r-preload.txt LD_PRELOAD=$lib "$py" app.py >"$work/preload.out" 2>"$work/preload.err"
+r=$?; msg=$("$py" compare.py "$work/preload.out" "$work/r-preload.txt.json" on "$lib" 2>&1) || r=1
+check "LD_PRELOAD=\$(python -m expseg --lib): expseg.stats() live, and equal to the exit report" $r "$msg $(head -3 "$work/preload.err")"
+EXPSEG_REPORT=$work/r-run.txt "$bin/expseg-run" "$py" app.py >"$work/run.out" 2>"$work/run.err"
+r=$?; msg=$("$py" compare.py "$work/run.out" "$work/r-run.txt.json" on "$lib" 2>&1) || r=1
+check "expseg-run python: the installed launcher finds the installed library; stats() equal to the report" $r "$msg $(head -3 "$work/run.err")"
+"$py" -m expseg run "$py" -c 'import expseg, sys; sys.exit(0 if expseg.active() else 1)' 2>/dev/null
+check "python -m expseg run: active" $?
+"$py" app.py >"$work/off.out" 2>&1
+r=$?; msg=$("$py" compare.py "$work/off.out" /dev/null off 2>&1) || r=1
+check "without expseg: active() is False and stats() says why" $r "$msg"
+EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c 'import expseg, sys; s = expseg.stats(); sys.exit(0 if not expseg.active() and "EXPSEG_DISABLE" in s["why"] else 1)' 2>/dev/null
+check "EXPSEG_DISABLE=1: active() is False, stats() names the variable" $?
+"$bin/expseg-report-merge" "$work/r-preload.txt.json" "$work/r-run.txt.json" >"$work/merge.out" 2>&1
+grep -q '| all |' "$work/merge.out"
+check "expseg-report-merge merges the reports" $? "$(head -3 "$work/merge.out")"
+out=$("$root/shim-tests/run.sh" "$("$py" -m expseg --lib)" 2>&1)
+r=$?
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "$out" | tail -1 | grep -q ' 0 failed' || r=1
+else
+  echo "$out" | grep -q '^SKIP' || r=1
+fi
+check "README's test command: shim-tests/run.sh \"\$(python3 -m expseg --lib)\"" $r "$(echo "$out" | tail -2)"
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
