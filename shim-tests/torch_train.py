@@ -2,7 +2,10 @@
 as JSON. shim-tests/run.sh runs it with and without expseg and compares: the losses must be
 identical and the exit report must show PyTorch's segments came from the pool.
 
-Usage: python3 torch_train.py OUT.json [STEPS]"""
+Usage: python3 torch_train.py OUT.json [STEPS]
+
+Where the expseg Python module is importable (the wheel), the JSON also holds
+`expseg.stats()` taken after the last step, for comparison with the exit report."""
 import json
 import os
 import sys
@@ -40,8 +43,15 @@ def main():
         if step % 50 == 49:
             torch.cuda.empty_cache()  # hand segments back: cudaFree through expseg
     torch.cuda.synchronize()
+    try:
+        import expseg
+
+        live = expseg.stats()
+    except ImportError:
+        live = None
     json.dump(
         {
+            "expseg": live,
             "losses": losses,
             "max_reserved": torch.cuda.max_memory_reserved(),
             "max_allocated": torch.cuda.max_memory_allocated(),
