@@ -132,6 +132,22 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   MODE=expseg-preload LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
   result torch_ipc_expseg_preload $? ""
   for m in default expandable expseg_run expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+  # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):
+  # as uid 65534 when root. The control run without expseg must fail as PyTorch does.
+  asuser=""
+  [ "$(id -u)" = 0 ] && asuser="setpriv --reuid=65534 --regid=65534 --clear-groups"
+  if [ -n "$asuser" ] && ! command -v setpriv >/dev/null; then
+    echo "SKIP torch_nodump: root without setpriv"
+  else
+    chmod -R a+rX "$here" 2>/dev/null; chmod a+rx "$(dirname "$lib")" "$lib" 2>/dev/null
+    nd="env HOME=/tmp PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    $asuser $nd python3 "$here/torch_nodump.py" >"$logs/torch_nodump_native.log" 2>&1
+    native=$?
+    $asuser $nd EXPSEG_IPC_DIR=/tmp LD_PRELOAD="$lib" python3 "$here/torch_nodump.py" >"$logs/torch_nodump_expseg.log" 2>&1
+    rc=$?
+    grep -q pidfd_getfd "$logs/torch_nodump_native.log" && [ $native != 0 ] || { echo "  control run without expseg did not fail on pidfd_getfd: the test cannot tell"; rc=1; }
+    result torch_multiprocessing_pidfd_getfd_denied $rc "$(grep '^{' "$logs/torch_nodump_expseg.log" || tail -n 2 "$logs/torch_nodump_expseg.log")"
+  fi
 fi
 
 # The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under

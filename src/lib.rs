@@ -9,6 +9,7 @@
 //! | --- | --- |
 //! | [`hooks`] | every exported C symbol, a few lines each: re-entrancy guard, panic boundary, call [`api`] |
 //! | [`dlsym`] | the exported `dlsym`: lookups on a runtime or driver handle reach the hooks |
+//! | [`syscall_hook`] | the exported `syscall`: a `pidfd_getfd` the kernel denies is asked of the producer's expseg ([`api::fdshare`]) |
 //! | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling |
 //! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
 //! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
@@ -25,7 +26,7 @@
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
-//! `vmm_hooks`, `dlsym`, `real`, `pyapi`, `gpu::cuda` and `ipc::transport`.
+//! `vmm_hooks`, `dlsym`, `syscall_hook`, `real`, `pyapi`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;
@@ -43,5 +44,7 @@ pub mod pyapi;
 #[allow(unsafe_code)]
 pub mod real;
 pub mod stats;
+#[allow(unsafe_code)]
+pub mod syscall_hook;
 #[allow(unsafe_code)]
 pub mod vmm_hooks;

@@ -175,12 +175,20 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     else {
         return NO_DRIVER;
     };
-    match catch_unwind(|| vmm::export(h)) {
+    let r = match catch_unwind(|| vmm::export(h)) {
         Ok(Some(Ok(real_h))) => f(out, real_h, kind, flags),
         Ok(Some(Err(e))) => e,
         Ok(None) => f(out, h, kind, flags),
         Err(_) => UNKNOWN,
+    };
+    // A POSIX descriptor for another process: served over expseg's socket to consumers whose
+    // pidfd_getfd the kernel denies (api::fdshare).
+    const POSIX_FD: u32 = 1;
+    if r == 0 && kind == POSIX_FD && !out.is_null() {
+        let fd = *(out as *const c_int);
+        let _ = catch_unwind(|| crate::api::fdshare::exported(fd));
     }
+    r
 }
 
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {

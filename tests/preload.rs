@@ -1476,3 +1476,82 @@ fn two_devices_coalesced_in_one_process_keep_their_data() {
         assert_eq!(r.get("used_end"), "0", "all={all}");
     }
 }
+
+/// `pages_main` with libc10_cuda.so as a user without ptrace rights over others: nobody
+/// (through setpriv) when the tests run as root, else the user itself. `None`: cannot drop
+/// root here.
+fn pages_unprivileged(what: &str, env: &[(&str, &str)]) -> Option<Run> {
+    let f = fixture();
+    let lib = f.dir.join("libc10_cuda.so");
+    let prog = f.dir.join("pages_main");
+    // SAFETY: getuid has no preconditions.
+    let root = unsafe { libc::getuid() } == 0;
+    let mut c = if root {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&prog);
+        c
+    } else {
+        Command::new(&prog)
+    };
+    c.args([lib.to_str().unwrap(), what])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", &f.dir)
+        .env("LD_PRELOAD", &f.shim)
+        .env("FAKE_MEMINFO_REAL", "1")
+        .env("FAKE_CAPACITY", "4294967296");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().ok()?;
+    if root && String::from_utf8_lossy(&out.stderr).contains("setpriv:") {
+        return None;
+    }
+    Some(Run { out })
+}
+
+#[test]
+fn torch_multiprocessing_descriptors_reach_consumers_whose_pidfd_getfd_is_denied() {
+    let Some(r) = pages_unprivileged("share_fd_nodump", &[("EXPSEG_LOG", "expseg=debug")]) else {
+        eprintln!("skipped: running as root without setpriv to drop to an unprivileged user");
+        return;
+    };
+    let r = r.ok();
+    // The producer is not dumpable: the kernel refuses; the producer's expseg hands over the
+    // page it exported, and nothing else.
+    assert_eq!(r.get("consumer_exit"), "0", "{}", r.stderr());
+    assert_eq!(r.get("getfd_ok"), "1", "{}", r.stderr());
+    assert_eq!(r.get("data_ok"), "1", "the descriptor is the exported page");
+    assert_eq!(
+        r.get("secret_fd"),
+        "0",
+        "a descriptor never exported stays out of reach"
+    );
+    assert_eq!(r.get("secret_errno"), libc::EPERM.to_string());
+    assert!(
+        r.stderr().contains("its expseg served it"),
+        "{}",
+        r.stderr()
+    );
+
+    // The same without expseg: the kernel's refusal is what PyTorch would see (so the test
+    // above can fail).
+    let off = pages_unprivileged("share_fd_nodump", &[("EXPSEG_DISABLE", "1")])
+        .unwrap()
+        .ok();
+    assert_eq!(off.get("getfd_ok"), "0");
+    assert_eq!(off.get("getfd_errno"), libc::EPERM.to_string());
+
+    // Where the kernel allows it, its answer stands and the socket is not asked.
+    let open = pages_unprivileged("share_fd", &[("EXPSEG_LOG", "expseg=debug")])
+        .unwrap()
+        .ok();
+    assert_eq!(open.get("getfd_ok"), "1", "{}", open.stderr());
+    assert_eq!(open.get("data_ok"), "1");
+    assert!(
+        !open.stderr().contains("its expseg served it"),
+        "{}",
+        open.stderr()
+    );
+}

@@ -53,7 +53,8 @@ impl IpcState {
                     log::error!("IPC: no random source for a ticket's nonce; no ticket");
                     return None;
                 };
-                self.next_id += 1;
+                // Ids count up from 1; `fdshare::GETFD_ID` (u32::MAX) is never one.
+                self.next_id = (self.next_id % (super::fdshare::GETFD_ID - 1)) + 1;
                 let id = self.next_id;
                 self.by_id.insert(id, (dev, base, nonce));
                 self.by_alloc.insert((dev, base), id);
@@ -563,6 +564,12 @@ fn tickets_ready(st: &mut State, dev: i32) -> bool {
     server_ready(st) && plain_driver_ignores_tickets(dev)
 }
 
+/// Start the ticket socket if it does not serve yet (for `fdshare`); whether it serves.
+pub(super) fn ensure_server() -> bool {
+    let mut st = lock();
+    server_ready(&mut st)
+}
+
 /// Start the ticket socket on first use; whether it serves.
 fn server_ready(st: &mut State) -> bool {
     if st.ipc.server.is_none() {
@@ -616,6 +623,9 @@ fn admitted(uid: u32) -> bool {
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
     if !admitted(peer) {
         return Err(Refusal::Forbidden);
+    }
+    if id == super::fdshare::GETFD_ID {
+        return super::fdshare::serve(nonce);
     }
     let mut st = lock();
     let Some(&(dev, base, n)) = st.ipc.by_id.get(&id) else {

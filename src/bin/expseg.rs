@@ -225,7 +225,7 @@ fn check_pidfd(r: &mut Report) {
     };
     r.add(
         "pidfd_getfd",
-        format!("{} (ptrace_scope {scope}); expseg passes descriptors over a Unix socket and does not need it", if permitted { "permitted" } else { "denied" }),
+        format!("{} (ptrace_scope {scope}); expseg passes descriptors over a Unix socket and does not need it, and where the kernel denies PyTorch's pidfd_getfd it serves the request when both processes run expseg", if permitted { "permitted" } else { "denied" }),
         Verdict::Info,
     );
 }

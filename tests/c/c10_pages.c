@@ -4,11 +4,17 @@
  * driver_api.cpp; pages are 20 MiB; map() creates, maps and sets access per batch; unmap()
  * unmaps and releases page by page. "Device" memory is host memory (the fake driver). */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -66,6 +72,53 @@ int expandable(const char* what) {
   import_ = get("cuMemImportFromShareableHandle"); retain = get("cuMemRetainAllocationHandle");
   props = get("cuMemGetAllocationPropertiesFromHandle");
   if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
+  if (!strcmp(what, "consume_fd")) {
+    /* torch.multiprocessing's consumer: the producer's descriptor by pidfd_getfd (PRODUCER_PID,
+     * PRODUCER_FD); the page behind it must hold 'B'. Then a descriptor the producer never
+     * exported (SECRET_FD) must stay out of reach. */
+    int pid = atoi(getenv("PRODUCER_PID")), pfd = atoi(getenv("PRODUCER_FD")), sfd = atoi(getenv("SECRET_FD"));
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    errno = 0;
+    int got = (int)syscall(SYS_pidfd_getfd, pidfd, pfd, 0);
+    int err = got < 0 ? errno : 0, data = 0;
+    if (got >= 0) {
+      char* p = mmap(0, PAGE, PROT_READ, MAP_SHARED, got, 0);
+      data = p != MAP_FAILED && holds(p, 1);
+    }
+    errno = 0;
+    int secret = (int)syscall(SYS_pidfd_getfd, pidfd, sfd, 0);
+    printf("getfd_ok=%d getfd_errno=%d data_ok=%d secret_fd=%d secret_errno=%d\n", got >= 0, err, data, secret >= 0, secret < 0 ? errno : 0);
+    return 0;
+  }
+  if (!strcmp(what, "share_fd") || !strcmp(what, "share_fd_nodump")) {
+    /* torch.multiprocessing's producer: a page exported as a POSIX descriptor, its number and
+     * the process id sent to a consumer (a child that execs, so it runs expseg afresh), which
+     * takes the descriptor with pidfd_getfd. share_fd_nodump makes the producer non-dumpable
+     * first: the kernel then refuses everyone without CAP_SYS_PTRACE. */
+    if (grow(0, 2)) return 3;
+    fill(0); fill(1);
+    int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
+    int secret = open("/proc/self/status", O_RDONLY);
+    if (er || fd < 0 || secret < 0) { printf("export_rc=%d\n", er); return 3; }
+    if (!strcmp(what, "share_fd_nodump")) prctl(PR_SET_DUMPABLE, 0);
+    char b[3][32];
+    snprintf(b[0], 32, "%d", getpid()); snprintf(b[1], 32, "%d", fd); snprintf(b[2], 32, "%d", secret);
+    setenv("PRODUCER_PID", b[0], 1); setenv("PRODUCER_FD", b[1], 1); setenv("SECRET_FD", b[2], 1);
+    fflush(stdout);
+    pid_t c = fork();
+    if (c == 0) {
+      char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+      if (n <= 0) _exit(4);
+      self[n] = 0;
+      Dl_info di; char lib[4096] = "libc10_cuda.so";
+      if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
+      execl(self, self, lib, "consume_fd", (char*)0);
+      _exit(5);
+    }
+    int st = 0; waitpid(c, &st, 0);
+    printf("consumer_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : 128);
+    return 0;
+  }
   if (!strcmp(what, "oom")) {
     /* Pages until the driver has none: as many as fit natively, then out of memory (2). */
     Prop p = prop(); int n = 0; CUresult r = 0;
