@@ -19,3 +19,18 @@ EXPSEG_CACHE_MAX=64G LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache64G.txt" 
 EXPSEG_CACHE_MAX=0 EXPSEG_MAX_CHUNK=2G LD_PRELOAD="$lib" "$out/bench_alloc" >"$out/bench_cache0_chunk2G.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 "$here/bench_report.py" "$out" | tee "$out/bench_table.md"
+# CuPy (static runtime: seen only through driver-level interposition), memory pool off:
+# median microseconds per allocate+free pair, native against expseg in the same run.
+if python3 -c 'import cupy' 2>/dev/null; then
+  python3 "$here/bench_cupy.py" >"$out/cupy_native.json"
+  LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cupy.txt" python3 "$here/bench_cupy.py" >"$out/cupy_expseg.json"
+  python3 - "$out/cupy_native.json" "$out/cupy_expseg.json" <<'PY' | tee -a "$out/bench_table.md"
+import json, sys
+n, e = (json.load(open(f)) for f in sys.argv[1:3])
+print("\n| CuPy, pool off (us per pair) | native | expseg | ratio |\n| --- | ---: | ---: | ---: |")
+for k in n:
+    print(f"| {k} | {n[k]} | {e[k]} | {e[k] / n[k]:.2f}x |")
+PY
+else
+  echo "CuPy column skipped: cupy not installed"
+fi

@@ -103,6 +103,19 @@ if [ -x "$build/driver_test" ]; then
   done
 fi
 
+# CuPy (static runtime): arrays from the pool, ipcGetMemHandle to plain and expseg consumers.
+if python3 -c 'import cupy' 2>/dev/null; then
+  for consumer in - "$lib"; do
+    name=cupy_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
+    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" python3 "$here/cupy_test.py" run "$consumer" >"$logs/$name.log" 2>&1
+    rc=$?
+    grep -q '"allocs":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
+    result "$name" $rc "$(grep '^{' "$logs/$name.log" | head -c 400)"
+  done
+else
+  echo "SKIP cupy: not installed"
+fi
+
 # Threads sharing allocations while in use: 8 threads, 10,000 operations, every word checked.
 nvcc -O2 -cudart shared -o "$build/ipc_stress" "$here/ipc_stress.cu" -lpthread >>"$logs/build.log" 2>&1
 result build_ipc_stress $? ""
