@@ -116,6 +116,18 @@ else
   echo "SKIP cupy: not installed"
 fi
 
+# JAX (platform allocator) and numba-cuda: results under expseg equal the native run's.
+for fw in jax numba; do
+  python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_native.log" 2>&1
+  if grep -q '^SKIP' "$logs/${fw}_native.log"; then echo "$(grep '^SKIP' "$logs/${fw}_native.log")"; continue; fi
+  EXPSEG_REPORT="$logs/${fw}_report.txt" LD_PRELOAD="$lib" python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_expseg.log" 2>&1
+  rc=$?
+  a=$(grep '^digest' "$logs/${fw}_native.log"); b=$(grep '^digest' "$logs/${fw}_expseg.log")
+  [ -n "$a" ] && [ "$a" = "$b" ] || rc=1
+  grep -q '"allocs":[1-9]' "$logs/${fw}_report.txt.json" 2>/dev/null || { echo "    $fw: report shows no pool allocations"; rc=1; }
+  result "${fw}_same_results_under_expseg" $rc "$b"
+done
+
 # Threads sharing allocations while in use: 8 threads, 10,000 operations, every word checked.
 nvcc -O2 -cudart shared -o "$build/ipc_stress" "$here/ipc_stress.cu" -lpthread >>"$logs/build.log" 2>&1
 result build_ipc_stress $? ""

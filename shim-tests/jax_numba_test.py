@@ -1,0 +1,60 @@
+"""JAX and numba-cuda under expseg (issue 11): a small deterministic computation each, whose
+result digest shim-tests/run.sh compares between a native run and a run under expseg.
+
+    python3 jax_numba_test.py jax|numba
+Prints "digest <hex>" (or "SKIP <why>"); JAX uses XLA_PYTHON_CLIENT_ALLOCATOR=platform so that
+every buffer is a driver allocation of its own."""
+import hashlib
+import os
+import sys
+
+
+def numba_run():
+    try:
+        import numpy as np
+        from numba import cuda
+    except ImportError as e:
+        return f"SKIP numba: {e}"
+
+    @cuda.jit
+    def axpy(a, x, y, out):
+        i = cuda.grid(1)
+        if i < out.size:
+            out[i] = a * x[i] + y[i]
+
+    h = hashlib.sha256()
+    rng = np.random.default_rng(0)
+    for mib in [2, 16, 64, 256]:
+        n = (mib << 20) // 4
+        x = cuda.to_device(rng.standard_normal(n, dtype=np.float32))
+        y = cuda.to_device(rng.standard_normal(n, dtype=np.float32))
+        out = cuda.device_array(n, dtype=np.float32)
+        axpy[(n + 255) // 256, 256](np.float32(1.5), x, y, out)
+        h.update(out.copy_to_host().tobytes())
+        del x, y, out
+    return "digest " + h.hexdigest()
+
+
+def jax_run():
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError as e:
+        return f"SKIP jax: {e}"
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return "SKIP jax: no GPU backend"
+    h = hashlib.sha256()
+    key = jax.random.PRNGKey(0)
+    for n in [256, 1024, 4096]:
+        key, k1, k2 = jax.random.split(key, 3)
+        a = jax.random.normal(k1, (n, n), dtype=jnp.float32)
+        b = jax.random.normal(k2, (n, n), dtype=jnp.float32)
+        c = jnp.tanh(a @ b / n).sum(axis=0)
+        h.update(jax.device_get(c).tobytes())
+    return "digest " + h.hexdigest()
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "numba"
+    print(numba_run() if which == "numba" else jax_run())
