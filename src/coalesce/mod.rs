@@ -107,6 +107,9 @@ impl<D: Driver> Driver for Timed<D> {
     fn synchronize(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.synchronize())
     }
+    fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {
+        self.count(Op::Sync.index(), |d| d.synchronize_peer(dev))
+    }
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<OwnedFd> {
         self.inner.export_fd(h)
     }
@@ -1039,6 +1042,12 @@ impl<D: Driver> Coalescer<D> {
             .next()
             .map(|v| self.pages[v].props)
             .unwrap_or_default();
+        // Kernels of other devices given access (PyTorch's peers) may be reading the live
+        // pages: they finish before the pages move, as this device's do in copy_out.
+        let me = self.drv.device();
+        for (d, _) in acc.iter().filter(|(d, _)| *d != me) {
+            self.drv.synchronize_peer(*d)?;
+        }
         let mut w = Work::default();
         if let Err(e) = self.copy_out(handle, size, base, &groups, props, &own, &mut w) {
             self.undo(&mut w);

@@ -121,6 +121,39 @@ fn partial_release_is_compacted_with_data_intact() {
 }
 
 #[test]
+fn a_compaction_waits_for_peer_devices_and_keeps_their_access() {
+    // PyTorch gives peers access to its pages (addPeer): their kernels may read the live
+    // pages, so they are waited for before the pages move, and keep access after.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert!(c.set_access(va, 8 * PAGE, &[(1, RW)]).unwrap());
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    assert!(c.driver().peers_synced.is_empty());
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().peers_synced, vec![1], "device 1 was waited for");
+    for at in [va, va + 6 * PAGE] {
+        assert!(c.driver().is_accessible(at, 2 * PAGE, 0));
+        assert!(
+            c.driver().is_accessible(at, 2 * PAGE, 1),
+            "the peer keeps access"
+        );
+    }
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    // A peer that cannot be waited for stops the compaction before anything moved.
+    let hs2 = grow(&mut c, va + 2 * PAGE, 4).unwrap();
+    assert!(c.set_access(va + 2 * PAGE, 4 * PAGE, &[(1, RW)]).unwrap());
+    fill(&mut c, va + 2 * PAGE, 4);
+    shrink(&mut c, va + 3 * PAGE, &hs2[1..3]);
+    let used = c.driver().used();
+    c.driver_mut().fail(Op::Sync, DrvError(700));
+    c.settle(false);
+    assert_eq!(c.driver().used(), used, "nothing moved");
+    assert!(intact(&c, va, 3) && intact(&c, va + 5 * PAGE, 3));
+}
+
+#[test]
 fn mapping_over_a_ghost_compacts_first() {
     let mut k = cfg();
     k.strand_max = u64::MAX; // never on its own

@@ -386,6 +386,13 @@ impl Driver for CudaDriver {
         }
     }
 
+    fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {
+        match runtime::synchronize_device(dev) {
+            0 => Ok(()),
+            e => Err(rt(e)),
+        }
+    }
+
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<OwnedFd> {
         let f = self
             .t

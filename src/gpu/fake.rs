@@ -61,6 +61,8 @@ pub struct FakeDriver {
     pub reserve_floor: u64,
     /// calls per operation, in `Op::ALL` order
     pub calls: [u64; Op::ALL.len()],
+    /// Other devices waited for (`synchronize_peer`), in order.
+    pub peers_synced: Vec<i32>,
     inject: Vec<(Op, DrvError)>,
 }
 
@@ -80,6 +82,7 @@ impl FakeDriver {
             legacy_placement: Placement::SharedLowHeap,
             reserve_floor: VA_BASE,
             calls: [0; Op::ALL.len()],
+            peers_synced: Vec::new(),
             inject: Vec::new(),
         }
     }
@@ -489,6 +492,12 @@ impl Driver for FakeDriver {
 
     fn synchronize(&mut self) -> DrvResult<()> {
         self.enter(Op::Sync)
+    }
+
+    fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {
+        self.enter(Op::Sync)?;
+        self.peers_synced.push(dev);
+        Ok(())
     }
 
     fn create_as(&mut self, size: u64, _props: super::PageProps) -> DrvResult<ChunkHandle> {

@@ -142,6 +142,9 @@ pub trait Driver {
     fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle>;
     /// Wait for all work on the device.
     fn synchronize(&mut self) -> DrvResult<()>;
+    /// Wait for all work on another device `dev`: one that was given access to this device's
+    /// memory (peer access), whose kernels may be reading it.
+    fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()>;
 
     /// A POSIX file descriptor for a chunk, for another process to import (IPC tickets).
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<std::os::fd::OwnedFd>;
