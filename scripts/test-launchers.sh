@@ -1,42 +1,210 @@
 #!/usr/bin/env bash
-# Checks, without a GPU, that processes started by launchers under scripts/expseg-run carry
-# the library: mpirun ranks and Ray workers of a wrapped `ray start`. Each part is skipped
-# (with a line saying so) when its launcher is not installed. Run by .ci/run.
+# The launch recipes of docs/launching.md, run without a GPU: plain LD_PRELOAD, expseg-run,
+# torchrun, accelerate launch, Ray (runtime_env env_vars, and a wrapped `ray start`), Slurm
+# (expseg-srun, srun --export, the expseg.sbatch template), mpirun, and the installed forms
+# (`python -m expseg --lib`, `expseg run`, `expseg srun`). Run by .ci/run.
 #     scripts/test-launchers.sh [path/to/libexpseg.so]
+#
+# Every process a launcher starts runs launcher-standins/probe.py, which prints its rank, its
+# LD_PRELOAD and EXPSEG_* variables, the libexpseg.so that /proc/self/maps shows loaded, and
+# the status of one cudaMalloc through the tests' fake CUDA runtime (tests/c), so that a process
+# under expseg also writes its exit report; launcher-standins/verify.py checks those lines (and
+# the report files) and names what is wrong.
+#
+# Where a launcher is installed, the real one runs (PASS ... [real]). Where it is not, a
+# stand-in from launcher-standins/ does, one that starts processes with the environment the
+# real launcher gives them (PASS ... [stand-in]); each stand-in's header says what it keeps of
+# the real launcher. Real Slurm runs only inside an allocation (SLURM_JOB_ID set); sbatch is
+# always the stand-in (a test must not queue jobs). mpirun has no stand-in: skipped if absent.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-export EXPSEG_LIB=$(readlink -f "${1:-${EXPSEG_LIB:-$here/../target/debug/libexpseg.so}}")
-export EXPSEG_REPORT=none
-[ -f "$EXPSEG_LIB" ] || { echo "FAIL: $EXPSEG_LIB missing"; exit 1; }
+root=$(cd "$here/.." && pwd)
+standins=$here/launcher-standins
+lib=$(readlink -f "${1:-${EXPSEG_LIB:-$root/target/debug/libexpseg.so}}")
+[ -f "$lib" ] || { echo "FAIL: $lib missing"; echo "0 passed, 1 failed"; exit 1; }
+export EXPSEG_LIB=$lib
+unset EXPSEG_REPORT EXPSEG_REPORT_DIR LD_PRELOAD PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF RAY_ADDRESS
+work=$(mktemp -d)
+trap 'ray_stop; rm -rf "$work"' EXIT
+ray_stop() { [ -n "${ray_cmd:-}" ] && PATH=$ray_path timeout 60 ray stop --force >/dev/null 2>&1; ray_cmd=; }
 passed=0 failed=0
-check() { if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1"; else failed=$((failed + 1)); echo "FAIL $1"; fi; }
+check() { # NAME KIND RC [DETAIL]
+  if [ "$3" = 0 ]; then
+    passed=$((passed + 1)); echo "PASS $1 [$2]"
+  else
+    failed=$((failed + 1)); echo "FAIL $1 [$2]${4:+: $4}"
+  fi
+}
+py=$(command -v python3)
+probe=$standins/probe.py
+# verify OUT ARGS...: verify.py's verdict as the exit status, its complaint (and the output's
+# tail when no process reported) in $why.
+verify() {
+  local out=$1; shift
+  why=$("$py" "$standins/verify.py" "$out" --lib "$lib" "$@" 2>&1)
+  local r=$?
+  [ $r = 0 ] || why="$why | output: $(grep -v '^PROBE' "$out" | tail -n 4 | tr '\n' ' ')"
+  return $r
+}
+# newdir NAME: an empty directory for one check, and cd into it.
+newdir() { mkdir -p "$work/$1" && cd "$work/$1"; }
+# use NAME: PATH on which NAME is the real launcher if installed, else the stand-in; $kind says which.
+use() {
+  if command -v "$1" >/dev/null; then kind=real; path=$PATH; else kind=stand-in; path=$standins/bin:$PATH; fi
+}
 
+# The fake CUDA runtime of the preload tests, found through its rpath: no LD_LIBRARY_PATH, so
+# the launchers themselves (PyTorch's, Ray's) never see it.
+mkdir -p "$work/fakes"
+(cd "$work/fakes" &&
+  cc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o libcuda.so.1 "$root/tests/c/fake_cuda.c" &&
+  cc -shared -fPIC -O1 -Wl,-soname,libcudart.so.13 "-Wl,--version-script=$root/tests/c/cudart.map" \
+    "-Wl,-rpath,$work/fakes" -o libcudart.so.13 "$root/tests/c/fake_cudart.c" ./libcuda.so.1) >"$work/fakes.log" 2>&1
+check "fake CUDA runtime builds" real $? "$(tail -3 "$work/fakes.log")"
+export PROBE_CUDART=$work/fakes/libcudart.so.13
+
+# 1. Plain LD_PRELOAD, the user's own report path.
+newdir plain
+EXPSEG_REPORT=$PWD/r-%p.txt LD_PRELOAD=$lib "$py" "$probe" >out 2>&1
+verify out --n 1 --report "$PWD/r-%p.txt" --files
+check "LD_PRELOAD=\$lib python3: loaded, serves cudaMalloc, writes its report" real $? "$why"
+
+# 2. expseg-run: LD_PRELOAD, per-rank reports in ./expseg-reports, PyTorch's allocator setting.
+newdir run
+"$here/expseg-run" "$py" "$probe" >out 2>&1
+verify out --n 1 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
+check "expseg-run python3: library, EXPSEG_REPORT=./expseg-reports/rank%r-pid%p.txt, expandable segments" real $? "$why"
+
+# 3. torchrun under expseg-run: every worker.
+use torchrun
+newdir torchrun
+PATH=$path "$here/expseg-run" torchrun --standalone --nproc-per-node 2 "$probe" >out 2>&1
+verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
+check "expseg-run torchrun --nproc-per-node 2: both workers under expseg, one report per rank" $kind $? "$why"
+
+# 4. accelerate launch under expseg-run (--multi_gpu: accelerate hands over to torchrun's launcher).
+use accelerate
+newdir accelerate
+PATH=$path "$here/expseg-run" accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
+  --mixed_precision no --dynamo_backend no "$probe" >out 2>&1
+verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
+check "expseg-run accelerate launch --num_processes 2: both processes under expseg" $kind $? "$why"
+
+# 5, 6. Ray. The driver does not run under expseg in either: only the workers must.
+if "$py" -c 'import ray' 2>/dev/null && command -v ray >/dev/null; then
+  kind=real; ray_path=$PATH; ray_py=
+else
+  kind=stand-in; ray_path=$standins/bin:$PATH; ray_py=$standins/python
+fi
+cat >"$work/ray_driver.py" <<'PY'
+# python3 ray_driver.py ADDRESS LIB|- PROBE TASKS: TASKS tasks, each runs probe.py's code in its
+# worker and returns what it printed. LIB: given to every worker through runtime_env env_vars.
+import os, sys
+import ray
+address, lib, probe, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+kw = {}
+if address == "local" and not ray.__version__.endswith("standin"):
+    kw = dict(num_cpus=2, include_dashboard=False, log_to_driver=False)
+if lib != "-":
+    kw["runtime_env"] = {"env_vars": {"LD_PRELOAD": lib, "EXPSEG_REPORT": os.environ["RAY_REPORT"]}}
+ray.init(address=None if address == "local" else address, **kw)
+
+@ray.remote
+def run_probe(src):
+    import contextlib, io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(src, {"__name__": "__main__"})
+    return buf.getvalue()
+
+src = open(probe).read()
+print("".join(ray.get([run_probe.remote(src) for _ in range(n)])), end="")
+ray.shutdown()
+PY
+newdir ray-runtime-env
+RAY_REPORT=$PWD/ray-%p.txt PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
+  timeout 180 "$py" "$work/ray_driver.py" local "$lib" "$probe" 3 >out 2>&1
+# Ray ends its workers with a signal at shutdown: no exit reports to look for.
+verify out --n 3 --report "$PWD/ray-%p.txt"
+check "ray.init(runtime_env={\"env_vars\": {\"LD_PRELOAD\": lib}}): every task's worker under expseg" $kind $? "$why"
+
+newdir ray-start
+ray_cmd=1
+export RAY_STANDIN_DIR=$work/ray-standin
+PATH=$ray_path timeout 180 "$here/expseg-run" ray start --head --num-cpus 2 --include-dashboard=false \
+  --temp-dir "$work/ray" >start.log 2>&1
+r=$?
+PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
+  timeout 180 "$py" "$work/ray_driver.py" auto - "$probe" 2 >out 2>&1
+verify out --n 2 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --torch || r=1
+[ $r = 0 ] || why="$why | ray start: $(tail -n 3 start.log | tr '\n' ' ')"
+ray_stop
+check "expseg-run ray start --head; ray.init(address=\"auto\"): workers of the node under expseg" $kind $? "$why"
+
+# 7. Slurm: expseg-srun, every task through expseg-run with a rank-local report name.
+if command -v srun >/dev/null && [ -n "${SLURM_JOB_ID:-}" ]; then kind=real; path=$PATH; else kind=stand-in; path=$standins/bin:$PATH; fi
+newdir srun
+PATH=$path "$here/expseg-srun" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >out 2>&1
+verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
+check "expseg-srun -N 1 --ntasks-per-node=2 -- python3: every task under expseg, rank<i>-local<j> reports" $kind $? "$why"
+"$py" "$here/expseg-report-merge" expseg-reports >merge.out 2>&1
+grep -q '| all |' merge.out
+check "expseg-report-merge expseg-reports: one table of the tasks' reports" real $? "$(head -n 3 merge.out | tr '\n' ' ')"
+
+newdir srun-export
+PATH=$path srun -n 2 --export="ALL,LD_PRELOAD=$lib,EXPSEG_REPORT=$PWD/rank%r-pid%p.txt" "$py" "$probe" >out 2>&1
+verify out --n 2 --ranks --report "$PWD/rank%r-pid%p.txt" --files
+check "srun -n 2 --export=ALL,LD_PRELOAD=\$lib: every task under expseg" $kind $? "$why"
+
+# 8. The sbatch template, as a user runs it: EXPSEG_HOME at this checkout, the job line as is
+# (python train.py). sbatch is the stand-in, always; srun the one chosen above.
+newdir sbatch
+cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
+mkdir -p bin && ln -s "$py" bin/python
+EXPSEG_HOME=$root PATH=$work/sbatch/bin:$path \
+  "$py" "$standins/bin/sbatch" job.sbatch >out 2>&1
+r=$?
+verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch || r=1
+grep -q "^PROBE .* reportdir=$PWD/expseg-reports-[0-9]* " out && grep -q '| all |' out || { r=1; why="$why | no report dir or merged table"; }
+check "sbatch scripts/expseg.sbatch: tasks under expseg, reports in ./expseg-reports-\$SLURM_JOB_ID, merged" "stand-in sbatch, $kind srun" $r "$why"
+
+# 9. mpirun (Open MPI): no stand-in.
 if command -v mpirun >/dev/null; then
-  out=$("$here/expseg-run" mpirun --allow-run-as-root --oversubscribe -np 2 sh -c 'echo "rank=$OMPI_COMM_WORLD_RANK preload=$LD_PRELOAD"' 2>&1)
-  [ "$(echo "$out" | grep -c "preload=$EXPSEG_LIB")" = 2 ]
-  check "mpirun: both ranks run under expseg" $?
+  newdir mpirun
+  "$here/expseg-run" mpirun --allow-run-as-root --oversubscribe -np 2 "$py" "$probe" >out 2>&1
+  verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files
+  check "expseg-run mpirun -np 2: both ranks under expseg" real $? "$why"
 else
   echo "SKIP mpirun: not installed"
 fi
 
-if python3 -c 'import ray' 2>/dev/null; then
-  tmp=$(mktemp -d)
-  cat >"$tmp/task.py" <<'PY'
-import os, ray
-ray.init(address="auto", log_to_driver=False)
-@ray.remote
-def preload():
-    return os.environ.get("LD_PRELOAD", "")
-print("workers:", ray.get([preload.remote() for _ in range(2)]))
-PY
-  timeout 120 "$here/expseg-run" ray start --head --num-cpus 2 --include-dashboard=false --temp-dir "$tmp/ray" >"$tmp/start.log" 2>&1
-  out=$(timeout 120 python3 "$tmp/task.py" 2>&1)
-  ray stop --force >/dev/null 2>&1
-  [ "$(echo "$out" | grep -o "$EXPSEG_LIB" | wc -l)" = 2 ]
-  check "ray: workers of a wrapped ray start run under expseg" $?
-  rm -rf "$tmp"
-else
-  echo "SKIP ray: not installed"
-fi
+# 10. The installed forms, from a copy of the package laid out as the wheel installs it
+# (expseg/_lib/ holds the library and the launchers), with no EXPSEG_LIB: the launchers must
+# find the installed library themselves.
+site=$work/site
+mkdir -p "$site/expseg/_lib"
+cp "$root"/python/expseg/*.py "$site/expseg/" 2>/dev/null
+cp "$lib" "$here/expseg-run" "$here/expseg-srun" "$here/expseg-report-merge" "$site/expseg/_lib/"
+ilib=$site/expseg/_lib/libexpseg.so
+newdir installed
+got=$(env -u EXPSEG_LIB PYTHONPATH=$site "$py" -m expseg --lib 2>&1)
+[ "$got" = "$ilib" ]
+check "python3 -m expseg --lib prints the installed library" real $? "$got"
+use torchrun
+env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path EXPSEG_REPORT="$PWD/a-rank%r-pid%p.txt" \
+  bash -c 'LD_PRELOAD=$(python3 -m expseg --lib) exec torchrun --nproc-per-node 2 "$0"' "$probe" >out 2>&1
+lib=$ilib verify out --n 2 --ranks --report "$PWD/a-rank%r-pid%p.txt" --files
+check "LD_PRELOAD=\$(python3 -m expseg --lib) torchrun --nproc-per-node 2" $kind $? "$why"
+newdir installed-run
+env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path "$py" -m expseg run torchrun --nproc-per-node 2 "$probe" >out 2>&1
+lib=$ilib verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
+check "expseg-run torchrun (installed: python3 -m expseg run, what the expseg-run command runs)" $kind $? "$why"
+if command -v srun >/dev/null && [ -n "${SLURM_JOB_ID:-}" ]; then kind=real; path=$PATH; else kind=stand-in; path=$standins/bin:$PATH; fi
+newdir installed-srun
+env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path "$py" -m expseg srun -N 1 --ntasks-per-node=2 -- "$py" "$probe" >out 2>&1
+lib=$ilib verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
+check "expseg-srun (installed: python3 -m expseg srun) -N 1 --ntasks-per-node=2" $kind $? "$why"
+
+cd "$root"
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
