@@ -1,0 +1,56 @@
+"""Checks the PROBE lines (probe.py) that a launcher's processes printed, for
+scripts/test-launchers.sh. Prints what is wrong (nothing when all is right); exit 1 if anything.
+    verify.py OUTPUT_FILE --n N --lib LIB [--ranks] [--report TEMPLATE] [--files] [--torch]
+--n: how many processes; --ranks: their ranks are 0..N-1 (and local ranks set); --lib: the
+library every process must have in LD_PRELOAD and loaded (/proc/self/maps), and its fake cudaMalloc
+must succeed; --report: each process's EXPSEG_REPORT, with {rank}, {local} and {reportdir}
+filled in per process; --files: the exit report (TEMPLATE with %r, %p expanded, and .json) was
+written; --torch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as expseg-run sets it."""
+import argparse
+import os
+import re
+import sys
+
+a = argparse.ArgumentParser()
+a.add_argument("output")
+a.add_argument("--n", type=int, required=True)
+a.add_argument("--lib", required=True)
+a.add_argument("--ranks", action="store_true")
+a.add_argument("--report")
+a.add_argument("--files", action="store_true")
+a.add_argument("--torch", action="store_true")
+o = a.parse_args()
+lib = os.path.realpath(o.lib)
+probes = []
+# Split at each "PROBE " too: a line another process wrote into the middle of ours stays whole.
+for chunk in re.split(r"(?=PROBE rank=)", open(o.output, errors="replace").read()):
+    if chunk.startswith("PROBE rank="):
+        probes.append(dict(kv.split("=", 1) for kv in chunk.splitlines()[0].split()[1:] if "=" in kv))
+errors = []
+if len(probes) != o.n:
+    errors.append(f"{len(probes)} processes reported, want {o.n}")
+if o.ranks and sorted(p["rank"] for p in probes) != [str(i) for i in range(o.n)]:
+    errors.append(f"ranks {sorted(p['rank'] for p in probes)}, want 0..{o.n - 1}")
+for p in probes:
+    who = f"rank {p['rank']} (pid {p['pid']})"
+    preload = p["preload"].replace(" ", ":").split(":")
+    if not any(e and os.path.exists(e) and os.path.realpath(e) == lib for e in preload):
+        errors.append(f"{who}: LD_PRELOAD={p['preload']} lacks {lib}")
+    if p["mapped"] == "-" or os.path.realpath(p["mapped"]) != lib:
+        errors.append(f"{who}: {lib} not loaded (maps: {p['mapped']})")
+    if p["cuda"] != "0":
+        errors.append(f"{who}: cudaMalloc on the fake runtime returned {p['cuda']}")
+    if o.torch and p["alloc"] != "expandable_segments:True":
+        errors.append(f"{who}: PYTORCH_CUDA_ALLOC_CONF={p['alloc']}")
+    if o.report:
+        want = o.report.replace("{rank}", p["rank"]).replace("{local}", p["local"]).replace("{reportdir}", p["reportdir"])
+        if p["report"] != want:
+            errors.append(f"{who}: EXPSEG_REPORT={p['report']}, want {want}")
+        elif o.files:
+            rank = p["rank"] if p["rank"] != "-" else "0"
+            path = want.replace("%r", rank).replace("%p", p["pid"])
+            for f in (path, path + ".json"):
+                if not os.path.isfile(f):
+                    errors.append(f"{who}: no exit report {f}")
+print("; ".join(errors))
+sys.exit(1 if errors else 0)
