@@ -104,6 +104,8 @@ pub unsafe extern "C" fn cuMemCreate(
 
 pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let f = real_or!(cuMemRelease);
+    // Descriptors exported for this page are no longer served (PyTorch closes them with it).
+    let _ = catch_unwind(|| crate::api::fdshare::released(h));
     match catch_unwind(|| vmm::release(h)) {
         Ok(Some(c)) => c,
         Ok(None) => f(h),
@@ -186,7 +188,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     const POSIX_FD: u32 = 1;
     if r == 0 && kind == POSIX_FD && !out.is_null() {
         let fd = *(out as *const c_int);
-        let _ = catch_unwind(|| crate::api::fdshare::exported(fd));
+        let _ = catch_unwind(|| crate::api::fdshare::exported(fd, h));
     }
     r
 }

@@ -1534,6 +1534,10 @@ fn torch_multiprocessing_descriptors_reach_consumers_whose_pidfd_getfd_is_denied
         "{}",
         r.stderr()
     );
+    // Once PyTorch released the page, its descriptor is not served any more.
+    assert_eq!(r.get("r2_consumer_exit"), "0");
+    assert_eq!(r.get("r2_getfd_ok"), "0", "{}", r.stderr());
+    assert_eq!(r.get("r2_getfd_errno"), libc::EPERM.to_string());
 
     // The same without expseg: the kernel's refusal is what PyTorch would see (so the test
     // above can fail).

@@ -8,8 +8,9 @@
 //! `pidfd_getfd` is answered by the producer over its ticket socket instead:
 //!
 //! - the producer serves only descriptors its PyTorch exported through expseg's
-//!   `cuMemExportToShareableHandle`, and only while the number still names the same open file
-//!   (device and inode compared), so no other descriptor of the process can be had this way;
+//!   `cuMemExportToShareableHandle`, only until PyTorch releases that page (`cuMemRelease`,
+//!   beside which it closes the descriptor), and only while the number still names a file with
+//!   the same device and inode, so no other descriptor of the process can be had this way;
 //! - the consumer asks only after the kernel said no (`EPERM`), connects only to the socket of
 //!   its own user (directory owner and mode checked), and accepts only an answer from the very
 //!   process it asked about (`SO_PEERCRED`: uid and pid);
@@ -29,8 +30,8 @@ pub const GETFD_ID: u32 = u32::MAX;
 /// Descriptors remembered at most; older numbers are checked again before they are served.
 const KEPT_MAX: usize = 1 << 16;
 
-/// Exported descriptor number -> (device, inode) of the file it named then.
-static EXPORTED: Mutex<Option<HashMap<i32, (u64, u64)>>> = Mutex::new(None);
+/// Exported descriptor number -> (page handle, (device, inode) of the file it named then).
+static EXPORTED: Mutex<Option<HashMap<i32, (u64, (u64, u64))>>> = Mutex::new(None);
 
 /// Device and inode of the open file `fd` names, if it is open.
 fn identity(fd: i32) -> Option<(u64, u64)> {
@@ -43,21 +44,29 @@ fn identity(fd: i32) -> Option<(u64, u64)> {
     Some((md.dev(), md.ino()))
 }
 
-/// PyTorch's `cuMemExportToShareableHandle` gave it descriptor `fd`: remember it, and make
-/// sure the socket serves.
-pub fn exported(fd: i32) {
+/// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
+/// remember it, and make sure the socket serves.
+pub fn exported(fd: i32, handle: u64) {
     let Some(id) = identity(fd) else { return };
     {
         let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
         let map = g.get_or_insert_with(HashMap::new);
         if map.len() >= KEPT_MAX {
-            map.retain(|f, i| identity(*f) == Some(*i));
+            map.retain(|f, (_, i)| identity(*f) == Some(*i));
         }
         if map.len() < KEPT_MAX {
-            map.insert(fd, id);
+            map.insert(fd, (handle, id));
         }
     }
     super::ipc::ensure_server();
+}
+
+/// PyTorch releases page `handle`: its descriptors are closed with it and never served again.
+pub fn released(handle: u64) {
+    let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(map) = g.as_mut() {
+        map.retain(|_, (h, _)| *h != handle);
+    }
 }
 
 /// The producer's answer to a request for descriptor `fd` (on a socket thread; the peer's uid
@@ -70,7 +79,7 @@ pub fn serve(fd: u64) -> Decision {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
-        .and_then(|m| m.get(&fd).copied());
+        .and_then(|m| m.get(&fd).map(|(_, id)| *id));
     match known {
         Some(id) if identity(fd) == Some(id) => {}
         Some(_) => return Err(Refusal::Stale),

@@ -87,7 +87,9 @@ int expandable(const char* what) {
     }
     errno = 0;
     int secret = (int)syscall(SYS_pidfd_getfd, pidfd, sfd, 0);
-    printf("getfd_ok=%d getfd_errno=%d data_ok=%d secret_fd=%d secret_errno=%d\n", got >= 0, err, data, secret >= 0, secret < 0 ? errno : 0);
+    const char* r = getenv("ROUND") ? getenv("ROUND") : "";
+    printf("%sgetfd_ok=%d %sgetfd_errno=%d %sdata_ok=%d %ssecret_fd=%d %ssecret_errno=%d\n", r, got >= 0, r, err, r, data, r,
+           secret >= 0, r, secret < 0 ? errno : 0);
     return 0;
   }
   if (!strcmp(what, "share_fd") || !strcmp(what, "share_fd_nodump")) {
@@ -104,19 +106,24 @@ int expandable(const char* what) {
     char b[3][32];
     snprintf(b[0], 32, "%d", getpid()); snprintf(b[1], 32, "%d", fd); snprintf(b[2], 32, "%d", secret);
     setenv("PRODUCER_PID", b[0], 1); setenv("PRODUCER_FD", b[1], 1); setenv("SECRET_FD", b[2], 1);
-    fflush(stdout);
-    pid_t c = fork();
-    if (c == 0) {
-      char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-      if (n <= 0) _exit(4);
-      self[n] = 0;
-      Dl_info di; char lib[4096] = "libc10_cuda.so";
-      if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
-      execl(self, self, lib, "consume_fd", (char*)0);
-      _exit(5);
+    /* Round 1: the page is live. Round 2: PyTorch released the page (the descriptor number
+     * still names the same file here): nothing is served any more. */
+    for (int round = 1; round <= 2; round++) {
+      if (round == 2) { if (unmap(va + PAGE, PAGE) || release(h[1])) return 3; setenv("ROUND", "r2_", 1); }
+      fflush(stdout);
+      pid_t c = fork();
+      if (c == 0) {
+        char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (n <= 0) _exit(4);
+        self[n] = 0;
+        Dl_info di; char lib[4096] = "libc10_cuda.so";
+        if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
+        execl(self, self, lib, "consume_fd", (char*)0);
+        _exit(5);
+      }
+      int st = 0; waitpid(c, &st, 0);
+      printf("%sconsumer_exit=%d\n", round == 2 ? "r2_" : "", WIFEXITED(st) ? WEXITSTATUS(st) : 128);
     }
-    int st = 0; waitpid(c, &st, 0);
-    printf("consumer_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : 128);
     return 0;
   }
   if (!strcmp(what, "oom")) {
