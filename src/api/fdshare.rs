@@ -30,11 +30,14 @@ pub const GETFD_ID: u32 = u32::MAX;
 /// Descriptors remembered at most; older numbers are checked again before they are served.
 const KEPT_MAX: usize = 1 << 16;
 
-/// Exported descriptor number -> (page handle, (device, inode) of the file it named then).
-static EXPORTED: Mutex<Option<HashMap<i32, (u64, (u64, u64))>>> = Mutex::new(None);
+/// Device and inode of an open file.
+type FileId = (u64, u64);
+
+/// Exported descriptor number -> (page handle, the file it named then).
+static EXPORTED: Mutex<Option<HashMap<i32, (u64, FileId)>>> = Mutex::new(None);
 
 /// Device and inode of the open file `fd` names, if it is open.
-fn identity(fd: i32) -> Option<(u64, u64)> {
+fn identity(fd: i32) -> Option<FileId> {
     if fd < 0 {
         return None;
     }
@@ -100,7 +103,7 @@ pub fn serve(fd: u64) -> Decision {
     ))
 }
 
-fn identity_of(f: &OwnedFd) -> Option<(u64, u64)> {
+fn identity_of(f: &OwnedFd) -> Option<FileId> {
     use std::os::fd::AsRawFd;
     identity(f.as_raw_fd())
 }
