@@ -263,7 +263,9 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_REPORT",
         set: |c, v| {
-            c.report = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            // `none` is off, as for expseg-run (a file named "none" is `./none`).
+            let v = v.trim();
+            c.report = (!v.is_empty() && v != "none").then(|| v.to_string());
             Ok(())
         },
         show: |c| c.report.clone().unwrap_or_default(),
@@ -506,6 +508,8 @@ mod tests {
         assert_eq!(c.passthrough_below, 0);
         assert_eq!(c.cache_max, 16 * GIB);
         assert_eq!(c.report.as_deref(), Some("/tmp/r-%p.txt"));
+        let (c, bad) = with(&[("EXPSEG_REPORT", "none")]);
+        assert!(bad.is_empty() && c.report.is_none(), "none is off, as for expseg-run");
     }
 
     #[test]
