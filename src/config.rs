@@ -509,7 +509,10 @@ mod tests {
         assert_eq!(c.cache_max, 16 * GIB);
         assert_eq!(c.report.as_deref(), Some("/tmp/r-%p.txt"));
         let (c, bad) = with(&[("EXPSEG_REPORT", "none")]);
-        assert!(bad.is_empty() && c.report.is_none(), "none is off, as for expseg-run");
+        assert!(
+            bad.is_empty() && c.report.is_none(),
+            "none is off, as for expseg-run"
+        );
     }
 
     #[test]
