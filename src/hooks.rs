@@ -23,7 +23,9 @@ struct Guard;
 impl Guard {
     fn enter() -> Option<Guard> {
         INSIDE
-            .try_with(|i| (!i.replace(true)).then_some(Guard))
+            // No Guard may be built for a thread already inside: dropped at once, it would
+            // clear the flag of the outer hook.
+            .try_with(|i| if i.replace(true) { None } else { Some(Guard) })
             .ok()
             .flatten()
     }
@@ -374,4 +376,24 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nested_entry_leaves_the_outer_guard_in_force() {
+        let outer = Guard::enter().expect("first entry");
+        assert!(
+            Guard::enter().is_none(),
+            "nested entry takes the plain path"
+        );
+        assert!(
+            Guard::enter().is_none(),
+            "and does not clear the flag for the next one"
+        );
+        drop(outer);
+        assert!(Guard::enter().is_some());
+    }
 }
