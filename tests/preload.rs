@@ -1674,6 +1674,20 @@ fn driver_hooks_pass_through_when_off_and_catch_panics() {
         ("0".into(), "0".into())
     );
     assert_eq!(r.get("info_free_mib"), "100");
+    // The driver API alone off: its calls are the driver's, the runtime's still served.
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["direct"],
+        &[("EXPSEG_DRIVER_API", "0")],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("alloc_rc"), r.get("pooled"), r.get("info_free_mib")),
+        ("0".into(), "0".into(), "100".into())
+    );
+    let r = run("simple", &[("EXPSEG_DRIVER_API", "0")]).ok();
+    assert_eq!(r.get("to_runtime"), "0");
     let r = run_in(
         &fixture().dir,
         "static_prog",

@@ -343,13 +343,14 @@ pub fn is_shared_runtime_file(path: &[u8]) -> bool {
 /// `cuMemAlloc_v2` of a driver caller (a program linking `libcuda`, a statically linked
 /// runtime reaching the driver through `cuGetProcAddress`): the same pool and threshold as
 /// `cudaMalloc`, for callers whose current context is a device's primary context. Everything
-/// else (no or another context, small sizes, no VMM) is the driver's own call.
+/// else (no or another context, small sizes, no VMM, `EXPSEG_DRIVER_API=0`) is the driver's
+/// own call.
 pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
     let c = config();
     if c.test_panic("cuMemAlloc_v2") {
         panic!("EXPSEG_TEST_PANIC=cuMemAlloc_v2");
     }
-    if bypass() || size == 0 || (size as u64) < c.passthrough_below {
+    if bypass() || !c.driver_api || size == 0 || (size as u64) < c.passthrough_below {
         return pass_alloc_drv(size);
     }
     let Ok(t) = real::driver() else {
@@ -402,7 +403,7 @@ pub fn cuMemFree(ptr: u64) -> Answer<u32> {
 /// `cuMemGetInfo_v2`: as `cudaMemGetInfo`, for the device whose primary context is current
 /// (another context gets the driver's answer alone). Returns the bytes to add to `free`.
 pub fn cuMemGetInfo() -> u64 {
-    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+    if bypass() || !config().driver_api || !STATE_STARTED.load(Ordering::Acquire) {
         return 0;
     }
     let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
