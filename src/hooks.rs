@@ -291,6 +291,43 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) 
     })
 }
 
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut u64,
+    pitch: *mut size_t,
+    width: size_t,
+    height: size_t,
+    elem: c_uint,
+) -> u32 {
+    let Some(_g) = Guard::enter().filter(|_| !dptr.is_null() && !pitch.is_null()) else {
+        return next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+    };
+    // The driver's pitch for this width: one row of it, freed again.
+    let probe = || {
+        let (mut p, mut row) = (0u64, 0 as size_t);
+        match next_driver::cuMemAllocPitch_v2(&mut p, &mut row, width, 1, elem) {
+            0 => {
+                next_driver::cuMemFree_v2(p);
+                Ok(row)
+            }
+            e => Err(e),
+        }
+    };
+    driver_boundary("cuMemAllocPitch_v2", || {
+        match api::cuMemAllocPitch(width, height, probe) {
+            Answer::Done(Ok((p, row))) => {
+                *dptr = p;
+                *pitch = row;
+                0
+            }
+            Answer::Done(Err(e)) => e,
+            Answer::PassThrough => {
+                next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
+            }
+        }
+    })
+}
+
 /// The driver allocation hook for a looked-up `name` (the base name with `version`, as
 /// `cuGetProcAddress` takes it, or the versioned symbol name), if the caller at `caller` may
 /// have it: a shared runtime (`libcudart*.so*`) always gets the driver's own function,
@@ -307,6 +344,8 @@ fn driver_hook_for(
         b"cuMemAlloc" if version >= 3020 => cuMemAlloc_v2 as *mut c_void,
         b"cuMemFree" if version >= 3020 => cuMemFree_v2 as *mut c_void,
         b"cuMemGetInfo" if version >= 3020 => cuMemGetInfo_v2 as *mut c_void,
+        b"cuMemAllocPitch" if version >= 3020 => cuMemAllocPitch_v2 as *mut c_void,
+        b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *mut c_void,
         b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
         b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
@@ -483,6 +522,7 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
         b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
+        b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *mut c_void,
         _ => return None,
     })
 }
@@ -491,7 +531,7 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
 /// driver's allocation functions are withheld from shared runtimes (see `driver_hook_for`).
 pub fn driver_lookup_allowed(name: &[u8], caller: usize) -> bool {
     match name {
-        b"cuMemAlloc_v2" | b"cuMemFree_v2" | b"cuMemGetInfo_v2" => {
+        b"cuMemAlloc_v2" | b"cuMemFree_v2" | b"cuMemGetInfo_v2" | b"cuMemAllocPitch_v2" => {
             driver_hook_for(name, c_int::MAX, || Some(caller)).is_some()
         }
         _ => true,

@@ -226,6 +226,7 @@ next_driver! {
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
     cuMemFree_v2(dptr: u64);
     cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t);
+    cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut size_t, width: size_t, height: size_t, elem: c_uint);
     cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64);
     cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_void);
 }

@@ -1536,6 +1536,25 @@ fn driver_calls_are_served_like_runtime_calls(r: &Run) {
     assert_eq!(r.get("oom_rc"), "2", "CUDA_ERROR_OUT_OF_MEMORY");
     assert_eq!(r.get("null_out_rc"), "1", "the driver's answer");
     assert_eq!(
+        (r.get("pitch_rc"), r.get("pitch"), r.get("pitch_pooled")),
+        ("0".into(), "3072".into(), "1".into()),
+        "the driver's pitch, pitch x height from the pool"
+    );
+    assert_eq!(r.get("pitch_probes"), "1", "one row asked of the driver");
+    assert_eq!(
+        (r.get("pitch_data_ok"), r.get("pitch_free_rc")),
+        ("1".into(), "0".into())
+    );
+    assert_eq!(
+        (
+            r.get("small_pitch_rc"),
+            r.get("small_pitch"),
+            r.get("small_pitch_to_driver")
+        ),
+        ("0".into(), "512".into(), "1".into())
+    );
+    assert_eq!(r.get("bad_elem_rc"), "1", "the driver's own answer");
+    assert_eq!(
         (r.get("own_ctx_rc"), r.get("own_ctx_to_driver")),
         ("0".into(), "1".into()),
         "a context of the program's own passes through"
@@ -1572,8 +1591,8 @@ fn cu_get_proc_address_gives_the_hooks_for_every_version_and_flag() {
     let r = run_in(&fixture().dir, "drv", &["getproc"], &[]).ok();
     assert_eq!(
         (r.get("getproc_all_hooks"), r.get("lookups")),
-        ("1".into(), "108".into()),
-        "cuGetProcAddress and _v2, versions 3020 to 13000, flags 0 to 2"
+        ("1".into(), "144".into()),
+        "cuGetProcAddress and _v2, four functions, versions 3020 to 13000, flags 0 to 2"
     );
     assert_eq!(r.get("old_version_is_driver"), "1");
     assert_eq!(r.get("getproc_of_getproc_is_hook"), "1");

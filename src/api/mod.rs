@@ -370,7 +370,40 @@ pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
     }
 }
 
-fn pass_alloc_drv(size: usize) -> Answer<Result<u64, u32>> {
+/// `cuMemAllocPitch_v2`: as `cuMemAlloc_v2` for `pitch × height` bytes, where `pitch` is the
+/// driver's own for this width and element size (`probe` asks it, with a one-row allocation
+/// it frees again); a probe that fails, like every other case `cuMemAlloc` passes through,
+/// leaves the call to the driver, whose answer is then exact.
+pub fn cuMemAllocPitch(
+    width: usize,
+    height: usize,
+    probe: impl FnOnce() -> Result<usize, u32>,
+) -> Answer<Result<(u64, usize), u32>> {
+    let c = config();
+    let least = width.saturating_mul(height);
+    if bypass() || !c.driver_api || least == 0 || (least as u64) < c.passthrough_below {
+        return pass_alloc_drv(least);
+    }
+    let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
+        return pass_alloc_drv(least);
+    };
+    let Ok(pitch) = probe() else {
+        return pass_alloc_drv(least);
+    };
+    let Some(size) = pitch.checked_mul(height) else {
+        return pass_alloc_drv(least);
+    };
+    match serve(dev, size) {
+        Served::Ptr(p) => {
+            GLOBAL.driver_allocs.add(1);
+            Answer::Done(Ok((p, pitch)))
+        }
+        Served::OutOfMemory => Answer::Done(Err(DRV_OUT_OF_MEMORY)),
+        Served::Pass => pass_alloc_drv(size),
+    }
+}
+
+fn pass_alloc_drv<T>(size: usize) -> Answer<T> {
     GLOBAL.passthrough_allocs.add(1);
     GLOBAL.passthrough_alloc_bytes.add(size as u64);
     Answer::PassThrough

@@ -13,6 +13,7 @@ typedef void* CUcontext;
 typedef CUresult (*AllocFn)(uint64_t*, size_t);
 typedef CUresult (*FreeFn)(uint64_t);
 typedef CUresult (*InfoFn)(size_t*, size_t*);
+typedef CUresult (*PitchFn)(uint64_t*, size_t*, size_t, size_t, unsigned);
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext*, int);
 CUresult cuCtxSetCurrent(CUcontext);
@@ -21,6 +22,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext*);
 CUresult cuMemAlloc_v2(uint64_t*, size_t);
 CUresult cuMemFree_v2(uint64_t);
 CUresult cuMemGetInfo_v2(size_t*, size_t*);
+CUresult cuMemAllocPitch_v2(uint64_t*, size_t*, size_t, size_t, unsigned);
 CUresult cuGetProcAddress(const char*, void**, int, unsigned long long);
 CUresult cuGetProcAddress_v2(const char*, void**, int, unsigned long long, int*);
 long fakecu_count(const char*);
@@ -35,7 +37,7 @@ static int holds(uint64_t p, size_t n, unsigned char v) {
   return c[n - 1] == v;
 }
 
-static int exercise(AllocFn A, FreeFn F, InfoFn I) {
+static int exercise(AllocFn A, FreeFn F, InfoFn I, PitchFn P) {
   CUcontext c;
   CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0 && cuCtxSetCurrent(c) == 0);
   uint64_t p = 0, q = 0, s = 0, o = 0;
@@ -61,6 +63,21 @@ static int exercise(AllocFn A, FreeFn F, InfoFn I) {
   printf("unknown_free_rc=%d double_free_rc=%d\n", rc, F(q));
   printf("oom_rc=%d\n", A(&o, 2048 * MIB));
   printf("null_out_rc=%d\n", A(0, 4 * MIB));
+  /* Pitched: the driver's pitch (one probe row), pitch x height bytes from the pool. */
+  uint64_t pp = 0; size_t pitch = 0;
+  creates = fakecu_count("cuMemCreate"); allocs = fakecu_count("cuMemAlloc_v2");
+  long pitches = fakecu_count("cuMemAllocPitch_v2");
+  rc = P(&pp, &pitch, 3000, 2048, 4);
+  printf("pitch_rc=%d pitch=%zu pitch_pooled=%d pitch_probes=%ld\n", rc, pitch,
+         fakecu_count("cuMemCreate") - creates == 1 && fakecu_count("cuMemAlloc_v2") == allocs, fakecu_count("cuMemAllocPitch_v2") - pitches);
+  memset((void*)(uintptr_t)pp, 0x77, pitch * 2048);
+  int held = holds(pp, pitch * 2048, 0x77);
+  printf("pitch_data_ok=%d pitch_free_rc=%d\n", held, F(pp));
+  pitches = fakecu_count("cuMemAllocPitch_v2");
+  rc = P(&pp, &pitch, 100, 10, 4);
+  printf("small_pitch_rc=%d small_pitch=%zu small_pitch_to_driver=%ld\n", rc, pitch, fakecu_count("cuMemAllocPitch_v2") - pitches);
+  CHECK(F(pp) == 0);
+  printf("bad_elem_rc=%d\n", P(&pp, &pitch, 3000, 2048, 3));
   /* A context of the program's own: the driver's memory and answers, untouched. */
   CUcontext mine;
   CHECK(cuCtxCreate_v2(&mine, 0, 0) == 0);
@@ -87,17 +104,17 @@ static int by_dlsym(void) {
   printf("dlsym_v1_is_driver=%d\n", drvsym("cuMemAlloc") == fakecu_real("cuMemAlloc"));
   printf("dlsym_getproc_is_hook=%d\n", drvsym("cuGetProcAddress") == dlsym(RTLD_DEFAULT, "cuGetProcAddress") &&
          drvsym("cuGetProcAddress_v2") == dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
-  return exercise(a, (FreeFn)drvsym("cuMemFree_v2"), (InfoFn)drvsym("cuMemGetInfo_v2"));
+  return exercise(a, (FreeFn)drvsym("cuMemFree_v2"), (InfoFn)drvsym("cuMemGetInfo_v2"), (PitchFn)drvsym("cuMemAllocPitch_v2"));
 }
 
 static int by_getproc(void) {
-  static const char* names[] = {"cuMemAlloc", "cuMemFree", "cuMemGetInfo"};
-  static const char* hooks[] = {"cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2"};
+  static const char* names[] = {"cuMemAlloc", "cuMemFree", "cuMemGetInfo", "cuMemAllocPitch"};
+  static const char* hooks[] = {"cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2"};
   static const int versions[] = {3020, 4000, 11000, 12000, 12080, 13000};
   CUresult (*v1)(const char*, void**, int, unsigned long long) = cuGetProcAddress;
   CUresult (*v2)(const char*, void**, int, unsigned long long, int*) = cuGetProcAddress_v2;
   int all = 1, n = 0;
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 4; k++) {
     void* hook = dlsym(RTLD_DEFAULT, hooks[k]);
     CHECK(hook && hook != fakecu_real(hooks[k]));
     for (size_t v = 0; v < sizeof versions / sizeof versions[0]; v++)
@@ -118,14 +135,15 @@ static int by_getproc(void) {
   printf("getproc_of_getproc_is_hook=%d\n", g12 == dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2") && g11 == dlsym(RTLD_DEFAULT, "cuGetProcAddress"));
   /* The entry points a CUDA 12 static runtime would use: through the _v2 it was given. */
   v2 = (CUresult (*)(const char*, void**, int, unsigned long long, int*))g12;
-  void *a = 0, *fr = 0, *i = 0;
-  CHECK(v2("cuMemAlloc", &a, 12080, 2, &st) == 0 && v2("cuMemFree", &fr, 12080, 2, &st) == 0 && v2("cuMemGetInfo", &i, 12080, 2, &st) == 0);
-  return exercise((AllocFn)a, (FreeFn)fr, (InfoFn)i);
+  void *a = 0, *fr = 0, *i = 0, *p = 0;
+  CHECK(v2("cuMemAlloc", &a, 12080, 2, &st) == 0 && v2("cuMemFree", &fr, 12080, 2, &st) == 0 && v2("cuMemGetInfo", &i, 12080, 2, &st) == 0 &&
+        v2("cuMemAllocPitch", &p, 12080, 2, &st) == 0);
+  return exercise((AllocFn)a, (FreeFn)fr, (InfoFn)i, (PitchFn)p);
 }
 
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "";
-  if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2);
+  if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2, cuMemAllocPitch_v2);
   if (!strcmp(s, "dlsym")) return by_dlsym();
   if (!strcmp(s, "getproc")) return by_getproc();
   return 2;

@@ -26,9 +26,9 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 #define GRAN (2u << 20)
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_NCOUNT };
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2"};
+                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -124,6 +124,15 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t n) {
   *out = (CUdeviceptr)(uintptr_t)m; return 0;
 }
 CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) { count(C_ALLOC); return mem_alloc(out, n); }
+/* Rows padded to 512 bytes; element sizes 4, 8 or 16 only, as the real driver's. */
+CUresult cuMemAllocPitch_v2(CUdeviceptr* out, size_t* pitch, size_t w, size_t h, unsigned elem) {
+  count(C_PITCH);
+  if (!out || !pitch || w == 0 || h == 0 || (elem != 4 && elem != 8 && elem != 16)) return 1;
+  size_t p = (w + 511) & ~(size_t)511;
+  CUresult r = mem_alloc(out, p * h);
+  if (!r) *pitch = p;
+  return r;
+}
 /* The pre-3020 entry point (32-bit pointer and size): counted on its own; it only reports. */
 CUresult cuMemAlloc(unsigned* out, unsigned n) { (void)out; (void)n; count(C_ALLOC_V1); return 1; }
 CUresult cuMemFree_v2(CUdeviceptr dp) {
@@ -349,7 +358,7 @@ static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuDevicePrimaryCtxGetState", 7000, (void*)cuDevicePrimaryCtxGetState},
   {"cuDeviceGet", 0, (void*)cuDeviceGet}, {"cuDeviceGetCount", 0, (void*)cuDeviceGetCount}, {"cuDeviceGetAttribute", 0, (void*)cuDeviceGetAttribute},
   {"cuMemAlloc", 0, (void*)cuMemAlloc}, {"cuMemAlloc", 3020, (void*)cuMemAlloc_v2}, {"cuMemFree", 3020, (void*)cuMemFree_v2},
-  {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2},
+  {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2}, {"cuMemAllocPitch", 3020, (void*)cuMemAllocPitch_v2},
 #ifndef NO_VMM
   {"cuMemGetAddressRange", 3020, (void*)cuMemGetAddressRange_v2}, {"cuPointerGetAttribute", 4000, (void*)cuPointerGetAttribute},
   {"cuMemGetAllocationGranularity", 10020, (void*)cuMemGetAllocationGranularity}, {"cuMemCreate", 10020, (void*)cuMemCreate},
@@ -379,6 +388,7 @@ void* fakecu_real(const char* sym) {
   if (!strcmp(sym, "cuMemAlloc")) return (void*)cuMemAlloc;
   if (!strcmp(sym, "cuMemFree_v2")) return (void*)cuMemFree_v2;
   if (!strcmp(sym, "cuMemGetInfo_v2")) return (void*)cuMemGetInfo_v2;
+  if (!strcmp(sym, "cuMemAllocPitch_v2")) return (void*)cuMemAllocPitch_v2;
   if (!strcmp(sym, "cuGetProcAddress")) return (void*)cuGetProcAddress;
   if (!strcmp(sym, "cuGetProcAddress_v2")) return (void*)cuGetProcAddress_v2;
   return 0;
