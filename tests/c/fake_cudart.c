@@ -1,8 +1,9 @@
 /* A fake libcudart.so.13 (versioned symbols, like the real one) for expseg's preload tests.
- * Like the real runtime it reaches the driver through cuGetProcAddress: dlsym finds
- * cuGetProcAddress in libcuda.so.1, which gives cuGetProcAddress_v2 (version 12000), which
- * gives cuMemAlloc, cuMemFree and cuMemGetInfo; cudaMalloc, cudaFree and cudaMemGetInfo call
- * those. It binds the primary context as the real runtime does. Counters are read by the
+ * Like the real runtime (traced: CUDA 13's libcudart.so.13) it reaches the driver through
+ * cuGetProcAddress: dlsym finds cuGetProcAddress_v2 in libcuda.so.1, which gives
+ * cuGetProcAddress (version 12000) and, at 3020, cuMemAlloc, cuMemFree and cuMemGetInfo;
+ * cudaMalloc, cudaFree and cudaMemGetInfo call those. (The old cuGetProcAddress is looked up
+ * with dlsym too, and must work alike.) It binds the primary context as the real runtime does. Counters are read by the
  * tests through fakert_count(); fakert_driver_fn() tells which functions it got. */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -47,11 +48,14 @@ static struct {
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 static void drv_load(void) {
   void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  GetProc2 v2 = l ? (GetProc2)dlsym(l, "cuGetProcAddress_v2") : 0;
   GetProc1 v1 = l ? (GetProc1)dlsym(l, "cuGetProcAddress") : 0;
-  if (!v1 || v1("cuGetProcAddress", (void**)&drv.get_proc, 12000, 0)) abort();
+  void* again = 0;
   int st = 0;
-  if (drv.get_proc("cuMemAlloc", (void**)&drv.alloc, 13000, 0, &st) || drv.get_proc("cuMemFree", (void**)&drv.free, 13000, 0, &st) ||
-      drv.get_proc("cuMemGetInfo", (void**)&drv.info, 13000, 0, &st)) abort();
+  if (!v1 || !v2 || v1("cuGetProcAddress", &again, 12000, 0) || v2("cuGetProcAddress", (void**)&drv.get_proc, 12000, 0, &st) ||
+      again != (void*)drv.get_proc) abort();
+  if (drv.get_proc("cuMemAlloc", (void**)&drv.alloc, 3020, 0, &st) || drv.get_proc("cuMemFree", (void**)&drv.free, 3020, 0, &st) ||
+      drv.get_proc("cuMemGetInfo", (void**)&drv.info, 3020, 0, &st)) abort();
 }
 static void load(void) { pthread_once(&drv_once, drv_load); }
 /* The driver function the runtime got for a base name (tests compare it with the driver's). */

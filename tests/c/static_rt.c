@@ -1,7 +1,8 @@
 /* A fake *statically linked* CUDA runtime, compiled into the program as nvcc's default
- * (-cudart static) does: there is no libcudart.so. It reaches the driver as the real one does:
- * dlopen libcuda.so.1, dlsym cuGetProcAddress, ask it for cuGetProcAddress_v2 (version
- * 12000), and get every other driver function through that. */
+ * (-cudart static) does: there is no libcudart.so. It reaches the driver as the real one does
+ * (traced: CUDA 13's libcudart_static.a): dlopen libcuda.so.1, dlsym cuGetProcAddress_v2, ask
+ * it for cuGetProcAddress (version 12000) and use that, and get every other driver function
+ * through it, the allocation functions at version 3020. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -10,7 +11,6 @@
 
 typedef int CUresult;
 typedef void* CUcontext;
-typedef CUresult (*GetProc1)(const char*, void**, int, unsigned long long);
 typedef CUresult (*GetProc2)(const char*, void**, int, unsigned long long, int*);
 static struct {
   GetProc2 get_proc;
@@ -23,17 +23,18 @@ static struct {
   CUresult (*info)(size_t*, size_t*);
 } d;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static void* get(const char* name) {
+static void* get(const char* name, int version) {
   void* f = 0; int st = 0;
-  if (d.get_proc(name, &f, 12080, 0, &st) || !f) abort();
+  if (d.get_proc(name, &f, version, 0, &st) || !f) abort();
   return f;
 }
 static void load(void) {
   void* l = dlopen("libcuda.so.1", RTLD_NOW);
-  GetProc1 v1 = l ? (GetProc1)dlsym(l, "cuGetProcAddress") : 0;
-  if (!v1 || v1("cuGetProcAddress", (void**)&d.get_proc, 12000, 0)) abort();
-  d.init = get("cuInit"); d.current = get("cuCtxGetCurrent"); d.retain = get("cuDevicePrimaryCtxRetain");
-  d.set = get("cuCtxSetCurrent"); d.alloc = get("cuMemAlloc"); d.free = get("cuMemFree"); d.info = get("cuMemGetInfo");
+  d.get_proc = l ? (GetProc2)dlsym(l, "cuGetProcAddress_v2") : 0;
+  if (!d.get_proc) abort();
+  d.get_proc = get("cuGetProcAddress", 12000);
+  d.init = get("cuInit", 2000); d.current = get("cuCtxGetCurrent", 4000); d.retain = get("cuDevicePrimaryCtxRetain", 7000);
+  d.set = get("cuCtxSetCurrent", 4000); d.alloc = get("cuMemAlloc", 3020); d.free = get("cuMemFree", 3020); d.info = get("cuMemGetInfo", 3020);
 }
 /* Initialise the driver and make device 0's primary context current, as the runtime does. */
 static void bind(void) {
