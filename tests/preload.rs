@@ -1564,6 +1564,15 @@ fn driver_calls_are_served_like_runtime_calls(r: &Run) {
         (r.get("own_ctx_free_rc"), r.get("own_ctx_free_to_driver")),
         ("0".into(), "1".into())
     );
+    assert_eq!(
+        (
+            r.get("pool_free_in_own_ctx_rc"),
+            r.get("synced"),
+            r.get("to_driver")
+        ),
+        ("0".into(), "1".into(), "0".into()),
+        "pool memory freed from another context: the pool's, after the primary context's wait"
+    );
     assert_eq!(r.stderr(), "");
 }
 

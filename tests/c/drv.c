@@ -19,6 +19,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext*, int);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxCreate_v2(CUcontext*, unsigned, int);
 CUresult cuCtxPopCurrent_v2(CUcontext*);
+CUresult cuCtxGetCurrent(CUcontext*);
 CUresult cuMemAlloc_v2(uint64_t*, size_t);
 CUresult cuMemFree_v2(uint64_t);
 CUresult cuMemGetInfo_v2(size_t*, size_t*);
@@ -79,6 +80,8 @@ static int exercise(AllocFn A, FreeFn F, InfoFn I, PitchFn P) {
   CHECK(F(pp) == 0);
   printf("bad_elem_rc=%d\n", P(&pp, &pitch, 3000, 2048, 3));
   /* A context of the program's own: the driver's memory and answers, untouched. */
+  uint64_t kept = 0;
+  CHECK(A(&kept, 4 * MIB) == 0);
   CUcontext mine;
   CHECK(cuCtxCreate_v2(&mine, 0, 0) == 0);
   creates = fakecu_count("cuMemCreate"); allocs = fakecu_count("cuMemAlloc_v2"); frees = fakecu_count("cuMemFree_v2");
@@ -88,6 +91,13 @@ static int exercise(AllocFn A, FreeFn F, InfoFn I, PitchFn P) {
   printf("own_ctx_info_free_mib=%zu\n", fr >> 20);
   rc = F(o);
   printf("own_ctx_free_rc=%d own_ctx_free_to_driver=%ld\n", rc, fakecu_count("cuMemFree_v2") - frees);
+  /* Pool memory freed while another context is current: still the pool's, after a wait in
+   * the primary context (pushed for it). */
+  syncs = fakecu_count("cuCtxSynchronize"); frees = fakecu_count("cuMemFree_v2");
+  rc = F(kept);
+  printf("pool_free_in_own_ctx_rc=%d synced=%ld to_driver=%ld\n", rc, fakecu_count("cuCtxSynchronize") - syncs, fakecu_count("cuMemFree_v2") - frees);
+  CUcontext cur = 0;
+  CHECK(cuCtxGetCurrent(&cur) == 0 && cur == mine);
   CHECK(cuCtxPopCurrent_v2(&mine) == 0);
   return 0;
 }
