@@ -418,7 +418,16 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
 /// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
 /// the functions it interposes, so programs that fetch driver functions at run time
 /// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too.
-unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+///
+/// PyTorch's VMM hooks are handed out only by the runtime's entry point API
+/// (`runtime_api`), never by `cuGetProcAddress`: the runtime itself, NCCL and Triton look
+/// their VMM functions up there and must keep the driver's (docs/contract.md).
+unsafe fn redirect_entry_point(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    runtime_api: bool,
+) {
     if symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
         return;
     }
@@ -433,7 +442,7 @@ unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, ver
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         _ => match driver_hook_for(name, version, crate::vmm_hooks::caller_pc) {
             Some(p) => p,
-            None => match crate::vmm_hooks::for_caller(name) {
+            None => match crate::vmm_hooks::for_caller(name).filter(|_| runtime_api) {
                 Some(p) => p,
                 None => return,
             },
@@ -452,7 +461,7 @@ pub unsafe extern "C" fn cuGetProcAddress(
 ) -> u32 {
     let r = next_driver::cuGetProcAddress(symbol, pfn, version, flags);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version);
+        redirect_entry_point(symbol, pfn, version, false);
     }
     r
 }
@@ -467,7 +476,7 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> u32 {
     let r = next_driver::cuGetProcAddress_v2(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version);
+        redirect_entry_point(symbol, pfn, version, false);
     }
     r
 }
@@ -481,7 +490,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPoint(symbol, pfn, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, i32::MAX);
+        redirect_entry_point(symbol, pfn, i32::MAX, true);
     }
     r
 }
@@ -496,7 +505,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version as c_int);
+        redirect_entry_point(symbol, pfn, version as c_int, true);
     }
     r
 }

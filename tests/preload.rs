@@ -1605,7 +1605,17 @@ fn cu_get_proc_address_gives_the_hooks_for_every_version_and_flag() {
     );
     assert_eq!(r.get("old_version_is_driver"), "1");
     assert_eq!(r.get("getproc_of_getproc_is_hook"), "1");
+    assert_eq!(r.get("vmm_lookup_is_driver"), "1");
     driver_calls_are_served_like_runtime_calls(&r);
+    // PyTorch's page hooks come only from the runtime's entry point API, even with `all`.
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["getproc"],
+        &[("EXPSEG_COALESCE", "all")],
+    )
+    .ok();
+    assert_eq!(r.get("vmm_lookup_is_driver"), "1");
 }
 
 #[test]

@@ -142,6 +142,9 @@ static int by_getproc(void) {
   printf("old_version_is_driver=%d\n", f == fakecu_real("cuMemAlloc"));
   void *g12 = 0, *g11 = 0;
   CHECK(v1("cuGetProcAddress", &g12, 12000, 0) == 0 && v1("cuGetProcAddress", &g11, 11000, 0) == 0);
+  void* create = 0;
+  CHECK(v2("cuMemCreate", &create, 12000, 0, &st) == 0);
+  printf("vmm_lookup_is_driver=%d\n", create == fakecu_real("cuMemCreate"));
   printf("getproc_of_getproc_is_hook=%d\n", g12 == dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2") && g11 == dlsym(RTLD_DEFAULT, "cuGetProcAddress"));
   /* The entry points a CUDA 12 static runtime would use: through the _v2 it was given. */
   v2 = (CUresult (*)(const char*, void**, int, unsigned long long, int*))g12;

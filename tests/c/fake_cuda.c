@@ -391,5 +391,8 @@ void* fakecu_real(const char* sym) {
   if (!strcmp(sym, "cuMemAllocPitch_v2")) return (void*)cuMemAllocPitch_v2;
   if (!strcmp(sym, "cuGetProcAddress")) return (void*)cuGetProcAddress;
   if (!strcmp(sym, "cuGetProcAddress_v2")) return (void*)cuGetProcAddress_v2;
+#ifndef NO_VMM
+  if (!strcmp(sym, "cuMemCreate")) return (void*)cuMemCreate;
+#endif
   return 0;
 }
