@@ -258,7 +258,7 @@ pub enum Answer<T> {
     PassThrough,
 }
 
-fn pass_alloc(size: usize) -> Answer<Result<u64, i32>> {
+fn pass_alloc<T>(size: usize) -> Answer<T> {
     GLOBAL.passthrough_allocs.add(1);
     GLOBAL.passthrough_alloc_bytes.add(size as u64);
     Answer::PassThrough
@@ -351,14 +351,14 @@ pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
         panic!("EXPSEG_TEST_PANIC=cuMemAlloc_v2");
     }
     if bypass() || !c.driver_api || size == 0 || (size as u64) < c.passthrough_below {
-        return pass_alloc_drv(size);
+        return pass_alloc(size);
     }
     let Ok(t) = real::driver() else {
         drop(ensure_state());
-        return pass_alloc_drv(size);
+        return pass_alloc(size);
     };
     let Some(dev) = cuda::primary_device(t) else {
-        return pass_alloc_drv(size);
+        return pass_alloc(size);
     };
     match serve(dev, size) {
         Served::Ptr(p) => {
@@ -366,7 +366,7 @@ pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
             Answer::Done(Ok(p))
         }
         Served::OutOfMemory => Answer::Done(Err(DRV_OUT_OF_MEMORY)),
-        Served::Pass => pass_alloc_drv(size),
+        Served::Pass => pass_alloc(size),
     }
 }
 
@@ -382,16 +382,16 @@ pub fn cuMemAllocPitch(
     let c = config();
     let least = width.saturating_mul(height);
     if bypass() || !c.driver_api || least == 0 || (least as u64) < c.passthrough_below {
-        return pass_alloc_drv(least);
+        return pass_alloc(least);
     }
     let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
-        return pass_alloc_drv(least);
+        return pass_alloc(least);
     };
     let Ok(pitch) = probe() else {
-        return pass_alloc_drv(least);
+        return pass_alloc(least);
     };
     let Some(size) = pitch.checked_mul(height) else {
-        return pass_alloc_drv(least);
+        return pass_alloc(least);
     };
     match serve(dev, size) {
         Served::Ptr(p) => {
@@ -399,14 +399,8 @@ pub fn cuMemAllocPitch(
             Answer::Done(Ok((p, pitch)))
         }
         Served::OutOfMemory => Answer::Done(Err(DRV_OUT_OF_MEMORY)),
-        Served::Pass => pass_alloc_drv(size),
+        Served::Pass => pass_alloc(size),
     }
-}
-
-fn pass_alloc_drv<T>(size: usize) -> Answer<T> {
-    GLOBAL.passthrough_allocs.add(1);
-    GLOBAL.passthrough_alloc_bytes.add(size as u64);
-    Answer::PassThrough
 }
 
 /// `cuMemFree_v2`: a live pool allocation goes back to the pool after waiting for its
