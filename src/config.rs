@@ -44,6 +44,9 @@ pub struct Config {
     /// segments: callers of the runtime's driver entry points in `libc10_cuda`), `all` (every
     /// caller of those entry points), `off`.
     pub coalesce: Coalesce,
+    /// `EXPSEG_DRIVER_API`: serve the driver's allocation calls (`cuMemAlloc_v2` of programs
+    /// that reach the driver themselves: static runtimes, driver API users) from the pool.
+    pub driver_api: bool,
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,
     /// `EXPSEG_STRAND_MAX`: bytes of released pages a partly live handle may hold before it
@@ -98,6 +101,7 @@ impl Default for Config {
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
+            driver_api: true,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
             // and holds a churn step's largest tensors (0.6 GiB) whole.
             coalesce_max: GIB,
@@ -157,6 +161,11 @@ const VARS: &[Var] = &[
             _ => Err("0 (no limit) or a size of at least 2M, such as 512M or 2G"),
         },
         show: |c| fmt_size(c.max_chunk),
+    },
+    Var {
+        name: "EXPSEG_DRIVER_API",
+        set: |c, v| parse_bool(v).map(|b| c.driver_api = b),
+        show: |c| c.driver_api.to_string(),
     },
     Var {
         name: "EXPSEG_COALESCE",
@@ -501,9 +510,11 @@ mod tests {
             ("EXPSEG_PASSTHROUGH_BELOW", "0"),
             ("EXPSEG_CACHE_MAX", "16G"),
             ("EXPSEG_REPORT", "/tmp/r-%p.txt"),
+            ("EXPSEG_DRIVER_API", "0"),
         ]);
         assert!(bad.is_empty(), "{bad:?}");
         assert!(c.disabled);
+        assert!(!c.driver_api);
         assert_eq!(c.log, "expseg=debug,info");
         assert_eq!(c.passthrough_below, 0);
         assert_eq!(c.cache_max, 16 * GIB);

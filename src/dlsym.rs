@@ -73,10 +73,16 @@ struct LinkMap {
     l_name: *const c_char,
 }
 
-/// expseg's replacement for `name` looked up in `handle`, or null for "ask the real dlsym".
-/// Called by the trampoline for every `dlsym` in the process: it makes no `dlsym` call, takes
-/// no lock, allocates nothing.
-extern "C" fn expseg_dlsym_redirect(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+/// expseg's replacement for `name` looked up in `handle` by code at `caller` (the `dlsym`
+/// call's return address), or null for "ask the real dlsym". Called by the trampoline for
+/// every `dlsym` in the process: it makes no `dlsym` call and allocates nothing; only a
+/// driver allocation function looked up on a driver handle costs a `dladdr` of the caller
+/// (a shared runtime gets the driver's own, see `hooks::driver_lookup_allowed`).
+extern "C" fn expseg_dlsym_redirect(
+    handle: *mut c_void,
+    name: *const c_char,
+    caller: usize,
+) -> *mut c_void {
     if real_ptr().is_null() {
         return std::ptr::null_mut();
     }
@@ -114,7 +120,10 @@ extern "C" fn expseg_dlsym_redirect(handle: *mut c_void, name: *const c_char) ->
     let runtime = file.starts_with(b"libcudart.so");
     let driver = file.starts_with(b"libcuda.so");
     if (runtime && name.starts_with(b"cuda"))
-        || (driver && name.starts_with(b"cu") && !name.starts_with(b"cuda"))
+        || (driver
+            && name.starts_with(b"cu")
+            && !name.starts_with(b"cuda")
+            && crate::hooks::driver_lookup_allowed(name, caller))
     {
         replacement
     } else {
@@ -131,6 +140,8 @@ extern "C" fn expseg_dlsym_redirect(handle: *mut c_void, name: *const c_char) ->
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
     std::arch::naked_asm!(
+        // The caller's return address, for the redirect to know who asks.
+        "mov rdx, qword ptr [rsp]",
         "push rdi",
         "push rsi",
         "sub rsp, 8",

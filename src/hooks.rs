@@ -7,7 +7,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use crate::api::{self, Answer, OUT_OF_MEMORY, UNKNOWN};
-use crate::real::{next, CudaIpcMemHandle};
+use crate::real::{next, next_driver, CudaIpcMemHandle};
 use crate::stats::GLOBAL;
 use libc::{c_char, c_int, c_uint, c_void, size_t};
 use std::cell::Cell;
@@ -23,7 +23,9 @@ struct Guard;
 impl Guard {
     fn enter() -> Option<Guard> {
         INSIDE
-            .try_with(|i| (!i.replace(true)).then_some(Guard))
+            // No Guard may be built for a thread already inside: dropped at once, it would
+            // clear the flag of the outer hook.
+            .try_with(|i| if i.replace(true) { None } else { Some(Guard) })
             .ok()
             .flatten()
     }
@@ -192,14 +194,17 @@ pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -> c_int {
-    // What the program is told is free should be free: compact partly released pages first.
-    if let Some(_g) = Guard::enter() {
-        let _ = catch_unwind(api::vmm::settle);
-    }
-    let e = next::cudaMemGetInfo(free, total);
-    let Some(_g) = Guard::enter().filter(|_| e == 0 && !free.is_null() && !total.is_null()) else {
-        return e;
+    // The guard is held across the real call too: the runtime's own `cuMemGetInfo` must not
+    // add the cached bytes a second time (see `cuMemGetInfo_v2`).
+    let Some(_g) = Guard::enter() else {
+        return next::cudaMemGetInfo(free, total);
     };
+    // What the program is told is free should be free: compact partly released pages first.
+    let _ = catch_unwind(api::vmm::settle);
+    let e = next::cudaMemGetInfo(free, total);
+    if e != 0 || free.is_null() || total.is_null() {
+        return e;
+    }
     boundary("cudaMemGetInfo", || {
         let extra = api::cudaMemGetInfo() as size_t;
         *free = (*free).saturating_add(extra).min(*total);
@@ -225,6 +230,131 @@ pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> c_int {
     boundary("cudaDeviceDisablePeerAccess", || {
         api::cudaDeviceDisablePeerAccess(peer)
     })
+}
+
+// The driver's allocation entry points, for programs that reach the driver themselves: linked
+// against `libcuda`, `dlsym` on it, `cuGetProcAddress`, a statically linked runtime. A call
+// made while the thread is inside expseg (the real runtime allocating on behalf of a
+// pass-through `cudaMalloc`) is the driver's own; so is every call of a shared runtime, which
+// is given the driver's functions at lookup (`driver_hook_for`).
+
+/// `boundary` for driver hooks: a panic becomes `CUDA_ERROR_UNKNOWN` (999, as the runtime's).
+fn driver_boundary(name: &str, f: impl FnOnce() -> u32) -> u32 {
+    boundary(name, || f() as c_int) as u32
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
+    let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
+        return next_driver::cuMemAlloc_v2(dptr, size);
+    };
+    let once = || match api::cuMemAlloc(size) {
+        Answer::Done(Ok(p)) => {
+            *dptr = p;
+            0
+        }
+        Answer::Done(Err(e)) => e,
+        Answer::PassThrough => next_driver::cuMemAlloc_v2(dptr, size),
+    };
+    driver_boundary("cuMemAlloc_v2", || match once() {
+        // Handles kept for PyTorch's next pages must not cost this allocation its memory.
+        api::DRV_OUT_OF_MEMORY if api::vmm::release_kept_for_others() => once(),
+        e => e,
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> u32 {
+    let Some(_g) = Guard::enter() else {
+        return next_driver::cuMemFree_v2(dptr);
+    };
+    driver_boundary("cuMemFree_v2", || match api::cuMemFree(dptr) {
+        Answer::Done(e) => e,
+        Answer::PassThrough => next_driver::cuMemFree_v2(dptr),
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) -> u32 {
+    let Some(_g) = Guard::enter() else {
+        return next_driver::cuMemGetInfo_v2(free, total);
+    };
+    let _ = catch_unwind(api::vmm::settle);
+    let e = next_driver::cuMemGetInfo_v2(free, total);
+    if e != 0 || free.is_null() || total.is_null() {
+        return e;
+    }
+    driver_boundary("cuMemGetInfo_v2", || {
+        let extra = api::cuMemGetInfo() as size_t;
+        *free = (*free).saturating_add(extra).min(*total);
+        e
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut u64,
+    pitch: *mut size_t,
+    width: size_t,
+    height: size_t,
+    elem: c_uint,
+) -> u32 {
+    let Some(_g) = Guard::enter().filter(|_| !dptr.is_null() && !pitch.is_null()) else {
+        return next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+    };
+    // The driver's pitch for this width: one row of it, freed again.
+    let probe = || {
+        let (mut p, mut row) = (0u64, 0 as size_t);
+        match next_driver::cuMemAllocPitch_v2(&mut p, &mut row, width, 1, elem) {
+            0 => {
+                next_driver::cuMemFree_v2(p);
+                Ok(row)
+            }
+            e => Err(e),
+        }
+    };
+    driver_boundary("cuMemAllocPitch_v2", || {
+        match api::cuMemAllocPitch(width, height, probe) {
+            Answer::Done(Ok((p, row))) => {
+                *dptr = p;
+                *pitch = row;
+                0
+            }
+            Answer::Done(Err(e)) => e,
+            Answer::PassThrough => {
+                next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
+            }
+        }
+    })
+}
+
+/// The driver allocation hook for a looked-up `name` (the base name with `version`, as
+/// `cuGetProcAddress` takes it, or the versioned symbol name), if the caller at `caller` may
+/// have it: a shared runtime (`libcudart*.so*`) always gets the driver's own function,
+/// because expseg already serves its program at the runtime level and its internal calls
+/// (a pass-through `cudaMalloc`'s `cuMemAlloc`) must reach the driver exactly once.
+fn driver_hook_for(
+    name: &[u8],
+    version: c_int,
+    caller: impl FnOnce() -> Option<usize>,
+) -> Option<*mut c_void> {
+    // Version 3020 introduced the 64-bit `CUdeviceptr` and `size_t` signatures of the hooks;
+    // these functions have no `_ptds` variants, so the lookup flags do not matter.
+    let hook = match name {
+        b"cuMemAlloc" if version >= 3020 => cuMemAlloc_v2 as *mut c_void,
+        b"cuMemFree" if version >= 3020 => cuMemFree_v2 as *mut c_void,
+        b"cuMemGetInfo" if version >= 3020 => cuMemGetInfo_v2 as *mut c_void,
+        b"cuMemAllocPitch" if version >= 3020 => cuMemAllocPitch_v2 as *mut c_void,
+        b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *mut c_void,
+        b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
+        b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
+        b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
+        _ => return None,
+    };
+    match caller() {
+        Some(pc) if crate::real::in_shared_runtime(pc) => None,
+        _ => Some(hook),
+    }
 }
 
 // Driver queries that must describe the allocation the program made, not one chunk's mapping.
@@ -288,7 +418,16 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
 /// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
 /// the functions it interposes, so programs that fetch driver functions at run time
 /// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too.
-unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int) {
+///
+/// PyTorch's VMM hooks are handed out only by the runtime's entry point API
+/// (`runtime_api`), never by `cuGetProcAddress`: the runtime itself, NCCL and Triton look
+/// their VMM functions up there and must keep the driver's (docs/contract.md).
+unsafe fn redirect_entry_point(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    runtime_api: bool,
+) {
     if symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
         return;
     }
@@ -297,12 +436,34 @@ unsafe fn redirect_entry_point(symbol: *const c_char, pfn: *mut *mut c_void, ver
         // Version 3020 introduced the size_t signature that the hook has.
         b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,
         b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
-        _ => match crate::vmm_hooks::for_caller(name) {
+        // A runtime that looks up the lookup function itself (CUDA 12's runtime asks for
+        // `cuGetProcAddress` at version 12000 and gets `_v2`) keeps going through expseg.
+        b"cuGetProcAddress" if version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
+        b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
+        _ => match driver_hook_for(name, version, crate::vmm_hooks::caller_pc) {
             Some(p) => p,
-            None => return,
+            None => match crate::vmm_hooks::for_caller(name).filter(|_| runtime_api) {
+                Some(p) => p,
+                None => return,
+            },
         },
     };
     *pfn = ours;
+}
+
+/// `cuGetProcAddress` (before CUDA 12: no status argument).
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> u32 {
+    let r = next_driver::cuGetProcAddress(symbol, pfn, version, flags);
+    if r == 0 {
+        redirect_entry_point(symbol, pfn, version, false);
+    }
+    r
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -313,15 +474,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: u64,
     status: *mut c_void,
 ) -> u32 {
-    let Some(f) = crate::real::driver()
-        .ok()
-        .and_then(|t| t.cuGetProcAddress_v2)
-    else {
-        return NO_DRIVER;
-    };
-    let r = f(symbol, pfn, version, flags, status);
+    let r = next_driver::cuGetProcAddress_v2(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version);
+        redirect_entry_point(symbol, pfn, version, false);
     }
     r
 }
@@ -335,7 +490,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPoint(symbol, pfn, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, i32::MAX);
+        redirect_entry_point(symbol, pfn, i32::MAX, true);
     }
     r
 }
@@ -350,7 +505,7 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version as c_int);
+        redirect_entry_point(symbol, pfn, version as c_int, true);
     }
     r
 }
@@ -372,6 +527,62 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemGetAddressRange_v2" => cuMemGetAddressRange_v2 as *mut c_void,
         b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
+        b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
+        b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
+        b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
+        b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
+        b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *mut c_void,
         _ => return None,
     })
+}
+
+/// For `dlsym` on a driver handle: whether the caller at `caller` gets `name`'s hook. The
+/// driver's allocation functions are withheld from shared runtimes (see `driver_hook_for`).
+pub fn driver_lookup_allowed(name: &[u8], caller: usize) -> bool {
+    match name {
+        b"cuMemAlloc_v2" | b"cuMemFree_v2" | b"cuMemGetInfo_v2" | b"cuMemAllocPitch_v2" => {
+            driver_hook_for(name, c_int::MAX, || Some(caller)).is_some()
+        }
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nested_entry_leaves_the_outer_guard_in_force() {
+        let outer = Guard::enter().expect("first entry");
+        assert!(
+            Guard::enter().is_none(),
+            "nested entry takes the plain path"
+        );
+        assert!(
+            Guard::enter().is_none(),
+            "and does not clear the flag for the next one"
+        );
+        drop(outer);
+        assert!(Guard::enter().is_some());
+    }
+
+    #[test]
+    fn shared_runtimes_are_told_apart_from_other_callers() {
+        for yes in [
+            &b"/usr/local/cuda/lib64/libcudart.so.13"[..],
+            b"libcudart.so.12",
+            b"/site-packages/torch/lib/libcudart-9335f6a2.so.12",
+        ] {
+            assert!(api::is_shared_runtime_file(yes), "{yes:?}");
+        }
+        for no in [
+            &b"/usr/bin/python3"[..],
+            b"/site-packages/cupy/_core/core.cpython-312-x86_64-linux-gnu.so",
+            b"libcudart_static.a",
+            b"libcuda.so.1",
+            b"",
+        ] {
+            assert!(!api::is_shared_runtime_file(no), "{no:?}");
+        }
+    }
 }

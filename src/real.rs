@@ -135,6 +135,114 @@ macro_rules! next_runtime {
     };
 }
 
+/// The driver library expseg passes driver calls on to: the `libcuda.so.1` already loaded
+/// (a program calling a driver hook has loaded it), else loaded here. Kept open for the life
+/// of the process. Null if there is none.
+fn driver_lib() -> *mut c_void {
+    static LIB: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+    let l = LIB.load(Ordering::Acquire);
+    if !l.is_null() {
+        return l;
+    }
+    // SAFETY: dlopen with a constant NUL-terminated name; the handle is never closed.
+    let l = unsafe {
+        let mut l = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if l.is_null() {
+            l = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        }
+        l
+    };
+    if !l.is_null() {
+        LIB.store(l, Ordering::Release);
+    }
+    l
+}
+
+/// One lazily found driver function, for the driver hooks to pass calls on to. Found with the
+/// real `dlsym` on the driver's own handle, so it is never one of expseg's hooks. Unlike
+/// [`driver`], it does not need the VMM symbols: a driver without VMM still gets its calls.
+struct NextDriver {
+    name: &'static CStr,
+    ptr: AtomicPtr<c_void>,
+}
+
+impl NextDriver {
+    const fn new(name: &'static CStr) -> Self {
+        NextDriver {
+            name,
+            ptr: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    fn get(&self) -> Option<*mut c_void> {
+        let p = self.ptr.load(Ordering::Acquire);
+        if !p.is_null() {
+            return Some(p);
+        }
+        let lib = driver_lib();
+        if lib.is_null() {
+            return None;
+        }
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { crate::dlsym::real(lib, self.name) };
+        if p.is_null() || is_self(p as usize) {
+            return None;
+        }
+        self.ptr.store(p, Ordering::Release);
+        Some(p)
+    }
+}
+
+/// Declares the driver functions the driver hooks pass calls on to: for each, an `unsafe fn`
+/// with the C signature that returns `CUDA_ERROR_NOT_INITIALIZED` (3) when there is none.
+macro_rules! next_driver {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
+        /// The driver's own functions behind expseg's driver hooks, same names and signatures.
+        #[allow(non_snake_case, clippy::missing_safety_doc)]
+        pub mod next_driver {
+            use super::*;
+            $(
+                pub unsafe fn $name($($arg: $ty),*) -> u32 {
+                    static F: NextDriver = NextDriver::new(
+                        match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
+                            Ok(s) => s,
+                            Err(_) => panic!("symbol name"),
+                        },
+                    );
+                    match F.get() {
+                        Some(p) => {
+                            let f: unsafe extern "C" fn($($ty),*) -> u32 = std::mem::transmute(p);
+                            f($($arg),*)
+                        }
+                        None => 3,
+                    }
+                }
+            )*
+        }
+    };
+}
+
+next_driver! {
+    cuMemAlloc_v2(dptr: *mut u64, size: size_t);
+    cuMemFree_v2(dptr: u64);
+    cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t);
+    cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut size_t, width: size_t, height: size_t, elem: c_uint);
+    cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64);
+    cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_void);
+}
+
+/// Whether the code at `pc` belongs to a shared CUDA runtime (`libcudart*.so*`). Makes no
+/// allocation and no `dlsym` call (it runs inside the exported `dlsym`).
+pub fn in_shared_runtime(pc: usize) -> bool {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
+    unsafe {
+        libc::dladdr(pc as *const c_void, &mut info) != 0
+            && !info.dli_fname.is_null()
+            && crate::api::is_shared_runtime_file(CStr::from_ptr(info.dli_fname).to_bytes())
+    }
+}
+
 /// `cudaIpcMemHandle_t`, passed by value as the C API does.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -417,6 +525,12 @@ driver_table! {
         cuMemGetAccess(*mut u64, *const c_void, CUdeviceptr);
         cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
         cuCtxSetCurrent(CUcontext);
+        cuCtxGetDevice(*mut CUdevice);
+        cuCtxSynchronize();
+        cuDevicePrimaryCtxGetState(CUdevice, *mut c_uint, *mut c_int);
+        cuDevicePrimaryCtxRelease_v2(CUdevice);
+        cuCtxPushCurrent_v2(CUcontext);
+        cuCtxPopCurrent_v2(*mut CUcontext);
     }
 }
 

@@ -36,6 +36,9 @@ pub struct Global {
     pub syncs: Counter,
     pub sync_ns: Counter,
     pub panics_caught: Counter,
+    /// Pool allocations and frees made through the driver API (`cuMemAlloc_v2`, `cuMemFree_v2`).
+    pub driver_allocs: Counter,
+    pub driver_frees: Counter,
 }
 
 pub static GLOBAL: Global = Global {
@@ -46,6 +49,8 @@ pub static GLOBAL: Global = Global {
     syncs: Counter::new(),
     sync_ns: Counter::new(),
     panics_caught: Counter::new(),
+    driver_allocs: Counter::new(),
+    driver_frees: Counter::new(),
 };
 
 impl Global {
@@ -61,6 +66,8 @@ impl Global {
             ("syncs", self.syncs.get()),
             ("sync_ns", self.sync_ns.get()),
             ("panics_caught", self.panics_caught.get()),
+            ("driver_allocs", self.driver_allocs.get()),
+            ("driver_frees", self.driver_frees.get()),
         ]
     }
 }

@@ -296,29 +296,33 @@ extern "C" {
     fn backtrace(buffer: *mut *mut c_void, size: c_int) -> c_int;
 }
 
-/// The file of the first caller outside expseg on this thread's stack.
-fn caller_object() -> Option<String> {
+/// The address of the first caller outside expseg on this thread's stack.
+pub(crate) fn caller_pc() -> Option<usize> {
     let mut frames = [std::ptr::null_mut::<c_void>(); 12];
     // SAFETY: `frames` has room for the count given.
     let n = unsafe { backtrace(frames.as_mut_ptr(), frames.len() as c_int) };
-    for &pc in frames.iter().take(n.max(0) as usize) {
-        if real::is_self(pc as usize) {
-            continue;
+    frames
+        .iter()
+        .take(n.max(0) as usize)
+        .map(|&pc| pc as usize)
+        .find(|&pc| !real::is_self(pc))
+}
+
+/// The file of the first caller outside expseg on this thread's stack.
+fn caller_object() -> Option<String> {
+    let pc = caller_pc()?;
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
+    unsafe {
+        if libc::dladdr(pc as *const c_void, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
         }
-        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-        // SAFETY: dladdr only reads the address; dli_fname points into the loader's tables.
-        unsafe {
-            if libc::dladdr(pc, &mut info) == 0 || info.dli_fname.is_null() {
-                return None;
-            }
-            return Some(
-                std::ffi::CStr::from_ptr(info.dli_fname)
-                    .to_string_lossy()
-                    .into_owned(),
-            );
-        }
+        Some(
+            std::ffi::CStr::from_ptr(info.dli_fname)
+                .to_string_lossy()
+                .into_owned(),
+        )
     }
-    None
 }
 
 /// Set by the load-time default: the stderr line is owed once PyTorch uses it.

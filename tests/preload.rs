@@ -33,12 +33,16 @@ fn fixture() -> &'static Fixture {
         std::fs::create_dir_all(&novmm).unwrap();
         let s = |f: &str| src.join(f).to_str().unwrap().to_string();
         let d = dir.to_str().unwrap();
+        // -Bsymbolic: like the real driver, the fake's own references (the function table
+        // cuGetProcAddress answers from, internal calls) are its own functions, never the
+        // preloaded hooks of the same names.
         cc(
             &[
                 "-shared",
                 "-fPIC",
                 "-O1",
                 "-Wl,-soname,libcuda.so.1",
+                "-Wl,-Bsymbolic",
                 "-o",
                 "libcuda.so.1",
                 &s("fake_cuda.c"),
@@ -52,6 +56,7 @@ fn fixture() -> &'static Fixture {
                 "-O1",
                 "-DNO_VMM",
                 "-Wl,-soname,libcuda.so.1",
+                "-Wl,-Bsymbolic",
                 "-o",
                 "novmm/libcuda.so.1",
                 &s("fake_cuda.c"),
@@ -100,6 +105,23 @@ fn fixture() -> &'static Fixture {
         );
         cc(
             &["-O1", "-o", "plugin_main", &s("plugin_main.c"), "-ldl"],
+            &dir,
+        );
+        // A driver API program (libcuda only) and one with a static runtime (neither library).
+        cc(
+            &["-O1", "-o", "drv", &s("drv.c"), "./libcuda.so.1", "-ldl"],
+            &dir,
+        );
+        cc(
+            &[
+                "-O1",
+                "-pthread",
+                "-o",
+                "static_prog",
+                &s("static_main.c"),
+                &s("static_rt.c"),
+                "-ldl",
+            ],
             &dir,
         );
         for lib in ["libc10_cuda.so", "libother.so"] {
@@ -1557,5 +1579,250 @@ fn torch_multiprocessing_descriptors_reach_consumers_whose_pidfd_getfd_is_denied
         !open.stderr().contains("its expseg served it"),
         "{}",
         open.stderr()
+    );
+}
+
+/// The checks every way of reaching the driver's allocation functions shares (`drv.c`).
+fn driver_calls_are_served_like_runtime_calls(r: &Run) {
+    assert_eq!(r.get("alloc_rc"), "0");
+    assert_eq!(
+        r.get("pooled"),
+        "1",
+        "4 MiB from cuMemCreate, not cuMemAlloc"
+    );
+    assert_eq!(r.get("data_ok"), "1");
+    assert_eq!(r.get("free_rc"), "0");
+    assert_eq!(r.get("free_synced"), "1", "cuMemFree waits for the context");
+    assert_eq!(
+        (r.get("same_ptr"), r.get("creates_after_reuse")),
+        ("1".into(), "1".into()),
+        "the same size again comes from the cache"
+    );
+    assert_eq!(
+        (r.get("info_rc"), r.get("info_free_mib")),
+        ("0".into(), "104".into()),
+        "100 MiB free in the driver plus 4 MiB cached"
+    );
+    assert_eq!(
+        (r.get("small_rc"), r.get("small_to_driver")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (r.get("small_free_rc"), r.get("small_free_to_driver")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (r.get("unknown_free_rc"), r.get("double_free_rc")),
+        ("1".into(), "1".into()),
+        "unknown pointers and double frees: the driver's own answer"
+    );
+    assert_eq!(r.get("oom_rc"), "2", "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(r.get("null_out_rc"), "1", "the driver's answer");
+    assert_eq!(
+        (r.get("pitch_rc"), r.get("pitch"), r.get("pitch_pooled")),
+        ("0".into(), "3072".into(), "1".into()),
+        "the driver's pitch, pitch x height from the pool"
+    );
+    assert_eq!(r.get("pitch_probes"), "1", "one row asked of the driver");
+    assert_eq!(
+        (r.get("pitch_data_ok"), r.get("pitch_free_rc")),
+        ("1".into(), "0".into())
+    );
+    assert_eq!(
+        (
+            r.get("small_pitch_rc"),
+            r.get("small_pitch"),
+            r.get("small_pitch_to_driver")
+        ),
+        ("0".into(), "512".into(), "1".into())
+    );
+    assert_eq!(r.get("bad_elem_rc"), "1", "the driver's own answer");
+    assert_eq!(
+        (r.get("own_ctx_rc"), r.get("own_ctx_to_driver")),
+        ("0".into(), "1".into()),
+        "a context of the program's own passes through"
+    );
+    assert_eq!(r.get("own_ctx_info_free_mib"), "100", "nothing added there");
+    assert_eq!(
+        (r.get("own_ctx_free_rc"), r.get("own_ctx_free_to_driver")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (
+            r.get("pool_free_in_own_ctx_rc"),
+            r.get("synced"),
+            r.get("to_driver")
+        ),
+        ("0".into(), "1".into(), "0".into()),
+        "pool memory freed from another context: the pool's, after the primary context's wait"
+    );
+    assert_eq!(r.stderr(), "");
+}
+
+#[test]
+fn a_program_linking_the_driver_is_served_by_the_pool() {
+    let r = run_in(&fixture().dir, "drv", &["direct"], &[]).ok();
+    driver_calls_are_served_like_runtime_calls(&r);
+}
+
+#[test]
+fn dlsym_on_the_driver_gives_the_allocation_hooks() {
+    let r = run_in(&fixture().dir, "drv", &["dlsym"], &[]).ok();
+    assert_eq!(r.get("dlsym_is_hook"), "1");
+    assert_eq!(
+        r.get("dlsym_v1_is_driver"),
+        "1",
+        "the pre-3020 cuMemAlloc (32-bit) is not interposed"
+    );
+    assert_eq!(r.get("dlsym_getproc_is_hook"), "1");
+    driver_calls_are_served_like_runtime_calls(&r);
+}
+
+#[test]
+fn cu_get_proc_address_gives_the_hooks_for_every_version_and_flag() {
+    let r = run_in(&fixture().dir, "drv", &["getproc"], &[]).ok();
+    assert_eq!(
+        (r.get("getproc_all_hooks"), r.get("lookups")),
+        ("1".into(), "144".into()),
+        "cuGetProcAddress and _v2, four functions, versions 3020 to 13000, flags 0 to 2"
+    );
+    assert_eq!(r.get("old_version_is_driver"), "1");
+    assert_eq!(r.get("getproc_of_getproc_is_hook"), "1");
+    assert_eq!(r.get("vmm_lookup_is_driver"), "1");
+    driver_calls_are_served_like_runtime_calls(&r);
+    // PyTorch's page hooks come only from the runtime's entry point API, even with `all`.
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["getproc"],
+        &[("EXPSEG_COALESCE", "all")],
+    )
+    .ok();
+    assert_eq!(r.get("vmm_lookup_is_driver"), "1");
+}
+
+#[test]
+fn a_statically_linked_runtime_is_served_through_cu_get_proc_address() {
+    let f = fixture();
+    let dir = f.dir.join("static-report");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("r.txt");
+    let r = run_in(
+        &f.dir,
+        "static_prog",
+        &[],
+        &[("EXPSEG_REPORT", report.to_str().unwrap())],
+    )
+    .ok();
+    assert_eq!(r.get("malloc_rc"), "0");
+    assert_eq!(r.get("pooled"), "1");
+    assert_eq!(r.get("data_ok"), "1");
+    assert_eq!(
+        (r.get("free_rc"), r.get("free_synced")),
+        ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (r.get("same_ptr"), r.get("creates")),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(
+        r.get("meminfo_free_mib"),
+        "108",
+        "8 MiB cached, counted once"
+    );
+    assert_eq!(
+        (r.get("small_to_driver"), r.get("small_free_to_driver")),
+        ("1".into(), "1".into())
+    );
+    assert_eq!(r.get("oom_rc"), "2");
+    assert_eq!(r.get("bad_free_rc"), "1");
+    assert_eq!(r.stderr(), "");
+    let json = std::fs::read_to_string(dir.join("r.txt.json")).unwrap();
+    assert!(
+        json.contains("\"driver_allocs\":2") && json.contains("\"driver_frees\":2"),
+        "{json}"
+    );
+    assert!(json.contains("pool active"), "{json}");
+}
+
+#[test]
+fn a_shared_runtime_is_served_once_and_keeps_the_drivers_own_functions() {
+    let r = run("layers", &[]).ok();
+    assert_eq!(
+        r.get("runtime_got_driver"),
+        "1",
+        "the runtime's cuGetProcAddress lookups give it the driver's allocation functions"
+    );
+    assert_eq!(
+        r.get("runtime_getproc_is_hook"),
+        "1",
+        "while its cuGetProcAddress still goes through expseg"
+    );
+    assert_eq!(
+        (r.get("small_driver_allocs"), r.get("small_creates")),
+        ("1".into(), "0".into()),
+        "a pass-through cudaMalloc reaches the driver's cuMemAlloc exactly once"
+    );
+    assert_eq!(r.get("small_driver_frees"), "1");
+    assert_eq!(
+        (r.get("large_driver_allocs"), r.get("large_creates")),
+        ("0".into(), "1".into()),
+        "a pooled cudaMalloc never reaches cuMemAlloc"
+    );
+    assert_eq!(r.get("entry_point_is_hook"), "1");
+    assert_eq!(r.get("entry_point_pooled"), "1");
+    assert_eq!(r.get("entry_point_free_rc"), "0");
+    assert_eq!(
+        r.get("meminfo_free_mib"),
+        "110",
+        "100 MiB plus 10 MiB cached, added once"
+    );
+    assert_eq!(r.stderr(), "");
+}
+
+#[test]
+fn driver_hooks_pass_through_when_off_and_catch_panics() {
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["direct"],
+        &[("EXPSEG_DISABLE", "1")],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("alloc_rc"), r.get("pooled")),
+        ("0".into(), "0".into())
+    );
+    assert_eq!(r.get("info_free_mib"), "100");
+    // The driver API alone off: its calls are the driver's, the runtime's still served.
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["direct"],
+        &[("EXPSEG_DRIVER_API", "0")],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("alloc_rc"), r.get("pooled"), r.get("info_free_mib")),
+        ("0".into(), "0".into(), "100".into())
+    );
+    let r = run("simple", &[("EXPSEG_DRIVER_API", "0")]).ok();
+    assert_eq!(r.get("to_runtime"), "0");
+    let r = run_in(
+        &fixture().dir,
+        "static_prog",
+        &[],
+        &[("EXPSEG_TEST_PANIC", "cuMemAlloc_v2")],
+    );
+    assert_eq!(
+        r.get("malloc_rc"),
+        "999",
+        "CUDA_ERROR_UNKNOWN, and no crash"
+    );
+    assert!(
+        r.stderr().contains("internal error caught"),
+        "{}",
+        r.stderr()
     );
 }

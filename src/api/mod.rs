@@ -259,7 +259,7 @@ pub enum Answer<T> {
     PassThrough,
 }
 
-fn pass_alloc(size: usize) -> Answer<Result<u64, i32>> {
+fn pass_alloc<T>(size: usize) -> Answer<T> {
     GLOBAL.passthrough_allocs.add(1);
     GLOBAL.passthrough_alloc_bytes.add(size as u64);
     Answer::PassThrough
@@ -287,28 +287,157 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     if !cuda::has_context(t) && runtime::free(0) != 0 {
         return pass_alloc(size);
     }
+    match serve(dev, size) {
+        Served::Ptr(p) => Answer::Done(Ok(p)),
+        Served::OutOfMemory => {
+            set_last_error_out_of_memory();
+            Answer::Done(Err(OUT_OF_MEMORY))
+        }
+        Served::Pass => pass_alloc(size),
+    }
+}
+
+/// What the pool made of one allocation request.
+enum Served {
+    Ptr(u64),
+    OutOfMemory,
+    /// The pool cannot serve it: the real call should.
+    Pass,
+}
+
+/// An allocation of `size` bytes from `dev`'s pool: the part `cudaMalloc` and `cuMemAlloc`
+/// share once they know the device.
+fn serve(dev: i32, size: usize) -> Served {
     // One lock for the allocation (it also starts the state on first use).
     let mut st = ensure_state();
     let Some(pool) = st.pool(dev) else {
-        drop(st);
-        return pass_alloc(size);
+        return Served::Pass;
     };
     match pool.alloc(size as u64) {
-        Ok(p) => Answer::Done(Ok(p)),
+        Ok(p) => Served::Ptr(p),
         Err(AllocError::OutOfMemory) => {
             drop(st);
             log::debug!("device {dev}: out of memory for {size} bytes");
-            set_last_error_out_of_memory();
-            Answer::Done(Err(OUT_OF_MEMORY))
+            Served::OutOfMemory
         }
         Err(AllocError::Driver(e)) => {
             drop(st);
             log::warn!(
-                "device {dev}: pool allocation of {size} bytes failed ({e}); using cudaMalloc"
+                "device {dev}: pool allocation of {size} bytes failed ({e}); using the real call"
             );
-            pass_alloc(size)
+            Served::Pass
         }
     }
+}
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+pub const DRV_OUT_OF_MEMORY: u32 = 2;
+
+/// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's
+/// `libcudart-1a2b3c.so.12`): the callers that must get the driver's own allocation
+/// functions, because expseg serves their programs at the runtime level already.
+pub fn is_shared_runtime_file(path: &[u8]) -> bool {
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    file.starts_with(b"libcudart") && file.windows(3).any(|w| w == b".so")
+}
+
+/// `cuMemAlloc_v2` of a driver caller (a program linking `libcuda`, a statically linked
+/// runtime reaching the driver through `cuGetProcAddress`): the same pool and threshold as
+/// `cudaMalloc`, for callers whose current context is a device's primary context. Everything
+/// else (no or another context, small sizes, no VMM, `EXPSEG_DRIVER_API=0`) is the driver's
+/// own call.
+pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
+    let c = config();
+    if c.test_panic("cuMemAlloc_v2") {
+        panic!("EXPSEG_TEST_PANIC=cuMemAlloc_v2");
+    }
+    if bypass() || !c.driver_api || size == 0 || (size as u64) < c.passthrough_below {
+        return pass_alloc(size);
+    }
+    let Ok(t) = real::driver() else {
+        drop(ensure_state());
+        return pass_alloc(size);
+    };
+    let Some(dev) = cuda::primary_device(t) else {
+        return pass_alloc(size);
+    };
+    match serve(dev, size) {
+        Served::Ptr(p) => {
+            GLOBAL.driver_allocs.add(1);
+            Answer::Done(Ok(p))
+        }
+        Served::OutOfMemory => Answer::Done(Err(DRV_OUT_OF_MEMORY)),
+        Served::Pass => pass_alloc(size),
+    }
+}
+
+/// `cuMemAllocPitch_v2`: as `cuMemAlloc_v2` for `pitch × height` bytes, where `pitch` is the
+/// driver's own for this width and element size (`probe` asks it, with a one-row allocation
+/// it frees again); a probe that fails, like every other case `cuMemAlloc` passes through,
+/// leaves the call to the driver, whose answer is then exact.
+pub fn cuMemAllocPitch(
+    width: usize,
+    height: usize,
+    probe: impl FnOnce() -> Result<usize, u32>,
+) -> Answer<Result<(u64, usize), u32>> {
+    let c = config();
+    let least = width.saturating_mul(height);
+    if bypass() || !c.driver_api || least == 0 || (least as u64) < c.passthrough_below {
+        return pass_alloc(least);
+    }
+    let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
+        return pass_alloc(least);
+    };
+    let Ok(pitch) = probe() else {
+        return pass_alloc(least);
+    };
+    let Some(size) = pitch.checked_mul(height) else {
+        return pass_alloc(least);
+    };
+    match serve(dev, size) {
+        Served::Ptr(p) => {
+            GLOBAL.driver_allocs.add(1);
+            Answer::Done(Ok((p, pitch)))
+        }
+        Served::OutOfMemory => Answer::Done(Err(DRV_OUT_OF_MEMORY)),
+        Served::Pass => pass_alloc(size),
+    }
+}
+
+/// `cuMemFree_v2`: a live pool allocation goes back to the pool after waiting for its
+/// device's primary context (`cuCtxSynchronize`); anything else is the driver's call.
+pub fn cuMemFree(ptr: u64) -> Answer<u32> {
+    if config().test_panic("cuMemFree_v2") {
+        panic!("EXPSEG_TEST_PANIC=cuMemFree_v2");
+    }
+    let a = free_with(ptr, |dev| {
+        let t = Instant::now();
+        let e = real::driver().map_or(0, |t| cuda::synchronize_primary(t, dev));
+        GLOBAL.syncs.add(1);
+        GLOBAL.sync_ns.add(t.elapsed().as_nanos() as u64);
+        e as i32
+    });
+    match a {
+        Answer::Done(e) => {
+            if e == 0 {
+                GLOBAL.driver_frees.add(1);
+            }
+            Answer::Done(e as u32)
+        }
+        Answer::PassThrough => Answer::PassThrough,
+    }
+}
+
+/// `cuMemGetInfo_v2`: as `cudaMemGetInfo`, for the device whose primary context is current
+/// (another context gets the driver's answer alone). Returns the bytes to add to `free`.
+pub fn cuMemGetInfo() -> u64 {
+    if bypass() || !config().driver_api || !STATE_STARTED.load(Ordering::Acquire) {
+        return 0;
+    }
+    let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
+        return 0;
+    };
+    lock().open_pool(dev).map_or(0, |p| p.cached_bytes())
 }
 
 /// Make `cudaGetLastError` report the out-of-memory, as after a failing real `cudaMalloc`:
@@ -327,6 +456,12 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
     if config().test_panic("cudaFree") {
         panic!("EXPSEG_TEST_PANIC=cudaFree");
     }
+    free_with(ptr, synchronize)
+}
+
+/// Free `ptr` if it is a live pool allocation, after `sync` waited for its device; the
+/// answer is `sync`'s error if it failed (the allocation then stays live).
+fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
     if ptr == 0 || bypass() || !STATE_STARTED.load(Ordering::Acquire) {
         GLOBAL.passthrough_frees.add(1);
         return Answer::PassThrough;
@@ -335,7 +470,7 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
         GLOBAL.passthrough_frees.add(1);
         return Answer::PassThrough;
     };
-    let e = synchronize(dev);
+    let e = sync(dev);
     if e != 0 {
         return Answer::Done(e);
     }

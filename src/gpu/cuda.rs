@@ -132,6 +132,93 @@ pub fn has_context(t: &DriverTable) -> bool {
     unsafe { (t.cuCtxGetCurrent)(&mut c) == 0 && !c.is_null() }
 }
 
+/// Primary contexts seen so far, per device (0: not known yet): a context found here is
+/// checked with one `cuDevicePrimaryCtxGetState` instead of a retain and release.
+static PRIMARY: [std::sync::atomic::AtomicUsize; 64] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 64];
+
+/// The device whose *primary* context is current on the calling thread; `None` when there is
+/// no current context, when it is another context (`cuCtxCreate`), or when the driver lacks
+/// the calls to tell. Never creates a context: an inactive primary context is not retained.
+pub fn primary_device(t: &DriverTable) -> Option<i32> {
+    use std::sync::atomic::Ordering;
+    let (get_dev, state, retain, release) = (
+        t.cuCtxGetDevice?,
+        t.cuDevicePrimaryCtxGetState?,
+        t.cuDevicePrimaryCtxRetain?,
+        t.cuDevicePrimaryCtxRelease_v2?,
+    );
+    let mut cur: CUcontext = std::ptr::null_mut();
+    let mut dev = 0;
+    let (mut flags, mut active) = (0, 0);
+    // SAFETY: valid out-pointers; the driver answers errors for a thread without a context.
+    unsafe {
+        if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_dev(&mut dev) != 0 {
+            return None;
+        }
+        // An inactive primary context cannot be the current one (and retaining it would
+        // create it).
+        if state(dev, &mut flags, &mut active) != 0 || active == 0 {
+            return None;
+        }
+    }
+    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d));
+    if slot.is_some_and(|s| s.load(Ordering::Relaxed) == cur as usize) {
+        return Some(dev);
+    }
+    let mut primary: CUcontext = std::ptr::null_mut();
+    // SAFETY: the primary context is active, so the retain creates nothing; the release gives
+    // back the reference just taken.
+    unsafe {
+        if retain(&mut primary, dev) != 0 {
+            return None;
+        }
+        release(dev);
+    }
+    if let Some(s) = slot {
+        s.store(primary as usize, Ordering::Relaxed);
+    }
+    (primary == cur).then_some(dev)
+}
+
+/// Wait for the work of `dev`'s primary context (the driver's `cuCtxSynchronize`), from
+/// whatever context the calling thread has: the primary context is pushed for the wait if it
+/// is not current. Returns the driver's code.
+pub fn synchronize_primary(t: &DriverTable, dev: i32) -> u32 {
+    let Some(sync) = t.cuCtxSynchronize else {
+        return 0;
+    };
+    if primary_device(t) == Some(dev) {
+        // SAFETY: no arguments; waits for the current (primary) context.
+        return unsafe { sync() };
+    }
+    let (Some(retain), Some(release), Some(push), Some(pop)) = (
+        t.cuDevicePrimaryCtxRetain,
+        t.cuDevicePrimaryCtxRelease_v2,
+        t.cuCtxPushCurrent_v2,
+        t.cuCtxPopCurrent_v2,
+    ) else {
+        return 0;
+    };
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: the pool of `dev` was opened in its primary context; push/pop restore the
+    // caller's context; the release gives back the reference the retain took.
+    unsafe {
+        let r = retain(&mut c, dev);
+        if r != 0 {
+            return r;
+        }
+        let mut r = push(c);
+        if r == 0 {
+            r = sync();
+            let mut popped: CUcontext = std::ptr::null_mut();
+            pop(&mut popped);
+        }
+        release(dev);
+        r
+    }
+}
+
 /// The driver's own view of `ptr`: the mapping (or allocation) containing it and its device.
 /// `None` for pointers the driver does not know.
 pub fn mapping_of(t: &DriverTable, ptr: u64) -> Option<(u64, u64, i32)> {

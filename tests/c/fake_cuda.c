@@ -2,7 +2,11 @@
  * chunks are memfds, reservations are PROT_NONE mappings, cuMemMap maps the memfd over the
  * reservation, so test programs can read and write pool memory and check it.
  * Environment: FAKE_DEVICES (default 1), FAKE_CAPACITY bytes (default 1 GiB),
- * FAKE_NO_VMM_ATTR=1 (device says no VMM). Built with -DNO_VMM it lacks the VMM symbols. */
+ * FAKE_NO_VMM_ATTR=1 (device says no VMM). Built with -DNO_VMM it lacks the VMM symbols.
+ * Contexts: each device has a primary context (0x100 + device); cuCtxCreate makes others.
+ * cuMemAlloc_v2 hands out memfd mappings (the fake runtime's cudaMalloc memory; another
+ * process opens them through /proc/PID/fd: the fake's legacy IPC). cuGetProcAddress[_v2]
+ * resolves names from a table, never with dlsym, as a real driver does. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,22 +24,61 @@ typedef struct { int type; int requestedHandleTypes; struct { int type; int id; 
 typedef struct { struct { int type; int id; } location; int flags; } CUmemAccessDesc;
 
 #define GRAN (2u << 20)
-static __thread int bound = 0;
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_NCOUNT };
-static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess"};
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_NCOUNT };
+static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
+                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
 static int ndev(void) { return (int)envl("FAKE_DEVICES", 1); }
 
+/* Contexts: a small per-thread stack; the top is current. */
+#define PRIMARY(d) ((CUcontext)(uintptr_t)(0x100 + (d)))
+static __thread CUcontext stack[8];
+static __thread int depth;
+static int created_dev[64], ncreated;
+static int ctx_device(CUcontext c) {
+  uintptr_t v = (uintptr_t)c;
+  if (v >= 0x100 && v < 0x100 + (uintptr_t)ndev()) return (int)(v - 0x100);
+  if (v >= 0x200 && v < 0x200 + (uintptr_t)ncreated) return created_dev[v - 0x200];
+  return -1;
+}
+static CUcontext current(void) { return depth ? stack[depth - 1] : 0; }
+
 /* helpers for the fake runtime and the tests */
-void fakecu_bind(void) { bound = 1; initialised = 1; }
+/* The runtime binds device d's primary context, unless the thread has a context already. */
+void fakecu_bind_dev(int d) { initialised = 1; if (!depth) stack[depth++] = PRIMARY(d); else if ((uintptr_t)current() < 0x200) stack[depth - 1] = PRIMARY(d); }
+void fakecu_bind(void) { initialised = 1; if (!depth) stack[depth++] = PRIMARY(0); }
 long fakecu_count(const char* what) { for (int i = 0; i < C_NCOUNT; i++) if (!strcmp(names[i], what)) return counts[i]; return -1; }
+static void count(int c) { __atomic_add_fetch(&counts[c], 1, __ATOMIC_RELAXED); }
 
 CUresult cuInit(unsigned f) { (void)f; initialised = 1; return 0; }
-CUresult cuCtxGetCurrent(CUcontext* c) { if (!initialised) return 3; *c = bound ? (void*)0x1 : 0; return 0; }
+CUresult cuCtxGetCurrent(CUcontext* c) { if (!initialised) return 3; *c = current(); return 0; }
+CUresult cuCtxSetCurrent(CUcontext c) { if (!c) { if (depth) depth--; return 0; } if (ctx_device(c) < 0) return 201; if (depth) stack[depth - 1] = c; else stack[depth++] = c; return 0; }
+CUresult cuCtxPushCurrent_v2(CUcontext c) { if (ctx_device(c) < 0 || depth == 8) return 201; stack[depth++] = c; return 0; }
+CUresult cuCtxPopCurrent_v2(CUcontext* c) { if (!depth) return 201; depth--; if (c) *c = stack[depth]; return 0; }
+CUresult cuCtxGetDevice(CUdevice* d) { if (!initialised) return 3; int dev = ctx_device(current()); if (dev < 0) return 201; *d = dev; return 0; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; *c = PRIMARY(d); return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= ndev() ? 101 : 0; }
+CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
+CUresult cuCtxCreate_v2(CUcontext* c, unsigned flags, CUdevice d) {
+  (void)flags;
+  if (d < 0 || d >= ndev()) return 101;
+  pthread_mutex_lock(&mu); int i = ncreated < 64 ? ncreated++ : -1; if (i >= 0) created_dev[i] = d; pthread_mutex_unlock(&mu);
+  if (i < 0) return 2;
+  *c = (CUcontext)(uintptr_t)(0x200 + i);
+  return cuCtxPushCurrent_v2(*c);
+}
+/* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
+CUresult cuCtxSynchronize(void) {
+  if (!current()) return 201;
+  count(C_SYNC);
+  const char* ms = getenv("FAKE_SYNC_MS");
+  if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  return 0;
+}
 CUresult cuDeviceGet(CUdevice* d, int o) { if (o < 0 || o >= ndev()) return 101; *d = o; return 0; }
 CUresult cuDeviceGetCount(int* n) { *n = ndev(); return 0; }
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
@@ -46,10 +89,90 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
   return 0;
 }
 
+/* Legacy memory (cuMemAlloc): memfd mappings. */
+#define MAXA 65536
+static struct { void* p; size_t n; int fd; } allocs[MAXA];
+static size_t used;
+uint64_t fakecu_take_freed(size_t size);
+static CUresult mem_alloc(CUdeviceptr* out, size_t n) {
+  if (!current()) return 201;
+  if (!out || n == 0) return 1;
+  if (n >= ((size_t)1 << 48)) return 2;
+  /* FAKE_RT_MALLOC_MAX: larger requests run out of memory. */
+  if (getenv("FAKE_RT_MALLOC_MAX") && n > (size_t)atol(getenv("FAKE_RT_MALLOC_MAX"))) return 2;
+  int fd = memfd_create("fakert", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)n)) return 2;
+  void* m = MAP_FAILED;
+#ifndef NO_VMM
+  /* FAKE_MALLOC_REUSES_VA: land on a just-freed reservation of the same size, as the real
+   * cudaMalloc does for small sizes (what makes an IPC move in place possible). */
+  if (getenv("FAKE_MALLOC_REUSES_VA")) {
+    uint64_t va = fakecu_take_freed(n);
+    if (va) {
+      m = mmap((void*)va, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+      if (m != MAP_FAILED && m != (void*)va) { munmap(m, n); m = MAP_FAILED; }
+    }
+  }
+#endif
+  if (m == MAP_FAILED) m = mmap(0, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) { close(fd); return 2; }
+  pthread_mutex_lock(&mu);
+  int i = 0; while (i < MAXA && allocs[i].p) i++;
+  if (i == MAXA) { pthread_mutex_unlock(&mu); munmap(m, n); close(fd); return 2; }
+  allocs[i].p = m; allocs[i].n = n; allocs[i].fd = fd;
+  pthread_mutex_unlock(&mu);
+  *out = (CUdeviceptr)(uintptr_t)m; return 0;
+}
+CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) { count(C_ALLOC); return mem_alloc(out, n); }
+/* Rows padded to 512 bytes; element sizes 4, 8 or 16 only, as the real driver's. */
+CUresult cuMemAllocPitch_v2(CUdeviceptr* out, size_t* pitch, size_t w, size_t h, unsigned elem) {
+  count(C_PITCH);
+  if (!out || !pitch || w == 0 || h == 0 || (elem != 4 && elem != 8 && elem != 16)) return 1;
+  size_t p = (w + 511) & ~(size_t)511;
+  CUresult r = mem_alloc(out, p * h);
+  if (!r) *pitch = p;
+  return r;
+}
+/* The pre-3020 entry point (32-bit pointer and size): counted on its own; it only reports. */
+CUresult cuMemAlloc(unsigned* out, unsigned n) { (void)out; (void)n; count(C_ALLOC_V1); return 1; }
+CUresult cuMemFree_v2(CUdeviceptr dp) {
+  count(C_FREE);
+  void* p = (void*)(uintptr_t)dp;
+  if (!p) return 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) {
+    size_t n = allocs[i].n; int fd = allocs[i].fd;
+    allocs[i].p = 0; pthread_mutex_unlock(&mu);
+    munmap(p, n); close(fd);
+    return 0;
+  }
+  pthread_mutex_unlock(&mu);
+  return 1; /* CUDA_ERROR_INVALID_VALUE */
+}
+/* The cuMemAlloc allocation containing p: start, size and memfd (for the fake runtime's IPC). */
+int fakecu_lookup(const void* p, void** base, size_t* n, int* fd) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXA; i++) if (allocs[i].p && (const char*)p >= (char*)allocs[i].p && (const char*)p < (char*)allocs[i].p + allocs[i].n) {
+    *base = allocs[i].p; *n = allocs[i].n; *fd = allocs[i].fd;
+    pthread_mutex_unlock(&mu); return 1;
+  }
+  pthread_mutex_unlock(&mu); return 0;
+}
+/* FAKE_MEMINFO_REAL=1: free is FAKE_CAPACITY less the VMM chunks; else 100 MiB of 8 GiB. */
+CUresult cuMemGetInfo_v2(size_t* f, size_t* t) {
+  count(C_INFO);
+  if (!current()) return 201;
+  const char* real = getenv("FAKE_MEMINFO_REAL");
+  if (real && *real == '1') {
+    size_t cap = (size_t)envl("FAKE_CAPACITY", 1L << 30);
+    *f = cap - used; *t = cap; return 0;
+  }
+  *f = 100u << 20; *t = 8ull << 30; return 0;
+}
+
 #ifndef NO_VMM
 #define MAXH 65536
 static struct { int fd; size_t size; int mapped; int retained; } handles[MAXH];
-static size_t used;
 #define MAXM 65536
 static struct { uint64_t va; size_t size; int h; unsigned access; } maps[MAXM];
 
@@ -220,3 +343,56 @@ long fakecu_access(uint64_t va) {
 }
 long fakecu_used(void) { return (long)used; }
 #endif
+
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr);
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
+CUresult cuGetProcAddress(const char* sym, void** pfn, int ver, unsigned long long flags);
+CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long long flags, int* status);
+/* The entry points by base name and the version that introduced each variant. */
+static const struct { const char* name; int since; void* fn; } procs[] = {
+  {"cuGetProcAddress", 0, (void*)cuGetProcAddress}, {"cuGetProcAddress", 12000, (void*)cuGetProcAddress_v2},
+  {"cuInit", 0, (void*)cuInit}, {"cuCtxGetCurrent", 0, (void*)cuCtxGetCurrent}, {"cuCtxSetCurrent", 0, (void*)cuCtxSetCurrent},
+  {"cuCtxGetDevice", 0, (void*)cuCtxGetDevice}, {"cuCtxSynchronize", 0, (void*)cuCtxSynchronize},
+  {"cuCtxCreate", 3020, (void*)cuCtxCreate_v2}, {"cuCtxPushCurrent", 4000, (void*)cuCtxPushCurrent_v2}, {"cuCtxPopCurrent", 4000, (void*)cuCtxPopCurrent_v2},
+  {"cuDevicePrimaryCtxRetain", 7000, (void*)cuDevicePrimaryCtxRetain}, {"cuDevicePrimaryCtxRelease", 11000, (void*)cuDevicePrimaryCtxRelease_v2},
+  {"cuDevicePrimaryCtxGetState", 7000, (void*)cuDevicePrimaryCtxGetState},
+  {"cuDeviceGet", 0, (void*)cuDeviceGet}, {"cuDeviceGetCount", 0, (void*)cuDeviceGetCount}, {"cuDeviceGetAttribute", 0, (void*)cuDeviceGetAttribute},
+  {"cuMemAlloc", 0, (void*)cuMemAlloc}, {"cuMemAlloc", 3020, (void*)cuMemAlloc_v2}, {"cuMemFree", 3020, (void*)cuMemFree_v2},
+  {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2}, {"cuMemAllocPitch", 3020, (void*)cuMemAllocPitch_v2},
+#ifndef NO_VMM
+  {"cuMemGetAddressRange", 3020, (void*)cuMemGetAddressRange_v2}, {"cuPointerGetAttribute", 4000, (void*)cuPointerGetAttribute},
+  {"cuMemGetAllocationGranularity", 10020, (void*)cuMemGetAllocationGranularity}, {"cuMemCreate", 10020, (void*)cuMemCreate},
+  {"cuMemRelease", 10020, (void*)cuMemRelease}, {"cuMemAddressReserve", 10020, (void*)cuMemAddressReserve},
+  {"cuMemAddressFree", 10020, (void*)cuMemAddressFree}, {"cuMemMap", 10020, (void*)cuMemMap}, {"cuMemUnmap", 10020, (void*)cuMemUnmap},
+  {"cuMemSetAccess", 10020, (void*)cuMemSetAccess}, {"cuMemExportToShareableHandle", 10020, (void*)cuMemExportToShareableHandle},
+  {"cuMemImportFromShareableHandle", 10020, (void*)cuMemImportFromShareableHandle},
+  {"cuMemRetainAllocationHandle", 11000, (void*)cuMemRetainAllocationHandle},
+  {"cuMemGetAllocationPropertiesFromHandle", 10020, (void*)cuMemGetAllocationPropertiesFromHandle},
+  {"cuMemGetAccess", 10020, (void*)cuMemGetAccess},
+#endif
+};
+CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long long flags, int* status) {
+  (void)flags; /* none of these has a _ptds variant */
+  void* best = 0; int since = -1;
+  for (size_t i = 0; i < sizeof procs / sizeof procs[0]; i++)
+    if (!strcmp(procs[i].name, sym) && procs[i].since <= ver && procs[i].since > since) { best = procs[i].fn; since = procs[i].since; }
+  if (status) *status = best ? 0 : 1;
+  if (!pfn) return 1;
+  *pfn = best;
+  return best ? 0 : 500;
+}
+CUresult cuGetProcAddress(const char* sym, void** pfn, int ver, unsigned long long flags) { return cuGetProcAddress_v2(sym, pfn, ver, flags, 0); }
+/* The driver's own function of that exact symbol name (what a test compares lookups with). */
+void* fakecu_real(const char* sym) {
+  if (!strcmp(sym, "cuMemAlloc_v2")) return (void*)cuMemAlloc_v2;
+  if (!strcmp(sym, "cuMemAlloc")) return (void*)cuMemAlloc;
+  if (!strcmp(sym, "cuMemFree_v2")) return (void*)cuMemFree_v2;
+  if (!strcmp(sym, "cuMemGetInfo_v2")) return (void*)cuMemGetInfo_v2;
+  if (!strcmp(sym, "cuMemAllocPitch_v2")) return (void*)cuMemAllocPitch_v2;
+  if (!strcmp(sym, "cuGetProcAddress")) return (void*)cuGetProcAddress;
+  if (!strcmp(sym, "cuGetProcAddress_v2")) return (void*)cuGetProcAddress_v2;
+#ifndef NO_VMM
+  if (!strcmp(sym, "cuMemCreate")) return (void*)cuMemCreate;
+#endif
+  return 0;
+}

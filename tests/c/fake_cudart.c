@@ -1,6 +1,10 @@
 /* A fake libcudart.so.13 (versioned symbols, like the real one) for expseg's preload tests.
- * Its cudaMalloc hands out host memory; it calls the fake driver to bind a context as the
- * real runtime does. Counters are read by the tests through fakert_count(). */
+ * Like the real runtime (traced: CUDA 13's libcudart.so.13) it reaches the driver through
+ * cuGetProcAddress: dlsym finds cuGetProcAddress_v2 in libcuda.so.1, which gives
+ * cuGetProcAddress (version 12000) and, at 3020, cuMemAlloc, cuMemFree and cuMemGetInfo;
+ * cudaMalloc, cudaFree and cudaMemGetInfo call those. (The old cuGetProcAddress is looked up
+ * with dlsym too, and must work alike.) It binds the primary context as the real runtime does. Counters are read by the
+ * tests through fakert_count(); fakert_driver_fn() tells which functions it got. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,15 +16,13 @@
 #include <unistd.h>
 
 void fakecu_bind(void);
-uint64_t fakecu_take_freed(size_t size) __attribute__((weak));
+void fakecu_bind_dev(int);
+int fakecu_lookup(const void* p, void** base, size_t* n, int* fd);
 static __thread int last_error, cur_dev;
 static long n_malloc, n_free, n_sync, n_ipc, n_peer_on, n_peer_off;
-#define MAXA 65536
-/* Allocations are memfd mappings, so another process can open them by handle
+/* Allocations are the driver's memfd mappings, so another process can open them by handle
  * (/proc/PID/fd/FD): the fake's legacy IPC. */
-static struct { void* p; size_t n; int fd; } allocs[MAXA];
 static struct { void* p; size_t n; } opened[256];
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int ndev(void) { const char* v = getenv("FAKE_DEVICES"); return v ? atoi(v) : 1; }
 static int err(int e) { if (e) last_error = e; return e; }
 
@@ -34,52 +36,60 @@ long fakert_count(const char* w) {
   return -1;
 }
 
+#include <dlfcn.h>
+typedef int (*GetProc2)(const char*, void**, int, unsigned long long, int*);
+typedef int (*GetProc1)(const char*, void**, int, unsigned long long);
+static struct {
+  GetProc2 get_proc;
+  int (*alloc)(uint64_t*, size_t);
+  int (*free)(uint64_t);
+  int (*info)(size_t*, size_t*);
+} drv;
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+static void drv_load(void) {
+  void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  GetProc2 v2 = l ? (GetProc2)dlsym(l, "cuGetProcAddress_v2") : 0;
+  GetProc1 v1 = l ? (GetProc1)dlsym(l, "cuGetProcAddress") : 0;
+  void* again = 0;
+  int st = 0;
+  if (!v1 || !v2 || v1("cuGetProcAddress", &again, 12000, 0) || v2("cuGetProcAddress", (void**)&drv.get_proc, 12000, 0, &st) ||
+      again != (void*)drv.get_proc) abort();
+  if (drv.get_proc("cuMemAlloc", (void**)&drv.alloc, 3020, 0, &st) || drv.get_proc("cuMemFree", (void**)&drv.free, 3020, 0, &st) ||
+      drv.get_proc("cuMemGetInfo", (void**)&drv.info, 3020, 0, &st)) abort();
+}
+static void load(void) { pthread_once(&drv_once, drv_load); }
+/* The driver function the runtime got for a base name (tests compare it with the driver's). */
+void* fakert_driver_fn(const char* name) {
+  load();
+  if (!strcmp(name, "cuMemAlloc")) return (void*)drv.alloc;
+  if (!strcmp(name, "cuMemFree")) return (void*)drv.free;
+  if (!strcmp(name, "cuMemGetInfo")) return (void*)drv.info;
+  if (!strcmp(name, "cuGetProcAddress")) return (void*)drv.get_proc;
+  return 0;
+}
+
 int cudaMalloc(void** p, size_t n) {
   if (!p) return err(1);
   fakecu_bind();
+  load();
   __atomic_add_fetch(&n_malloc, 1, __ATOMIC_RELAXED);
   if (n == 0) { *p = 0; return 0; }
-  if (n >= ((size_t)1 << 48)) return err(2);
-  /* FAKE_RT_MALLOC_MAX: larger requests run out of memory. */
-  if (getenv("FAKE_RT_MALLOC_MAX") && n > (size_t)atol(getenv("FAKE_RT_MALLOC_MAX"))) return err(2);
-  int fd = memfd_create("fakert", MFD_CLOEXEC);
-  if (fd < 0 || ftruncate(fd, (off_t)n)) return err(2);
-  void* m = MAP_FAILED;
-  /* FAKE_MALLOC_REUSES_VA: land on a just-freed reservation of the same size, as the real
-   * cudaMalloc does for small sizes (what makes an IPC move in place possible). */
-  if (getenv("FAKE_MALLOC_REUSES_VA") && fakecu_take_freed) {
-    uint64_t va = fakecu_take_freed(n);
-    if (va) {
-      m = mmap((void*)va, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
-      if (m != MAP_FAILED && m != (void*)va) { munmap(m, n); m = MAP_FAILED; }
-    }
-  }
-  if (m == MAP_FAILED) m = mmap(0, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) { close(fd); return err(2); }
-  pthread_mutex_lock(&mu);
-  int i = 0; while (i < MAXA && allocs[i].p) i++;
-  if (i == MAXA) { pthread_mutex_unlock(&mu); munmap(m, n); close(fd); return err(2); }
-  allocs[i].p = m; allocs[i].n = n; allocs[i].fd = fd;
-  pthread_mutex_unlock(&mu);
-  *p = m; return 0;
+  uint64_t d = 0;
+  int r = drv.alloc(&d, n);
+  if (r) return err(r == 2 ? 2 : 1);
+  *p = (void*)(uintptr_t)d; return 0;
 }
 int cudaFree(void* p) {
   fakecu_bind();
+  load();
   __atomic_add_fetch(&n_free, 1, __ATOMIC_RELAXED);
   if (!p) return 0;
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) {
-    size_t n = allocs[i].n; int fd = allocs[i].fd;
-    allocs[i].p = 0; pthread_mutex_unlock(&mu);
-    munmap(p, n); close(fd);
-    return 0;
-  }
-  pthread_mutex_unlock(&mu);
-  return err(1); /* cudaErrorInvalidValue, as the real runtime answers any unknown pointer */
+  /* cudaErrorInvalidValue, as the real runtime answers any unknown pointer */
+  return drv.free((uint64_t)(uintptr_t)p) ? err(1) : 0;
 }
 int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
 int cudaGetDevice(int* d) { *d = cur_dev; return 0; }
-int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind(); return 0; }
+int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind_dev(d); return 0; }
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 int cudaDeviceSynchronize(void) {
   __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
@@ -87,38 +97,30 @@ int cudaDeviceSynchronize(void) {
   if (ms) usleep((useconds_t)atoi(ms) * 1000);
   return 0;
 }
-long fakecu_used(void) __attribute__((weak));
-/* FAKE_MEMINFO_REAL=1: free is FAKE_CAPACITY less the fake driver's chunks. */
 int cudaMemGetInfo(size_t* f, size_t* t) {
-  const char* real = getenv("FAKE_MEMINFO_REAL");
-  if (real && *real == '1' && fakecu_used) {
-    const char* c = getenv("FAKE_CAPACITY");
-    size_t cap = c ? (size_t)atol(c) : (1ul << 30);
-    *f = cap - (size_t)fakecu_used(); *t = cap; return 0;
-  }
-  *f = 100u << 20; *t = 8ull << 30; return 0;
+  fakecu_bind();
+  load();
+  return drv.info(f, t) ? err(1) : 0;
 }
-#include <dlfcn.h>
-/* The runtime's driver entry point API: the driver's own functions. */
+/* The runtime's driver entry point API: the driver's cuGetProcAddress. */
 int cudaGetDriverEntryPointByVersion(const char* sym, void** fn, unsigned ver, unsigned long long flags, int* status) {
-  (void)ver; (void)flags;
-  void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  *fn = l ? dlsym(l, sym) : 0;
-  if (status) *status = *fn ? 0 : 1;
-  return *fn ? 0 : 500;
+  load();
+  int r = drv.get_proc(sym, fn, (int)ver, flags, status);
+  return r ? 500 : 0;
+}
+int cudaGetDriverEntryPoint(const char* sym, void** fn, unsigned long long flags, int* status) {
+  return cudaGetDriverEntryPointByVersion(sym, fn, 13000, flags, status);
 }
 int cudaIpcGetMemHandle(void* h, void* p) {
   __atomic_add_fetch(&n_ipc, 1, __ATOMIC_RELAXED);
-  pthread_mutex_lock(&mu);
-  for (int i = 0; i < MAXA; i++) if (allocs[i].p && (char*)p >= (char*)allocs[i].p && (char*)p < (char*)allocs[i].p + allocs[i].n) {
-    /* Bytes 0..23 are ignored on open, as on the real driver. 24..31: the allocation's start
-     * (tests read it); 32..35 pid; 36..39 memfd; 40..47 size; 48..55 a checked magic. */
-    int pid = getpid(); uint64_t sz = allocs[i].n;
-    memset(h, 0xAB, 64); memcpy((char*)h + 24, &allocs[i].p, 8); memcpy((char*)h + 32, &pid, 4);
-    memcpy((char*)h + 36, &allocs[i].fd, 4); memcpy((char*)h + 40, &sz, 8); memcpy((char*)h + 48, "FAKEIPC!", 8);
-    pthread_mutex_unlock(&mu); return 0; }
-  pthread_mutex_unlock(&mu);
-  return err(1);
+  void* base; size_t n; int fd;
+  if (!fakecu_lookup(p, &base, &n, &fd)) return err(1);
+  /* Bytes 0..23 are ignored on open, as on the real driver. 24..31: the allocation's start
+   * (tests read it); 32..35 pid; 36..39 memfd; 40..47 size; 48..55 a checked magic. */
+  int pid = getpid(); uint64_t sz = n;
+  memset(h, 0xAB, 64); memcpy((char*)h + 24, &base, 8); memcpy((char*)h + 32, &pid, 4);
+  memcpy((char*)h + 36, &fd, 4); memcpy((char*)h + 40, &sz, 8); memcpy((char*)h + 48, "FAKEIPC!", 8);
+  return 0;
 }
 int cudaMemcpy(void* d, const void* s, size_t n, int kind) { (void)kind; memmove(d, s, n); return 0; }
 typedef struct { unsigned char b[64]; } IpcHandle;

@@ -27,6 +27,9 @@ int cudaDeviceDisablePeerAccess(int);
 long fakert_count(const char*);
 long fakecu_count(const char*);
 long fakecu_access(uint64_t);
+void* fakecu_real(const char*);
+void* fakert_driver_fn(const char*);
+int cudaGetDriverEntryPoint(const char*, void**, unsigned long long, int*);
 
 #define MIB ((size_t)1 << 20)
 #define CHECK(c) do { if (!(c)) { printf("check_failed=%s:%d %s\n", __FILE__, __LINE__, #c); exit(1); } } while (0)
@@ -476,6 +479,39 @@ static int simple(void) {
   return 0;
 }
 
+/* The shared runtime calls the driver too (through cuGetProcAddress): expseg must serve each
+ * allocation once, at the runtime level, and give the runtime the driver's own functions. */
+static int layers(void) {
+  printf("runtime_got_driver=%d\n", fakert_driver_fn("cuMemAlloc") == fakecu_real("cuMemAlloc_v2") &&
+         fakert_driver_fn("cuMemFree") == fakecu_real("cuMemFree_v2") && fakert_driver_fn("cuMemGetInfo") == fakecu_real("cuMemGetInfo_v2"));
+  printf("runtime_getproc_is_hook=%d\n", fakert_driver_fn("cuGetProcAddress") == dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
+  long creates = fakecu_count("cuMemCreate"), allocs = fakecu_count("cuMemAlloc_v2"), frees = fakecu_count("cuMemFree_v2");
+  void *s = 0, *p = 0;
+  CHECK(cudaMalloc(&s, 1000) == 0);
+  printf("small_driver_allocs=%ld small_creates=%ld\n", fakecu_count("cuMemAlloc_v2") - allocs, fakecu_count("cuMemCreate") - creates);
+  CHECK(cudaFree(s) == 0);
+  printf("small_driver_frees=%ld\n", fakecu_count("cuMemFree_v2") - frees);
+  allocs = fakecu_count("cuMemAlloc_v2");
+  CHECK(cudaMalloc(&p, 4 * MIB) == 0);
+  printf("large_driver_allocs=%ld large_creates=%ld\n", fakecu_count("cuMemAlloc_v2") - allocs, fakecu_count("cuMemCreate") - creates);
+  /* The program's own driver calls, through the runtime's entry point API: the pool. */
+  int (*alloc)(uint64_t*, size_t) = 0;
+  int (*dfree)(uint64_t) = 0;
+  int st = 0;
+  CHECK(cudaGetDriverEntryPoint("cuMemAlloc", (void**)&alloc, 0, &st) == 0);
+  CHECK(cudaGetDriverEntryPoint("cuMemFree", (void**)&dfree, 0, &st) == 0);
+  printf("entry_point_is_hook=%d\n", (void*)alloc == dlsym(RTLD_DEFAULT, "cuMemAlloc_v2") && (void*)dfree == dlsym(RTLD_DEFAULT, "cuMemFree_v2"));
+  uint64_t d = 0;
+  CHECK(alloc(&d, 6 * MIB) == 0);
+  printf("entry_point_pooled=%d\n", fakecu_count("cuMemAlloc_v2") == allocs && fakecu_count("cuMemCreate") - creates == 2);
+  printf("entry_point_free_rc=%d\n", dfree(d));
+  CHECK(cudaFree(p) == 0);
+  size_t fr = 0, tot = 0;
+  CHECK(cudaMemGetInfo(&fr, &tot) == 0);
+  printf("meminfo_free_mib=%zu\n", fr >> 20);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
@@ -495,6 +531,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
+  if (!strcmp(s, "layers")) return layers();
   if (!strcmp(s, "foreign")) return foreign();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
