@@ -78,24 +78,25 @@ fi
 
 # Programs the shared runtime's interposition never sees (issue 11): nvcc's default static
 # runtime, and a program on the driver API alone. Their allocations must come from the pool
-# and their IPC handles open in plain and expseg consumers.
+# and their IPC handles open in plain and expseg consumers. Driver-level service is opt-in
+# (EXPSEG_DRIVER_API=1) until these pass; driver IPC of pool memory is not built yet.
 nvcc -O2 -o "$build/alloc_test_static" "$here/alloc_test.cu" -lcuda -lpthread >>"$logs/build.log" 2>&1 &&
   nvcc -O2 -o "$build/ipc_test_static" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1 &&
   nvcc -O2 -o "$build/driver_test" "$here/driver_test.cu" -lcuda >>"$logs/build.log" 2>&1
 result build_static_and_driver_tests $? "(nvcc default: -cudart static)"
 if [ -x "$build/driver_test" ]; then
-  EXPSEG_REPORT="$logs/alloc_static_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test_static" >"$logs/alloc_static.log" 2>&1
+  EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/alloc_static_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test_static" >"$logs/alloc_static.log" 2>&1
   rc=$?
   grep -q '"allocs":[1-9]' "$logs/alloc_static_report.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
   result alloc_test_static_runtime $rc "$(tail -n 1 "$logs/alloc_static.log")"
   for consumer in - "$lib"; do
     name=ipc_static_runtime_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test_static" run "$consumer" 2 20 64 1024 >"$logs/$name.log" 2>&1
+    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test_static" run "$consumer" 2 20 64 1024 >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"ipc_handle_requests":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    expseg saw no IPC handle request"; rc=1; }
     result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
     name=driver_api_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_REPORT="$logs/$name.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/driver_test" run "$consumer" >"$logs/$name.log" 2>&1
+    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/driver_test" run "$consumer" >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"allocs":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
     result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
@@ -107,7 +108,7 @@ fi
 if python3 -c 'import cupy' 2>/dev/null; then
   for consumer in - "$lib"; do
     name=cupy_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" python3 "$here/cupy_test.py" run "$consumer" >"$logs/$name.log" 2>&1
+    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" python3 "$here/cupy_test.py" run "$consumer" >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"allocs":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
     result "$name" $rc "$(grep '^{' "$logs/$name.log" | head -c 400)"
@@ -120,7 +121,7 @@ fi
 for fw in jax numba; do
   python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_native.log" 2>&1
   if grep -q '^SKIP' "$logs/${fw}_native.log"; then echo "$(grep '^SKIP' "$logs/${fw}_native.log")"; continue; fi
-  EXPSEG_REPORT="$logs/${fw}_report.txt" LD_PRELOAD="$lib" python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_expseg.log" 2>&1
+  EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/${fw}_report.txt" LD_PRELOAD="$lib" python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_expseg.log" 2>&1
   rc=$?
   a=$(grep '^digest' "$logs/${fw}_native.log"); b=$(grep '^digest' "$logs/${fw}_expseg.log")
   [ -n "$a" ] && [ "$a" = "$b" ] || rc=1

@@ -46,6 +46,9 @@ pub struct Config {
     pub coalesce: Coalesce,
     /// `EXPSEG_DRIVER_API`: serve the driver's allocation calls (`cuMemAlloc_v2` of programs
     /// that reach the driver themselves: static runtimes, driver API users) from the pool.
+    /// Off by default until their IPC (`cuIpcGetMemHandle`) of pool memory works and the path
+    /// ran on a GPU: served today, a static-runtime program's IPC of a pool allocation (CuPy,
+    /// NCCL's legacy transport, both linked with the static runtime) would fail.
     pub driver_api: bool,
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,
@@ -101,7 +104,7 @@ impl Default for Config {
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
-            driver_api: true,
+            driver_api: false,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
             // and holds a churn step's largest tensors (0.6 GiB) whole.
             coalesce_max: GIB,

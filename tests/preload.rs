@@ -218,9 +218,16 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("LD_LIBRARY_PATH", libdir)
-        .env("LD_PRELOAD", &f.shim);
+        .env("LD_PRELOAD", &f.shim)
+        // Driver-level service is opt-in; the tests run with it on, so that every scenario
+        // also checks that shared-runtime programs are served once. "<unset>" removes it.
+        .env("EXPSEG_DRIVER_API", "1");
     for (k, v) in env {
-        c.env(k, v);
+        if *v == "<unset>" {
+            c.env_remove(k);
+        } else {
+            c.env(k, v);
+        }
     }
     Run {
         out: c.output().expect("run test program"),
@@ -1809,6 +1816,22 @@ fn driver_hooks_pass_through_when_off_and_catch_panics() {
     );
     let r = run("simple", &[("EXPSEG_DRIVER_API", "0")]).ok();
     assert_eq!(r.get("to_runtime"), "0");
+    // Off by default (until driver-level IPC of pool memory exists).
+    for prog in ["drv", "static_prog"] {
+        let args: &[&str] = if prog == "drv" { &["direct"] } else { &[] };
+        let r = run_in(
+            &fixture().dir,
+            prog,
+            args,
+            &[("EXPSEG_DRIVER_API", "<unset>")],
+        )
+        .ok();
+        assert_eq!(
+            r.get("pooled"),
+            "0",
+            "{prog}: the driver's calls by default"
+        );
+    }
     let r = run_in(
         &fixture().dir,
         "static_prog",
