@@ -126,3 +126,13 @@ pub unsafe extern "C" fn syscall(n: c_long) -> c_long {
         getfd = sym expseg_pidfd_getfd,
     )
 }
+
+/// Load time: find glibc's `syscall` now, so that no later first call (from a signal handler,
+/// a vfork child) has to run `dlvsym`.
+extern "C" fn resolve_at_load() {
+    let _ = real();
+}
+
+#[used]
+#[link_section = ".init_array"]
+static RESOLVE_SYSCALL_AT_LOAD: extern "C" fn() = resolve_at_load;
