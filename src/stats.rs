@@ -39,6 +39,13 @@ pub struct Global {
     /// Pool allocations and frees made through the driver API (`cuMemAlloc_v2`, `cuMemFree_v2`).
     pub driver_allocs: Counter,
     pub driver_frees: Counter,
+    /// Tickets this process issued (one per shared allocation).
+    pub ipc_tickets_issued: Counter,
+    /// Requests for tickets (and PyTorch descriptors) this process granted and refused.
+    pub ipc_tickets_granted: Counter,
+    pub ipc_tickets_refused: Counter,
+    /// Other processes' memory this process opened through their tickets.
+    pub ipc_tickets_opened: Counter,
 }
 
 pub static GLOBAL: Global = Global {
@@ -51,6 +58,10 @@ pub static GLOBAL: Global = Global {
     panics_caught: Counter::new(),
     driver_allocs: Counter::new(),
     driver_frees: Counter::new(),
+    ipc_tickets_issued: Counter::new(),
+    ipc_tickets_granted: Counter::new(),
+    ipc_tickets_refused: Counter::new(),
+    ipc_tickets_opened: Counter::new(),
 };
 
 impl Global {
@@ -68,6 +79,10 @@ impl Global {
             ("panics_caught", self.panics_caught.get()),
             ("driver_allocs", self.driver_allocs.get()),
             ("driver_frees", self.driver_frees.get()),
+            ("ipc_tickets_issued", self.ipc_tickets_issued.get()),
+            ("ipc_tickets_granted", self.ipc_tickets_granted.get()),
+            ("ipc_tickets_refused", self.ipc_tickets_refused.get()),
+            ("ipc_tickets_opened", self.ipc_tickets_opened.get()),
         ]
     }
 }

@@ -626,7 +626,38 @@ fn nth(r: &Run, key: &str, n: usize) -> String {
 
 #[test]
 fn a_consumer_running_expseg_maps_the_original_memory_through_the_ticket() {
-    let r = share("expseg", &[]).ok();
+    let reports = fixture().dir.join("ticket-reports");
+    let _ = std::fs::remove_dir_all(&reports);
+    std::fs::create_dir_all(&reports).unwrap();
+    let template = reports.join("r-%p.txt");
+    let r = share("expseg", &[("EXPSEG_REPORT", template.to_str().unwrap())]).ok();
+    // The reports count tickets: issued and granted by the producer, the forged and the stale
+    // one refused, one opened by a consumer.
+    let mut sums = std::collections::HashMap::new();
+    for e in std::fs::read_dir(&reports).unwrap() {
+        let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+        for key in [
+            "ipc_tickets_issued",
+            "ipc_tickets_granted",
+            "ipc_tickets_refused",
+            "ipc_tickets_opened",
+        ] {
+            let pat = format!("\"{key}\":");
+            if let Some(i) = text.find(&pat) {
+                let v: u64 = text[i + pat.len()..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                *sums.entry(key).or_insert(0) += v;
+            }
+        }
+    }
+    assert_eq!(sums.get("ipc_tickets_issued"), Some(&1), "{sums:?}");
+    assert!(sums.get("ipc_tickets_granted") >= Some(&1), "{sums:?}");
+    assert_eq!(sums.get("ipc_tickets_refused"), Some(&2), "{sums:?}");
+    assert_eq!(sums.get("ipc_tickets_opened"), Some(&1), "{sums:?}");
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));
     assert_eq!(nth(&r, "open_rc", 0), "0");
     assert_eq!(nth(&r, "consumer_sees", 0), "1");

@@ -62,8 +62,9 @@ def stats():
     - ``status``, ``pid``, ``rank``, ``version``, ``library``;
     - ``devices``: per device, the pool's figures (``live_bytes``, ``cached_bytes``,
       ``peak_held_bytes``, ``allocs``, ``ipc_moved``, ``ipc_mirrored``, ...);
-    - ``process``: pass-throughs, IPC handle requests, and ``coalesce_*`` rows when PyTorch's
-      expandable segments are coalesced;
+    - ``process``: pass-throughs, IPC handle requests, tickets (``ipc_tickets_issued``,
+      ``_granted``, ``_refused``, ``_opened``), driver-API allocations, and ``coalesce_*`` rows
+      when PyTorch's expandable segments are coalesced;
     - ``config``: the effective ``EXPSEG_*`` settings.
 
     Outside expseg this does not fail: it returns ``{"active": False, "why": ...}``."""

@@ -57,6 +57,7 @@ impl IpcState {
                 self.next_id = (self.next_id % (super::fdshare::GETFD_ID - 1)) + 1;
                 let id = self.next_id;
                 self.by_id.insert(id, (dev, base, nonce));
+                GLOBAL.ipc_tickets_issued.add(1);
                 self.by_alloc.insert((dev, base), id);
                 id
             }
@@ -621,6 +622,15 @@ fn admitted(uid: u32) -> bool {
 
 /// The producer's answer to a ticket: runs on a thread of the socket server.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+    let d = decide_once(id, nonce, peer);
+    match &d {
+        Ok(_) => GLOBAL.ipc_tickets_granted.add(1),
+        Err(_) => GLOBAL.ipc_tickets_refused.add(1),
+    }
+    d
+}
+
+fn decide_once(id: u32, nonce: u64, peer: u32) -> Decision {
     if !admitted(peer) {
         return Err(Refusal::Forbidden);
     }
@@ -782,6 +792,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                 (started.elapsed() - asked).as_secs_f64() * 1e3
             );
             lock().ipc.opened.insert(va, imp);
+            GLOBAL.ipc_tickets_opened.add(1);
             Answer::Done(Ok(va))
         }
         Err(e) => {
