@@ -46,9 +46,8 @@ pub struct Config {
     pub coalesce: Coalesce,
     /// `EXPSEG_DRIVER_API`: serve the driver's allocation calls (`cuMemAlloc_v2` of programs
     /// that reach the driver themselves: static runtimes, driver API users) from the pool.
-    /// Off by default until their IPC (`cuIpcGetMemHandle`) of pool memory works and the path
-    /// ran on a GPU: served today, a static-runtime program's IPC of a pool allocation (CuPy,
-    /// NCCL's legacy transport, both linked with the static runtime) would fail.
+    /// Off by default until the path (allocation and driver IPC of pool memory) has run on a
+    /// GPU: it serves every static-runtime program, NCCL inside PyTorch included.
     pub driver_api: bool,
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,

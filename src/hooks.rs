@@ -328,6 +328,67 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     })
 }
 
+// Legacy IPC at the driver, for programs with a static runtime or on the driver API: the same
+// policies as the runtime's calls (a pool allocation is mirrored and ticketed; a ticketed
+// handle opens the producer's memory). Other pointers and plain handles are the driver's.
+// These act on pool memory and tickets only, so they are handed out whatever
+// `EXPSEG_DRIVER_API` says: a pool pointer reaches the driver's IPC from a static runtime
+// even when the pool was filled by the shared runtime's `cudaMalloc` (NCCL does that).
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: u64) -> u32 {
+    let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
+        return next_driver::cuIpcGetMemHandle(handle, dptr);
+    };
+    driver_boundary("cuIpcGetMemHandle", || {
+        match api::cudaIpcGetMemHandle(dptr) {
+            Answer::Done(Ok(bytes)) => {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len());
+                0
+            }
+            // The runtime's codes for these answers are the driver's numbers too (1, 2, 400,
+            // 801, 999).
+            Answer::Done(Err(e)) => e as u32,
+            Answer::PassThrough => next_driver::cuIpcGetMemHandle(handle, dptr),
+        }
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
+    dptr: *mut u64,
+    handle: CudaIpcMemHandle,
+    flags: c_uint,
+) -> u32 {
+    let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
+        return next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags);
+    };
+    driver_boundary(
+        "cuIpcOpenMemHandle_v2",
+        || match api::cudaIpcOpenMemHandle(handle.reserved) {
+            Answer::Done(Ok(p)) => {
+                *dptr = p;
+                0
+            }
+            Answer::Done(Err(e)) => e as u32,
+            Answer::PassThrough => next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags),
+        },
+    )
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
+    let Some(_g) = Guard::enter() else {
+        return next_driver::cuIpcCloseMemHandle(dptr);
+    };
+    driver_boundary("cuIpcCloseMemHandle", || {
+        match api::cudaIpcCloseMemHandle(dptr) {
+            Answer::Done(e) => e as u32,
+            Answer::PassThrough => next_driver::cuIpcCloseMemHandle(dptr),
+        }
+    })
+}
+
 /// The driver allocation hook for a looked-up `name` (the base name with `version`, as
 /// `cuGetProcAddress` takes it, or the versioned symbol name), if the caller at `caller` may
 /// have it: a shared runtime (`libcudart*.so*`) always gets the driver's own function,
@@ -349,6 +410,11 @@ fn driver_hook_for(
         b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,
         b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
+        // IPC: `cuIpcOpenMemHandle` is the `_v2` signature from 11000 on.
+        b"cuIpcGetMemHandle" => cuIpcGetMemHandle as *mut c_void,
+        b"cuIpcOpenMemHandle" if version >= 11000 => cuIpcOpenMemHandle_v2 as *mut c_void,
+        b"cuIpcOpenMemHandle_v2" => cuIpcOpenMemHandle_v2 as *mut c_void,
+        b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
         _ => return None,
     };
     match caller() {
@@ -532,6 +598,9 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemFree_v2" => cuMemFree_v2 as *mut c_void,
         b"cuMemGetInfo_v2" => cuMemGetInfo_v2 as *mut c_void,
         b"cuMemAllocPitch_v2" => cuMemAllocPitch_v2 as *mut c_void,
+        b"cuIpcGetMemHandle" => cuIpcGetMemHandle as *mut c_void,
+        b"cuIpcOpenMemHandle_v2" => cuIpcOpenMemHandle_v2 as *mut c_void,
+        b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
         _ => return None,
     })
 }
@@ -540,9 +609,13 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
 /// driver's allocation functions are withheld from shared runtimes (see `driver_hook_for`).
 pub fn driver_lookup_allowed(name: &[u8], caller: usize) -> bool {
     match name {
-        b"cuMemAlloc_v2" | b"cuMemFree_v2" | b"cuMemGetInfo_v2" | b"cuMemAllocPitch_v2" => {
-            driver_hook_for(name, c_int::MAX, || Some(caller)).is_some()
-        }
+        b"cuMemAlloc_v2"
+        | b"cuMemFree_v2"
+        | b"cuMemGetInfo_v2"
+        | b"cuMemAllocPitch_v2"
+        | b"cuIpcGetMemHandle"
+        | b"cuIpcOpenMemHandle_v2"
+        | b"cuIpcCloseMemHandle" => driver_hook_for(name, c_int::MAX, || Some(caller)).is_some(),
         _ => true,
     }
 }

@@ -223,6 +223,12 @@ macro_rules! next_driver {
 }
 
 next_driver! {
+    cuMemcpyHtoD_v2(dst: u64, src: *const c_void, size: size_t);
+    cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, size: size_t);
+    cuMemcpyDtoD_v2(dst: u64, src: u64, size: size_t);
+    cuIpcGetMemHandle(handle: *mut c_void, dptr: u64);
+    cuIpcOpenMemHandle_v2(dptr: *mut u64, handle: CudaIpcMemHandle, flags: c_uint);
+    cuIpcCloseMemHandle(dptr: u64);
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
     cuMemFree_v2(dptr: u64);
     cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t);
@@ -320,25 +326,54 @@ pub fn self_dir() -> Option<std::path::PathBuf> {
     }
 }
 
-/// Safe calls of the next runtime for the rest of the crate: values in, values out.
+/// Whether a shared CUDA runtime is loaded (asked without the one-time error line a missing
+/// symbol gives). A process with the static runtime has none: `runtime` then works through
+/// the driver. A hit is cached; a runtime loaded later is found.
+pub fn runtime_present() -> bool {
+    static SEEN: AtomicBool = AtomicBool::new(false);
+    if SEEN.load(Ordering::Relaxed) {
+        return true;
+    }
+    let yes = !lookup_next(c"cudaMalloc").is_null();
+    if yes {
+        SEEN.store(true, Ordering::Relaxed);
+    }
+    yes
+}
+
+/// Safe calls of the next runtime for the rest of the crate: values in, values out. Where no
+/// shared runtime is loaded (a static-runtime program served through the driver hooks), the
+/// same operations go to the driver in the primary context of the current device
+/// (`through_driver`); error codes are then the driver's, which agree with the runtime's for
+/// what callers test (0, and 2 for out of memory).
 pub mod runtime {
     use super::next;
+    use super::through_driver as drv;
     use libc::c_void;
 
     /// `cudaMalloc` into a local: the code and the pointer.
     pub fn malloc(size: usize) -> (i32, u64) {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer.
+        if !super::runtime_present() {
+            return drv::malloc(size);
+        }
         let e = unsafe { next::cudaMalloc(&mut p, size) };
         (e, p as u64)
     }
 
     pub fn free(ptr: u64) -> i32 {
+        if !super::runtime_present() {
+            return drv::free(ptr);
+        }
         // SAFETY: the runtime validates the pointer; an unknown one is an error code.
         unsafe { next::cudaFree(ptr as *mut c_void) }
     }
 
     pub fn get_device() -> Result<i32, i32> {
+        if !super::runtime_present() {
+            return drv::get_device();
+        }
         let mut d = 0;
         // SAFETY: `d` is a valid out-pointer.
         match unsafe { next::cudaGetDevice(&mut d) } {
@@ -348,11 +383,17 @@ pub mod runtime {
     }
 
     pub fn set_device(d: i32) -> i32 {
+        if !super::runtime_present() {
+            return drv::set_device(d);
+        }
         // SAFETY: plain value argument.
         unsafe { next::cudaSetDevice(d) }
     }
 
     pub fn device_synchronize() -> i32 {
+        if !super::runtime_present() {
+            return drv::synchronize();
+        }
         // SAFETY: no arguments.
         unsafe { next::cudaDeviceSynchronize() }
     }
@@ -385,6 +426,16 @@ pub mod runtime {
     /// `cudaMemcpy` host to device.
     pub fn copy_h2d(dst: u64, src: &[u8]) -> i32 {
         const HOST_TO_DEVICE: i32 = 1;
+        if !super::runtime_present() {
+            // SAFETY: as below.
+            return unsafe {
+                drv::code(super::next_driver::cuMemcpyHtoD_v2(
+                    dst,
+                    src.as_ptr().cast(),
+                    src.len(),
+                ))
+            };
+        }
         // SAFETY: `src` is readable for its length; `dst` is device memory of at least as much.
         unsafe {
             next::cudaMemcpy(
@@ -399,6 +450,16 @@ pub mod runtime {
     /// `cudaMemcpy` device to host.
     pub fn copy_d2h(dst: &mut [u8], src: u64) -> i32 {
         const DEVICE_TO_HOST: i32 = 2;
+        if !super::runtime_present() {
+            // SAFETY: as below.
+            return unsafe {
+                drv::code(super::next_driver::cuMemcpyDtoH_v2(
+                    dst.as_mut_ptr().cast(),
+                    src,
+                    dst.len(),
+                ))
+            };
+        }
         // SAFETY: `dst` is writable for its length; `src` is device memory of at least as much.
         unsafe {
             next::cudaMemcpy(
@@ -413,6 +474,13 @@ pub mod runtime {
     /// The real `cudaMemGetInfo` of the current device: (free, total).
     pub fn mem_get_info() -> Result<(u64, u64), i32> {
         let (mut f, mut t) = (0usize, 0usize);
+        if !super::runtime_present() {
+            // SAFETY: valid out-pointers.
+            return match unsafe { super::next_driver::cuMemGetInfo_v2(&mut f, &mut t) } {
+                0 => Ok((f as u64, t as u64)),
+                e => Err(drv::code(e)),
+            };
+        }
         // SAFETY: valid out-pointers.
         match unsafe { next::cudaMemGetInfo(&mut f, &mut t) } {
             0 => Ok((f as u64, t as u64)),
@@ -423,6 +491,10 @@ pub mod runtime {
     /// `cudaMemcpy` device to device.
     pub fn copy_d2d(dst: u64, src: u64, size: usize) -> i32 {
         const DEVICE_TO_DEVICE: i32 = 3;
+        if !super::runtime_present() {
+            // SAFETY: as below; the copy is followed by the callers' synchronisation.
+            return unsafe { drv::code(super::next_driver::cuMemcpyDtoD_v2(dst, src, size)) };
+        }
         // SAFETY: both ranges are device memory the caller owns, `size` bytes long.
         unsafe {
             next::cudaMemcpy(
@@ -437,6 +509,15 @@ pub mod runtime {
     /// `cudaIpcGetMemHandle` into a local.
     pub fn ipc_get_mem_handle(ptr: u64) -> Result<[u8; 64], i32> {
         let mut h = [0u8; 64];
+        if !super::runtime_present() {
+            // SAFETY: `h` is 64 writable bytes, the size of CUipcMemHandle.
+            return match unsafe {
+                super::next_driver::cuIpcGetMemHandle(h.as_mut_ptr().cast(), ptr)
+            } {
+                0 => Ok(h),
+                e => Err(drv::code(e)),
+            };
+        }
         // SAFETY: `h` is 64 writable bytes, the size of cudaIpcMemHandle_t.
         match unsafe {
             next::cudaIpcGetMemHandle(h.as_mut_ptr() as *mut c_void, ptr as *mut c_void)
@@ -559,5 +640,57 @@ pub fn driver() -> Result<&'static DriverTable, &'static str> {
     match t {
         Ok(t) => Ok(t),
         Err(e) => Err(e.as_str()),
+    }
+}
+
+/// The `runtime` operations through the driver, for processes without a shared runtime: in
+/// the primary context of the current device (a static runtime makes it current; expseg never
+/// creates one).
+mod through_driver {
+    use super::{driver, next_driver};
+    use crate::gpu::cuda;
+
+    /// A driver code as the runtime's (`CUDA_ERROR_NOT_INITIALIZED` when there is no driver).
+    pub fn code(e: u32) -> i32 {
+        i32::try_from(e).unwrap_or(999)
+    }
+
+    pub fn malloc(size: usize) -> (i32, u64) {
+        let mut p = 0u64;
+        // SAFETY: valid out-pointer.
+        let e = unsafe { next_driver::cuMemAlloc_v2(&mut p, size) };
+        (code(e), p)
+    }
+
+    pub fn free(ptr: u64) -> i32 {
+        // SAFETY: the driver validates the pointer.
+        code(unsafe { next_driver::cuMemFree_v2(ptr) })
+    }
+
+    pub fn get_device() -> Result<i32, i32> {
+        let t = driver().map_err(|_| 3)?;
+        let f = t.cuCtxGetDevice.ok_or(3)?;
+        let mut d = 0;
+        // SAFETY: valid out-pointer.
+        match unsafe { f(&mut d) } {
+            0 => Ok(d),
+            e => Err(code(e)),
+        }
+    }
+
+    pub fn set_device(d: i32) -> i32 {
+        match driver() {
+            Ok(t) => code(cuda::make_primary_current(t, d)),
+            Err(_) => 3,
+        }
+    }
+
+    pub fn synchronize() -> i32 {
+        let Ok(t) = driver() else { return 3 };
+        match t.cuCtxSynchronize {
+            // SAFETY: no arguments.
+            Some(f) => code(unsafe { f() }),
+            None => 0,
+        }
     }
 }

@@ -1880,3 +1880,35 @@ fn driver_hooks_pass_through_when_off_and_catch_panics() {
         r.stderr()
     );
 }
+
+#[test]
+fn a_static_runtime_shares_pool_memory_through_the_drivers_ipc() {
+    // IPC at the driver (cuIpcGetMemHandle/cuIpcOpenMemHandle_v2/cuIpcCloseMemHandle, what a
+    // static runtime calls): the pool allocation is mirrored and ticketed with no shared
+    // runtime in the process (copies and handles through the driver); a consumer running
+    // expseg maps the original memory (both ways), a plain one opens the mirror (one-way).
+    let f = fixture();
+    for (consumer, both) in [("expseg", "1"), ("plain", "0")] {
+        let dir = f.dir.join(format!("sockets-static-{consumer}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = run_in(
+            &f.dir,
+            "static_prog",
+            &["ipc", consumer],
+            &[("EXPSEG_IPC_DIR", dir.to_str().unwrap())],
+        )
+        .ok();
+        assert_eq!(r.get("get_rc"), "0", "{consumer}: {}", r.stderr());
+        assert_eq!(r.get("open_rc"), "0", "{consumer}: {}", r.stderr());
+        assert_eq!(r.get("consumer_data_ok"), "1", "{consumer}");
+        assert_eq!(r.get("close_rc"), "0", "{consumer}");
+        assert_eq!(r.get("both_ways"), both, "{consumer}: {}", r.stderr());
+        assert_eq!(r.get("free_rc"), "0", "{consumer}");
+        assert!(
+            !r.stderr().contains("no CUDA runtime defines"),
+            "nothing asked for a shared runtime: {}",
+            r.stderr()
+        );
+    }
+}

@@ -698,7 +698,13 @@ fn check_in_child(dev: i32) -> Result<(), String> {
     let helper = crate::real::self_dir()
         .map(|d| d.join("expseg-ipc-check"))
         .ok_or("cannot tell where libexpseg.so is")?;
-    let lib = crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?;
+    // A process with the static runtime has no libcudart: its plain consumers open handles
+    // with the driver, and so does the check.
+    let lib = if crate::real::runtime_present() {
+        crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?
+    } else {
+        "libcuda.so.1".to_string()
+    };
     let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
     let buf = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
         (0, p) => Ok(p),
@@ -711,7 +717,7 @@ fn check_in_child(dev: i32) -> Result<(), String> {
         }
         let h = runtime::ipc_get_mem_handle(buf)
             .map_err(|e| format!("cudaIpcGetMemHandle failed ({e})"))?;
-        crate::ipc::check_ticketed_handle(&helper, &lib, h, &pattern)
+        crate::ipc::check_ticketed_handle(&helper, &lib, h, &pattern, dev)
     })();
     runtime::free(buf);
     result

@@ -296,6 +296,7 @@ fn check_ipc(r: &mut Report, cudart: Option<String>) {
                 &path,
                 handle,
                 &pattern,
+                0,
             )
         } else {
             Err("could not allocate and export a test buffer".into())

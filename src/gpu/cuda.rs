@@ -181,6 +181,45 @@ pub fn primary_device(t: &DriverTable) -> Option<i32> {
     (primary == cur).then_some(dev)
 }
 
+/// Make `dev`'s primary context current on the calling thread, if it is active (never creates
+/// one: `CUDA_ERROR_INVALID_CONTEXT` otherwise). For processes without a shared runtime, where
+/// switching devices is switching primary contexts.
+pub fn make_primary_current(t: &DriverTable, dev: i32) -> u32 {
+    use std::sync::atomic::Ordering;
+    const INVALID_CONTEXT: u32 = 201;
+    let (Some(state), Some(retain), Some(release), Some(set)) = (
+        t.cuDevicePrimaryCtxGetState,
+        t.cuDevicePrimaryCtxRetain,
+        t.cuDevicePrimaryCtxRelease_v2,
+        t.cuCtxSetCurrent,
+    ) else {
+        return INVALID_CONTEXT;
+    };
+    let (mut flags, mut active) = (0, 0);
+    // SAFETY: valid out-pointers.
+    if unsafe { state(dev, &mut flags, &mut active) } != 0 || active == 0 {
+        return INVALID_CONTEXT;
+    }
+    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d));
+    let mut c = slot.map_or(0, |s| s.load(Ordering::Relaxed)) as CUcontext;
+    if c.is_null() {
+        // SAFETY: the primary context is active, so the retain creates nothing; the release
+        // gives back the reference just taken (the context stays alive: it is active).
+        unsafe {
+            let r = retain(&mut c, dev);
+            if r != 0 {
+                return r;
+            }
+            release(dev);
+        }
+        if let Some(s) = slot {
+            s.store(c as usize, Ordering::Relaxed);
+        }
+    }
+    // SAFETY: an active primary context.
+    unsafe { set(c) }
+}
+
 /// Wait for the work of `dev`'s primary context (the driver's `cuCtxSynchronize`), from
 /// whatever context the calling thread has: the primary context is pushed for the wait if it
 /// is not current. Returns the driver's code.

@@ -96,6 +96,7 @@ pub fn check_ticketed_handle(
     runtime_lib: &str,
     mut handle: [u8; 64],
     pattern: &[u8],
+    dev: i32,
 ) -> Result<(), String> {
     if !helper.exists() {
         return Err(format!("the helper {} is missing", helper.display()));
@@ -109,7 +110,7 @@ pub fn check_ticketed_handle(
     .stamp(&mut handle);
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let mut child = std::process::Command::new(helper)
-        .args([runtime_lib, &hex(&handle), &hex(pattern)])
+        .args([runtime_lib, &hex(&handle), &hex(pattern), &dev.to_string()])
         .env_remove("LD_PRELOAD")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

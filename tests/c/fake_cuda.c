@@ -8,6 +8,8 @@
  * process opens them through /proc/PID/fd: the fake's legacy IPC). cuGetProcAddress[_v2]
  * resolves names from a table, never with dlsym, as a real driver does. */
 #define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,9 +28,9 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 #define GRAN (2u << 20)
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_NCOUNT };
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2"};
+                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -344,6 +346,43 @@ long fakecu_access(uint64_t va) {
 long fakecu_used(void) { return (long)used; }
 #endif
 
+/* Legacy IPC and copies at the driver, as the fake runtime's (a handle names the memfd of a
+ * cuMemAlloc_v2 allocation: bytes 24..31 its start, 32..35 pid, 36..39 memfd, 40..47 size,
+ * 48..55 a magic; bytes 0..23 are ignored on open, as on the real driver). */
+typedef struct { unsigned char b[64]; } CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle* h, CUdeviceptr p) {
+  count(C_IPC_GET);
+  void* base; size_t n; int fd;
+  if (!h || !fakecu_lookup((void*)(uintptr_t)p, &base, &n, &fd)) return 1;
+  int pid = getpid(); uint64_t sz = n;
+  memset(h->b, 0xAB, 64); memcpy(h->b + 24, &base, 8); memcpy(h->b + 32, &pid, 4);
+  memcpy(h->b + 36, &fd, 4); memcpy(h->b + 40, &sz, 8); memcpy(h->b + 48, "FAKEIPC!", 8);
+  return 0;
+}
+static struct { void* p; size_t n; } cu_opened[256];
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle h, unsigned flags) {
+  (void)flags;
+  int pid, fd; uint64_t sz;
+  if (!out || memcmp(h.b + 48, "FAKEIPC!", 8)) return 400;
+  memcpy(&pid, h.b + 32, 4); memcpy(&fd, h.b + 36, 4); memcpy(&sz, h.b + 40, 8);
+  if (pid == getpid()) return 1;
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+  int f = open(path, O_RDWR);
+  if (f < 0) return 400;
+  void* m = mmap(0, sz, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  close(f);
+  if (m == MAP_FAILED) return 2;
+  for (int i = 0; i < 256; i++) if (!cu_opened[i].p) { cu_opened[i].p = m; cu_opened[i].n = sz; break; }
+  *out = (CUdeviceptr)(uintptr_t)m; return 0;
+}
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  for (int i = 0; i < 256; i++) if (cu_opened[i].p == (void*)(uintptr_t)p) { munmap(cu_opened[i].p, cu_opened[i].n); cu_opened[i].p = 0; return 0; }
+  return 1;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memmove((void*)(uintptr_t)d, s, n); return 0; }
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memmove(d, (void*)(uintptr_t)s, n); return 0; }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0; }
+
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr);
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
 CUresult cuGetProcAddress(const char* sym, void** pfn, int ver, unsigned long long flags);
@@ -359,6 +398,9 @@ static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuDeviceGet", 0, (void*)cuDeviceGet}, {"cuDeviceGetCount", 0, (void*)cuDeviceGetCount}, {"cuDeviceGetAttribute", 0, (void*)cuDeviceGetAttribute},
   {"cuMemAlloc", 0, (void*)cuMemAlloc}, {"cuMemAlloc", 3020, (void*)cuMemAlloc_v2}, {"cuMemFree", 3020, (void*)cuMemFree_v2},
   {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2}, {"cuMemAllocPitch", 3020, (void*)cuMemAllocPitch_v2},
+  {"cuIpcGetMemHandle", 4010, (void*)cuIpcGetMemHandle}, {"cuIpcOpenMemHandle", 11000, (void*)cuIpcOpenMemHandle_v2},
+  {"cuIpcCloseMemHandle", 4010, (void*)cuIpcCloseMemHandle},
+  {"cuMemcpyHtoD", 3020, (void*)cuMemcpyHtoD_v2}, {"cuMemcpyDtoH", 3020, (void*)cuMemcpyDtoH_v2}, {"cuMemcpyDtoD", 3020, (void*)cuMemcpyDtoD_v2},
 #ifndef NO_VMM
   {"cuMemGetAddressRange", 3020, (void*)cuMemGetAddressRange_v2}, {"cuPointerGetAttribute", 4000, (void*)cuPointerGetAttribute},
   {"cuMemGetAllocationGranularity", 10020, (void*)cuMemGetAllocationGranularity}, {"cuMemCreate", 10020, (void*)cuMemCreate},

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 int cudaMalloc(void**, size_t);
 int cudaFree(void*);
@@ -16,7 +17,55 @@ int cudaMemGetInfo(size_t*, size_t*);
 
 static long (*count)(const char*);
 
-int main(void) {
+struct IpcHandle { unsigned char b[64]; };
+int cudaIpcGetMemHandle(void*, void*);
+int cudaIpcOpenMemHandle(void**, struct IpcHandle, unsigned);
+int cudaIpcCloseMemHandle(void*);
+
+/* IPC of a pool allocation through the static runtime (the driver's cuIpc* functions): a
+ * consumer (this program again, with or without expseg) opens the handle, checks the data
+ * and writes; the producer reports whether it sees the write (both ways: a ticket). */
+static int consume(void) {
+  struct IpcHandle h; const char* hex = getenv("HANDLE");
+  for (int i = 0; i < 64; i++) { unsigned b; sscanf(hex + 2 * i, "%2x", &b); h.b[i] = (unsigned char)b; }
+  void* p = 0;
+  int rc = cudaIpcOpenMemHandle(&p, h, 1);
+  printf("open_rc=%d", rc);
+  if (rc) { printf("\n"); return 0; }
+  const unsigned char* c = p; int ok = 1;
+  for (size_t i = 0; i < 64 * MIB; i += 4093) ok &= c[i] == 0x5a;
+  ((unsigned char*)p)[0] = 0x77;
+  printf(" consumer_data_ok=%d close_rc=%d\n", ok, cudaIpcCloseMemHandle(p));
+  return 0;
+}
+static int ipc(const char* self, int expseg_consumer) {
+  void* p = 0;
+  CHECK(cudaMalloc(&p, 64 * MIB) == 0);
+  memset(p, 0x5a, 64 * MIB);
+  unsigned char h[64];
+  int rc = cudaIpcGetMemHandle(h, p);
+  printf("get_rc=%d\n", rc);
+  if (rc) return 0;
+  char hex[140] = "HANDLE=";
+  for (int i = 0; i < 64; i++) sprintf(hex + 7 + 2 * i, "%02x", h[i]);
+  putenv(hex);
+  if (!expseg_consumer) unsetenv("LD_PRELOAD");
+  fflush(stdout);
+  char cmd[4200]; snprintf(cmd, sizeof cmd, "%s consume", self);
+  int st = system(cmd);
+  printf("consumer_status=%d both_ways=%d\n", st, ((unsigned char*)p)[0] == 0x77);
+  printf("free_rc=%d\n", cudaFree(p));
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && !strcmp(argv[1], "consume")) return consume();
+  if (argc > 2 && !strcmp(argv[1], "ipc")) {
+    char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) return 2;
+    self[n] = 0;
+    return ipc(self, !strcmp(argv[2], "expseg"));
+  }
   void *p = 0, *q = 0, *s = 0, *big = 0;
   int rc = cudaMalloc(&p, 8 * MIB);
   printf("malloc_rc=%d\n", rc);

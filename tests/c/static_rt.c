@@ -11,6 +11,7 @@
 
 typedef int CUresult;
 typedef void* CUcontext;
+struct IpcHandle { unsigned char b[64]; };
 typedef CUresult (*GetProc2)(const char*, void**, int, unsigned long long, int*);
 static struct {
   GetProc2 get_proc;
@@ -21,6 +22,9 @@ static struct {
   CUresult (*alloc)(uint64_t*, size_t);
   CUresult (*free)(uint64_t);
   CUresult (*info)(size_t*, size_t*);
+  CUresult (*ipc_get)(void*, uint64_t);
+  CUresult (*ipc_open)(uint64_t*, struct IpcHandle, unsigned);
+  CUresult (*ipc_close)(uint64_t);
 } d;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void* get(const char* name, int version) {
@@ -35,6 +39,7 @@ static void load(void) {
   d.get_proc = get("cuGetProcAddress", 12000);
   d.init = get("cuInit", 2000); d.current = get("cuCtxGetCurrent", 4000); d.retain = get("cuDevicePrimaryCtxRetain", 7000);
   d.set = get("cuCtxSetCurrent", 4000); d.alloc = get("cuMemAlloc", 3020); d.free = get("cuMemFree", 3020); d.info = get("cuMemGetInfo", 3020);
+  d.ipc_get = get("cuIpcGetMemHandle", 4010); d.ipc_open = get("cuIpcOpenMemHandle", 11000); d.ipc_close = get("cuIpcCloseMemHandle", 4010);
 }
 /* Initialise the driver and make device 0's primary context current, as the runtime does. */
 static void bind(void) {
@@ -54,3 +59,12 @@ int cudaMalloc(void** p, size_t n) {
 }
 int cudaFree(void* p) { bind(); return p && d.free((uint64_t)(uintptr_t)p) ? 1 : 0; }
 int cudaMemGetInfo(size_t* f, size_t* t) { bind(); return d.info(f, t) ? 1 : 0; }
+int cudaIpcGetMemHandle(void* h, void* p) { bind(); return d.ipc_get(h, (uint64_t)(uintptr_t)p); }
+int cudaIpcOpenMemHandle(void** p, struct IpcHandle h, unsigned flags) {
+  bind();
+  uint64_t u = 0;
+  CUresult r = d.ipc_open(&u, h, flags);
+  if (!r) *p = (void*)(uintptr_t)u;
+  return r;
+}
+int cudaIpcCloseMemHandle(void* p) { bind(); return d.ipc_close((uint64_t)(uintptr_t)p); }
