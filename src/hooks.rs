@@ -389,6 +389,30 @@ pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
     })
 }
 
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint) -> u32 {
+    let e = next_driver::cuCtxEnablePeerAccess(peer, flags);
+    let Some(_g) = Guard::enter() else {
+        return e;
+    };
+    driver_boundary("cuCtxEnablePeerAccess", || {
+        api::cuCtxEnablePeerAccess(peer as usize, e);
+        e
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxDisablePeerAccess(peer: *mut c_void) -> u32 {
+    let e = next_driver::cuCtxDisablePeerAccess(peer);
+    let Some(_g) = Guard::enter() else {
+        return e;
+    };
+    driver_boundary("cuCtxDisablePeerAccess", || {
+        api::cuCtxDisablePeerAccess(peer as usize, e);
+        e
+    })
+}
+
 /// The driver allocation hook for a looked-up `name` (the base name with `version`, as
 /// `cuGetProcAddress` takes it, or the versioned symbol name), if the caller at `caller` may
 /// have it: a shared runtime (`libcudart*.so*`) always gets the driver's own function,
@@ -415,6 +439,8 @@ fn driver_hook_for(
         b"cuIpcOpenMemHandle" if version >= 11000 => cuIpcOpenMemHandle_v2 as *mut c_void,
         b"cuIpcOpenMemHandle_v2" => cuIpcOpenMemHandle_v2 as *mut c_void,
         b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
+        b"cuCtxEnablePeerAccess" => cuCtxEnablePeerAccess as *mut c_void,
+        b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
         _ => return None,
     };
     match caller() {
@@ -601,6 +627,8 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuIpcGetMemHandle" => cuIpcGetMemHandle as *mut c_void,
         b"cuIpcOpenMemHandle_v2" => cuIpcOpenMemHandle_v2 as *mut c_void,
         b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
+        b"cuCtxEnablePeerAccess" => cuCtxEnablePeerAccess as *mut c_void,
+        b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
         _ => return None,
     })
 }
@@ -615,7 +643,9 @@ pub fn driver_lookup_allowed(name: &[u8], caller: usize) -> bool {
         | b"cuMemAllocPitch_v2"
         | b"cuIpcGetMemHandle"
         | b"cuIpcOpenMemHandle_v2"
-        | b"cuIpcCloseMemHandle" => driver_hook_for(name, c_int::MAX, || Some(caller)).is_some(),
+        | b"cuIpcCloseMemHandle"
+        | b"cuCtxEnablePeerAccess"
+        | b"cuCtxDisablePeerAccess" => driver_hook_for(name, c_int::MAX, || Some(caller)).is_some(),
         _ => true,
     }
 }

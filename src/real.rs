@@ -229,6 +229,8 @@ next_driver! {
     cuIpcGetMemHandle(handle: *mut c_void, dptr: u64);
     cuIpcOpenMemHandle_v2(dptr: *mut u64, handle: CudaIpcMemHandle, flags: c_uint);
     cuIpcCloseMemHandle(dptr: u64);
+    cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint);
+    cuCtxDisablePeerAccess(peer: *mut c_void);
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
     cuMemFree_v2(dptr: u64);
     cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t);

@@ -1912,3 +1912,15 @@ fn a_static_runtime_shares_pool_memory_through_the_drivers_ipc() {
         );
     }
 }
+
+#[test]
+fn peer_access_enabled_at_the_driver_reaches_pool_mappings() {
+    // cuCtxEnablePeerAccess (a static runtime's cudaDeviceEnablePeerAccess): device 1's pool
+    // memory gets device 0's access, as through the runtime, and loses it on disable.
+    let r = run_in(&fixture().dir, "drv", &["peer"], &[("FAKE_DEVICES", "2")]).ok();
+    assert_eq!(r.get("dev1_access"), "2", "device 1 only");
+    assert_eq!(r.get("enable_rc"), "0");
+    assert_eq!(r.get("after_enable"), "3", "{}", r.stderr());
+    assert_eq!(r.get("disable_rc"), "0");
+    assert_eq!(r.get("after_disable"), "2");
+}

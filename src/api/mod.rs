@@ -528,19 +528,48 @@ pub fn cudaDeviceEnablePeerAccess(peer: i32, flags: u32) -> i32 {
         return e;
     }
     if let Ok(cur) = runtime::get_device() {
-        let mut st = ensure_state();
-        if let Some(g) = st.grants.get_mut(peer as usize) {
-            if !g.contains(&cur) {
-                g.push(cur);
-            }
-        }
-        if let Some(p) = st.open_pool(peer) {
-            if let Err(err) = p.grant(cur) {
-                log::error!("granting device {cur} access to device {peer}'s pool failed: {err}");
-            }
-        }
+        grant_peer(peer, cur);
     }
     e
+}
+
+/// Device `cur` may now access device `peer`'s memory: every mapping of `peer`'s pool,
+/// present and future, gets access for `cur`.
+fn grant_peer(peer: i32, cur: i32) {
+    let mut st = ensure_state();
+    if let Some(g) = st.grants.get_mut(peer as usize) {
+        if !g.contains(&cur) {
+            g.push(cur);
+        }
+    }
+    if let Some(p) = st.open_pool(peer) {
+        if let Err(err) = p.grant(cur) {
+            log::error!("granting device {cur} access to device {peer}'s pool failed: {err}");
+        }
+    }
+}
+
+/// `cuCtxEnablePeerAccess(peer_ctx, flags)` answered `e` (the driver's call is made by the
+/// hook): as `cudaDeviceEnablePeerAccess` for the devices of the current and the peer context.
+pub fn cuCtxEnablePeerAccess(peer_ctx: usize, e: u32) {
+    if (e != 0 && e != PEER_ALREADY_ENABLED as u32) || bypass() {
+        return;
+    }
+    let Ok(t) = real::driver() else { return };
+    if let (Some(peer), Ok(cur)) = (cuda::device_of_context(t, peer_ctx), runtime::get_device()) {
+        grant_peer(peer, cur);
+    }
+}
+
+/// `cuCtxDisablePeerAccess(peer_ctx)` answered `e`: as `cudaDeviceDisablePeerAccess`.
+pub fn cuCtxDisablePeerAccess(peer_ctx: usize, e: u32) {
+    if e != 0 || bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return;
+    }
+    let Ok(t) = real::driver() else { return };
+    if let (Some(peer), Ok(cur)) = (cuda::device_of_context(t, peer_ctx), runtime::get_device()) {
+        revoke_peer(peer, cur);
+    }
 }
 
 /// `cudaDeviceDisablePeerAccess`: revoke what enabling granted on the peer's pool.
@@ -550,17 +579,21 @@ pub fn cudaDeviceDisablePeerAccess(peer: i32) -> i32 {
         return e;
     }
     if let Ok(cur) = runtime::get_device() {
-        let mut st = lock();
-        if let Some(g) = st.grants.get_mut(peer as usize) {
-            g.retain(|d| *d != cur);
-        }
-        if let Some(p) = st.open_pool(peer) {
-            if let Err(err) = p.revoke(cur) {
-                log::error!("revoking device {cur}'s access to device {peer}'s pool failed: {err}");
-            }
-        }
+        revoke_peer(peer, cur);
     }
     e
+}
+
+fn revoke_peer(peer: i32, cur: i32) {
+    let mut st = lock();
+    if let Some(g) = st.grants.get_mut(peer as usize) {
+        g.retain(|d| *d != cur);
+    }
+    if let Some(p) = st.open_pool(peer) {
+        if let Err(err) = p.revoke(cur) {
+            log::error!("revoking device {cur}'s access to device {peer}'s pool failed: {err}");
+        }
+    }
 }
 
 fn ensure_state() -> MutexGuard<'static, State> {

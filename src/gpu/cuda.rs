@@ -181,6 +181,29 @@ pub fn primary_device(t: &DriverTable) -> Option<i32> {
     (primary == cur).then_some(dev)
 }
 
+/// The device of context `ctx` (pushed for the question, then popped).
+pub fn device_of_context(t: &DriverTable, ctx: usize) -> Option<i32> {
+    let (push, pop, get) = (
+        t.cuCtxPushCurrent_v2?,
+        t.cuCtxPopCurrent_v2?,
+        t.cuCtxGetDevice?,
+    );
+    if ctx == 0 {
+        return None;
+    }
+    let mut dev = 0;
+    // SAFETY: a context the program handed the driver; push/pop leave the caller's as it was.
+    unsafe {
+        if push(ctx as CUcontext) != 0 {
+            return None;
+        }
+        let r = get(&mut dev);
+        let mut popped: CUcontext = std::ptr::null_mut();
+        pop(&mut popped);
+        (r == 0).then_some(dev)
+    }
+}
+
 /// Make `dev`'s primary context current on the calling thread, if it is active (never creates
 /// one: `CUDA_ERROR_INVALID_CONTEXT` otherwise). For processes without a shared runtime, where
 /// switching devices is switching primary contexts.

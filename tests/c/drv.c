@@ -154,8 +154,30 @@ static int by_getproc(void) {
   return exercise((AllocFn)a, (FreeFn)fr, (InfoFn)i, (PitchFn)p);
 }
 
+CUresult cuCtxEnablePeerAccess(CUcontext, unsigned);
+CUresult cuCtxDisablePeerAccess(CUcontext);
+long fakecu_access(uint64_t);
+/* Peer access at the driver (FAKE_DEVICES=2): device 1's pool memory gets device 0's access
+ * when device 0's context enables access to device 1's, and loses it on disable. */
+static int peer(void) {
+  CUcontext c0, c1;
+  CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c0, 0) == 0 && cuDevicePrimaryCtxRetain(&c1, 1) == 0);
+  CHECK(cuCtxSetCurrent(c1) == 0);
+  uint64_t p = 0;
+  CHECK(cuMemAlloc_v2(&p, 4 * MIB) == 0);
+  printf("dev1_access=%ld\n", fakecu_access(p));
+  CHECK(cuCtxSetCurrent(c0) == 0);
+  printf("enable_rc=%d\n", cuCtxEnablePeerAccess(c1, 0));
+  printf("after_enable=%ld\n", fakecu_access(p));
+  printf("disable_rc=%d\n", cuCtxDisablePeerAccess(c1));
+  printf("after_disable=%ld\n", fakecu_access(p));
+  CHECK(cuCtxSetCurrent(c1) == 0 && cuMemFree_v2(p) == 0);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "";
+  if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2, cuMemAllocPitch_v2);
   if (!strcmp(s, "dlsym")) return by_dlsym();
   if (!strcmp(s, "getproc")) return by_getproc();

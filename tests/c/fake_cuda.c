@@ -65,6 +65,14 @@ CUresult cuCtxGetDevice(CUdevice* d) { if (!initialised) return 3; int dev = ctx
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; *c = PRIMARY(d); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= ndev() ? 101 : 0; }
 CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
+/* Peer access between contexts: only counted and checked (the fake's memory is host memory). */
+CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
+  (void)flags;
+  int me = ctx_device(current()), other = ctx_device(peer);
+  if (me < 0 || other < 0) return 201;
+  return me == other ? 1 : 0;
+}
+CUresult cuCtxDisablePeerAccess(CUcontext peer) { return ctx_device(peer) < 0 ? 201 : 0; }
 CUresult cuCtxCreate_v2(CUcontext* c, unsigned flags, CUdevice d) {
   (void)flags;
   if (d < 0 || d >= ndev()) return 101;
