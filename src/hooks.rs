@@ -507,6 +507,33 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
     }
 }
 
+/// `cuPointerGetAttributes` (plural; the runtime's `cudaPointerGetAttributes` asks it): the
+/// driver's answers, with the two range attributes describing the allocation, as the singular
+/// call answers them.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttributes(
+    count: c_uint,
+    attrs: *const c_int,
+    data: *mut *mut c_void,
+    ptr: u64,
+) -> u32 {
+    let e = next_driver::cuPointerGetAttributes(count, attrs, data, ptr);
+    if e != 0 || attrs.is_null() || data.is_null() {
+        return e;
+    }
+    if let Some((b, s)) = ours(ptr) {
+        for i in 0..count as usize {
+            let slot = *data.add(i);
+            match *attrs.add(i) {
+                RANGE_START_ADDR if !slot.is_null() => *(slot as *mut u64) = b,
+                RANGE_SIZE if !slot.is_null() => *(slot as *mut u64) = s,
+                _ => {}
+            }
+        }
+    }
+    e
+}
+
 /// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
 /// the functions it interposes, so programs that fetch driver functions at run time
 /// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too.
@@ -528,6 +555,7 @@ unsafe fn redirect_entry_point(
         // Version 3020 introduced the size_t signature that the hook has.
         b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,
         b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
+        b"cuPointerGetAttributes" => cuPointerGetAttributes as *mut c_void,
         // A runtime that looks up the lookup function itself (CUDA 12's runtime asks for
         // `cuGetProcAddress` at version 12000 and gets `_v2`) keeps going through expseg.
         b"cuGetProcAddress" if version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
@@ -618,6 +646,7 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cudaGetDriverEntryPointByVersion" => cudaGetDriverEntryPointByVersion as *mut c_void,
         b"cuMemGetAddressRange_v2" => cuMemGetAddressRange_v2 as *mut c_void,
         b"cuPointerGetAttribute" => cuPointerGetAttribute as *mut c_void,
+        b"cuPointerGetAttributes" => cuPointerGetAttributes as *mut c_void,
         b"cuGetProcAddress_v2" => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         b"cuMemAlloc_v2" => cuMemAlloc_v2 as *mut c_void,

@@ -230,6 +230,7 @@ next_driver! {
     cuIpcOpenMemHandle_v2(dptr: *mut u64, handle: CudaIpcMemHandle, flags: c_uint);
     cuIpcCloseMemHandle(dptr: u64);
     cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint);
+    cuPointerGetAttributes(count: c_uint, attrs: *const c_int, data: *mut *mut c_void, ptr: u64);
     cuCtxDisablePeerAccess(peer: *mut c_void);
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
     cuMemFree_v2(dptr: u64);

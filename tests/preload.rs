@@ -1924,3 +1924,20 @@ fn peer_access_enabled_at_the_driver_reaches_pool_mappings() {
     assert_eq!(r.get("disable_rc"), "0");
     assert_eq!(r.get("after_disable"), "2");
 }
+
+#[test]
+fn the_plural_pointer_query_describes_the_allocation() {
+    // cuPointerGetAttributes (cudaPointerGetAttributes of a static runtime): the range
+    // attributes are the allocation's (4 MiB), not one 2 MiB chunk's; others are the driver's.
+    let r = run_in(
+        &fixture().dir,
+        "drv",
+        &["ranges"],
+        &[("EXPSEG_MAX_CHUNK", "2M")],
+    )
+    .ok();
+    assert_eq!(r.get("attrs_rc"), "0");
+    assert_eq!(r.get("start_ok"), "1", "{}", r.stderr());
+    assert_eq!(r.get("size_mib"), "4");
+    assert_eq!(r.get("dev"), "0");
+}

@@ -154,6 +154,20 @@ static int by_getproc(void) {
   return exercise((AllocFn)a, (FreeFn)fr, (InfoFn)i, (PitchFn)p);
 }
 
+CUresult cuPointerGetAttributes(unsigned, int*, void**, uint64_t);
+/* Range attributes through the plural query describe the allocation, not one chunk
+ * (run with EXPSEG_MAX_CHUNK=2M: 4 MiB in two chunks). */
+static int ranges(void) {
+  CUcontext c;
+  CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0 && cuCtxSetCurrent(c) == 0);
+  uint64_t p = 0, start = 0, size = 0; int dev = -1;
+  CHECK(cuMemAlloc_v2(&p, 4 * MIB) == 0);
+  int attrs[3] = {11, 12, 9}; void* data[3] = {&start, &size, &dev};
+  int rc = cuPointerGetAttributes(3, attrs, data, p + 3 * MIB);
+  printf("attrs_rc=%d start_ok=%d size_mib=%llu dev=%d\n", rc, start == p, (unsigned long long)(size >> 20), dev);
+  CHECK(cuMemFree_v2(p) == 0);
+  return 0;
+}
 CUresult cuCtxEnablePeerAccess(CUcontext, unsigned);
 CUresult cuCtxDisablePeerAccess(CUcontext);
 long fakecu_access(uint64_t);
@@ -178,6 +192,7 @@ static int peer(void) {
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "";
   if (!strcmp(s, "peer")) return peer();
+  if (!strcmp(s, "ranges")) return ranges();
   if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2, cuMemAllocPitch_v2);
   if (!strcmp(s, "dlsym")) return by_dlsym();
   if (!strcmp(s, "getproc")) return by_getproc();

@@ -324,6 +324,10 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   if (attr == 9 || attr == 10) { *(int*)data = 0; return 0; } /* device 0; VMM: no legacy IPC */
   *(uint64_t*)data = attr == 11 ? b : n; return 0;
 }
+CUresult cuPointerGetAttributes(unsigned n, int* attrs, void** data, CUdeviceptr ptr) {
+  for (unsigned i = 0; i < n; i++) if (cuPointerGetAttribute(data[i], attrs[i], ptr)) return 1;
+  return 0;
+}
 /* The handle mapped at ptr, with one more reference (released by cuMemRelease). */
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* h, void* ptr) {
   pthread_mutex_lock(&mu); CUresult r = 1;
