@@ -5,17 +5,11 @@ use crate::api;
 use libc::{c_char, size_t};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// The path this library was loaded from, as the dynamic linker knows it.
+/// The path this library was loaded from, with links resolved.
 fn own_path() -> String {
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the address of a function of this library and fills `info`.
-    let found = unsafe { libc::dladdr(expseg_stats_json as *const libc::c_void, &mut info) };
-    if found == 0 || info.dli_fname.is_null() {
+    let Some(name) = crate::real::self_file() else {
         return String::new();
-    }
-    // SAFETY: dli_fname is a NUL-terminated string owned by the dynamic linker.
-    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    let name = name.to_string_lossy().into_owned();
+    };
     std::fs::canonicalize(&name)
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or(name)

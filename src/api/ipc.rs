@@ -422,10 +422,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
                     match refresh_outside_lock(st, dev, ptr) {
                         Some(answer) => {
                             if first && matches!(answer, Answer::Done(Ok(_))) {
-                                log::warn!(
-                                    "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
-                                    if ticketed { " (consumers running expseg share it both ways)" } else { "" }
-                                );
+                                warn_mirrored(base, size, m, ticketed);
                             }
                             answer
                         }
@@ -463,12 +460,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
                     }
                 }
                 if first {
-                    log::warn!(
-                        "IPC: allocation {:#x} ({} bytes) is shared through a mirror at {m:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
-                        ex.base,
-                        ex.size,
-                        if ticketed { " (consumers running expseg share it both ways)" } else { "" }
-                    );
+                    warn_mirrored(ex.base, ex.size, m, ticketed);
                 }
             } else {
                 log::debug!(
@@ -481,6 +473,14 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         }
         Err(e) => export_error(ptr, e),
     }
+}
+
+/// The one warning per mirrored pool allocation: what a plain consumer gets.
+fn warn_mirrored(base: u64, size: u64, mirror: u64, ticketed: bool) {
+    log::warn!(
+        "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {mirror:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
+        if ticketed { " (consumers running expseg share it both ways)" } else { "" }
+    );
 }
 
 fn export_error(ptr: u64, e: ExportError) -> Answer<Result<IpcHandle, i32>> {

@@ -141,44 +141,69 @@ static PRIMARY: [std::sync::atomic::AtomicUsize; 64] =
 /// no current context, when it is another context (`cuCtxCreate`), or when the driver lacks
 /// the calls to tell. Never creates a context: an inactive primary context is not retained.
 pub fn primary_device(t: &DriverTable) -> Option<i32> {
-    use std::sync::atomic::Ordering;
-    let (get_dev, state, retain, release) = (
-        t.cuCtxGetDevice?,
-        t.cuDevicePrimaryCtxGetState?,
-        t.cuDevicePrimaryCtxRetain?,
-        t.cuDevicePrimaryCtxRelease_v2?,
-    );
+    let get_dev = t.cuCtxGetDevice?;
     let mut cur: CUcontext = std::ptr::null_mut();
     let mut dev = 0;
-    let (mut flags, mut active) = (0, 0);
     // SAFETY: valid out-pointers; the driver answers errors for a thread without a context.
     unsafe {
         if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_dev(&mut dev) != 0 {
             return None;
         }
-        // An inactive primary context cannot be the current one (and retaining it would
-        // create it).
-        if state(dev, &mut flags, &mut active) != 0 || active == 0 {
-            return None;
-        }
     }
-    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d));
-    if slot.is_some_and(|s| s.load(Ordering::Relaxed) == cur as usize) {
+    // An inactive primary context cannot be the current one (and retaining it would create it).
+    if !primary_active(t, dev) {
+        return None;
+    }
+    if cached_primary(dev) == Some(cur) {
         return Some(dev);
     }
-    let mut primary: CUcontext = std::ptr::null_mut();
-    // SAFETY: the primary context is active, so the retain creates nothing; the release gives
-    // back the reference just taken.
+    (find_primary(t, dev).ok()? == cur).then_some(dev)
+}
+
+/// `CUDA_ERROR_INVALID_CONTEXT`.
+const INVALID_CONTEXT: u32 = 201;
+
+/// Whether `dev`'s primary context exists (is active); false when the driver cannot tell.
+fn primary_active(t: &DriverTable, dev: i32) -> bool {
+    let Some(state) = t.cuDevicePrimaryCtxGetState else {
+        return false;
+    };
+    let (mut flags, mut active) = (0, 0);
+    // SAFETY: valid out-pointers.
+    unsafe { state(dev, &mut flags, &mut active) == 0 && active != 0 }
+}
+
+/// The primary context of `dev` last seen (see [`PRIMARY`]).
+fn cached_primary(dev: i32) -> Option<CUcontext> {
+    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d))?;
+    match slot.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        c => Some(c as CUcontext),
+    }
+}
+
+/// `dev`'s active primary context, found with one retain and release and remembered in
+/// [`PRIMARY`]. The caller checked that it is active: the retain creates nothing.
+fn find_primary(t: &DriverTable, dev: i32) -> Result<CUcontext, u32> {
+    let (Some(retain), Some(release)) =
+        (t.cuDevicePrimaryCtxRetain, t.cuDevicePrimaryCtxRelease_v2)
+    else {
+        return Err(INVALID_CONTEXT);
+    };
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: the primary context is active; the release gives back the reference just taken
+    // (the context stays alive: it is active).
     unsafe {
-        if retain(&mut primary, dev) != 0 {
-            return None;
+        let r = retain(&mut c, dev);
+        if r != 0 {
+            return Err(r);
         }
         release(dev);
     }
-    if let Some(s) = slot {
-        s.store(primary as usize, Ordering::Relaxed);
+    if let Some(s) = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d)) {
+        s.store(c as usize, std::sync::atomic::Ordering::Relaxed);
     }
-    (primary == cur).then_some(dev)
+    Ok(c)
 }
 
 /// The device of context `ctx` (pushed for the question, then popped).
@@ -208,37 +233,16 @@ pub fn device_of_context(t: &DriverTable, ctx: usize) -> Option<i32> {
 /// one: `CUDA_ERROR_INVALID_CONTEXT` otherwise). For processes without a shared runtime, where
 /// switching devices is switching primary contexts.
 pub fn make_primary_current(t: &DriverTable, dev: i32) -> u32 {
-    use std::sync::atomic::Ordering;
-    const INVALID_CONTEXT: u32 = 201;
-    let (Some(state), Some(retain), Some(release), Some(set)) = (
-        t.cuDevicePrimaryCtxGetState,
-        t.cuDevicePrimaryCtxRetain,
-        t.cuDevicePrimaryCtxRelease_v2,
-        t.cuCtxSetCurrent,
-    ) else {
+    let Some(set) = t.cuCtxSetCurrent.filter(|_| primary_active(t, dev)) else {
         return INVALID_CONTEXT;
     };
-    let (mut flags, mut active) = (0, 0);
-    // SAFETY: valid out-pointers.
-    if unsafe { state(dev, &mut flags, &mut active) } != 0 || active == 0 {
-        return INVALID_CONTEXT;
-    }
-    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d));
-    let mut c = slot.map_or(0, |s| s.load(Ordering::Relaxed)) as CUcontext;
-    if c.is_null() {
-        // SAFETY: the primary context is active, so the retain creates nothing; the release
-        // gives back the reference just taken (the context stays alive: it is active).
-        unsafe {
-            let r = retain(&mut c, dev);
-            if r != 0 {
-                return r;
-            }
-            release(dev);
-        }
-        if let Some(s) = slot {
-            s.store(c as usize, Ordering::Relaxed);
-        }
-    }
+    let c = match cached_primary(dev) {
+        Some(c) => c,
+        None => match find_primary(t, dev) {
+            Ok(c) => c,
+            Err(e) => return e,
+        },
+    };
     // SAFETY: an active primary context.
     unsafe { set(c) }
 }

@@ -150,7 +150,7 @@ impl<D: Driver> Pool<D> {
     pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
         let (base, user) = self.find(ptr).ok_or(ExportError::NotOwned)?;
         let b = &self.blocks[&base];
-        if b.mirror.is_none() && !b.shared && b.size <= policy.move_max {
+        if movable(b, &policy) {
             match self.move_in_place(base, policy.fail_move_at) {
                 Ok(handle) => {
                     return Ok(Export {
@@ -225,10 +225,8 @@ impl<D: Driver> Pool<D> {
 
     /// Whether an export of the allocation containing `ptr` may move it in place.
     pub fn would_move(&self, ptr: u64, policy: &ExportPolicy) -> bool {
-        self.find(ptr).is_some_and(|(base, _)| {
-            let b = &self.blocks[&base];
-            b.mirror.is_none() && !b.shared && b.size <= policy.move_max
-        })
+        self.find(ptr)
+            .is_some_and(|(base, _)| movable(&self.blocks[&base], policy))
     }
 
     /// Standard memory and its legacy handle for a mirror of the live block at `base`,
@@ -585,4 +583,9 @@ impl<D: Driver> Pool<D> {
             }
         }
     }
+}
+
+/// Whether an export may move block `b` in place: never shared or mirrored, and small enough.
+fn movable(b: &super::Block, policy: &ExportPolicy) -> bool {
+    b.mirror.is_none() && !b.shared && b.size <= policy.move_max
 }
