@@ -23,7 +23,7 @@ python3 "$here/bench_report.py" "$out" | tee "$out/bench_table.md"
 # median microseconds per allocate+free pair, native against expseg in the same run.
 if python3 -c 'import cupy' 2>/dev/null; then
   python3 "$here/bench_cupy.py" >"$out/cupy_native.json"
-  EXPSEG_DRIVER_API=1 LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cupy.txt" python3 "$here/bench_cupy.py" >"$out/cupy_expseg.json"
+  LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cupy.txt" python3 "$here/bench_cupy.py" >"$out/cupy_expseg.json"
   python3 - "$out/cupy_native.json" "$out/cupy_expseg.json" <<'PY' | tee -a "$out/bench_table.md"
 import json, sys
 n, e = (json.load(open(f)) for f in sys.argv[1:3])

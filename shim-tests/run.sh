@@ -21,6 +21,9 @@ logs=${LOG_DIR:-$(mktemp -d)}
 build=$(mktemp -d)
 mkdir -p "$logs"
 passed=0 failed=0
+# ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
+# ipcstress train coalesce torchipc nodump torchrun doctor quiet); unset runs all.
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
 }
@@ -29,10 +32,11 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 echo "logs: $logs"
 
 # C programs, built against the shared runtime so that LD_PRELOAD can interpose it.
+if want alloc; then
 nvcc -O2 -cudart shared -o "$build/alloc_test" "$here/alloc_test.cu" -lcuda -lpthread >"$logs/build.log" 2>&1
 result build_alloc_test $? "(nvcc -cudart shared)"
-
-if [ -x "$build/alloc_test" ]; then
+fi
+if want alloc && [ -x "$build/alloc_test" ]; then
   "$build/alloc_test" >"$logs/alloc_native.log" 2>&1
   result alloc_test_native $? "$(tail -n 1 "$logs/alloc_native.log")"
   EXPSEG_REPORT="$logs/alloc_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test" >"$logs/alloc_shim.log" 2>"$logs/alloc_shim.err"
@@ -47,9 +51,11 @@ if [ -x "$build/alloc_test" ]; then
 fi
 
 # IPC: cudaIpcGetMemHandle on pool memory, consumers with and without expseg.
+if want ipc; then
 nvcc -O2 -cudart shared -o "$build/ipc_test" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1
 result build_ipc_test $? ""
-if [ -x "$build/ipc_test" ]; then
+fi
+if want ipc && [ -x "$build/ipc_test" ]; then
   sizes="2 20 64 1024 8192"
   "$build/ipc_test" run - $sizes >"$logs/ipc_native.log" 2>&1
   result ipc_native_producer $? "$(tail -n 1 "$logs/ipc_native.log")"
@@ -78,25 +84,27 @@ fi
 
 # Programs the shared runtime's interposition never sees (issue 11): nvcc's default static
 # runtime, and a program on the driver API alone. Their allocations must come from the pool
-# and their IPC handles open in plain and expseg consumers. Driver-level service is opt-in
-# (EXPSEG_DRIVER_API=1) until these pass; driver IPC of pool memory is not built yet.
+# and their IPC handles open in plain and expseg consumers. Driver-level service is on by
+# default (EXPSEG_DRIVER_API), so nothing here sets it.
+if want static; then
 nvcc -O2 -o "$build/alloc_test_static" "$here/alloc_test.cu" -lcuda -lpthread >>"$logs/build.log" 2>&1 &&
   nvcc -O2 -o "$build/ipc_test_static" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1 &&
   nvcc -O2 -o "$build/driver_test" "$here/driver_test.cu" -lcuda >>"$logs/build.log" 2>&1
 result build_static_and_driver_tests $? "(nvcc default: -cudart static)"
-if [ -x "$build/driver_test" ]; then
-  EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/alloc_static_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test_static" >"$logs/alloc_static.log" 2>&1
+fi
+if want static && [ -x "$build/driver_test" ]; then
+  EXPSEG_REPORT="$logs/alloc_static_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test_static" >"$logs/alloc_static.log" 2>&1
   rc=$?
   grep -q '"allocs":[1-9]' "$logs/alloc_static_report.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
   result alloc_test_static_runtime $rc "$(tail -n 1 "$logs/alloc_static.log")"
   for consumer in - "$lib"; do
     name=ipc_static_runtime_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test_static" run "$consumer" 2 20 64 1024 >"$logs/$name.log" 2>&1
+    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test_static" run "$consumer" 2 20 64 1024 >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"ipc_handle_requests":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    expseg saw no IPC handle request"; rc=1; }
     result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
     name=driver_api_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/driver_test" run "$consumer" >"$logs/$name.log" 2>&1
+    EXPSEG_REPORT="$logs/$name.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/driver_test" run "$consumer" >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"allocs":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
     result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
@@ -105,10 +113,11 @@ if [ -x "$build/driver_test" ]; then
 fi
 
 # CuPy (static runtime): arrays from the pool, ipcGetMemHandle to plain and expseg consumers.
-if python3 -c 'import cupy' 2>/dev/null; then
+if ! want cupy; then :
+elif python3 -c 'import cupy' 2>/dev/null; then
   for consumer in - "$lib"; do
     name=cupy_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
-    EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" python3 "$here/cupy_test.py" run "$consumer" >"$logs/$name.log" 2>&1
+    EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" python3 "$here/cupy_test.py" run "$consumer" >"$logs/$name.log" 2>&1
     rc=$?
     grep -q '"allocs":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
     result "$name" $rc "$(grep '^{' "$logs/$name.log" | head -c 400)"
@@ -118,10 +127,11 @@ else
 fi
 
 # JAX (platform allocator) and numba-cuda: results under expseg equal the native run's.
-for fw in jax numba; do
+want jaxnumba && for fw in jax jax_bfc numba; do
   python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_native.log" 2>&1
   if grep -q '^SKIP' "$logs/${fw}_native.log"; then echo "$(grep '^SKIP' "$logs/${fw}_native.log")"; continue; fi
-  EXPSEG_DRIVER_API=1 EXPSEG_REPORT="$logs/${fw}_report.txt" LD_PRELOAD="$lib" python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_expseg.log" 2>&1
+  grep -q '^digest' "$logs/${fw}_native.log" || { result "${fw}_native" 1 "$(tail -n 1 "$logs/${fw}_native.log")"; continue; }
+  EXPSEG_REPORT="$logs/${fw}_report.txt" LD_PRELOAD="$lib" python3 "$here/jax_numba_test.py" $fw >"$logs/${fw}_expseg.log" 2>&1
   rc=$?
   a=$(grep '^digest' "$logs/${fw}_native.log"); b=$(grep '^digest' "$logs/${fw}_expseg.log")
   [ -n "$a" ] && [ "$a" = "$b" ] || rc=1
@@ -130,9 +140,11 @@ for fw in jax numba; do
 done
 
 # Threads sharing allocations while in use: 8 threads, 10,000 operations, every word checked.
+if want ipcstress; then
 nvcc -O2 -cudart shared -o "$build/ipc_stress" "$here/ipc_stress.cu" -lpthread >>"$logs/build.log" 2>&1
 result build_ipc_stress $? ""
-if [ -x "$build/ipc_stress" ]; then
+fi
+if want ipcstress && [ -x "$build/ipc_stress" ]; then
   EXPSEG_REPORT="$logs/ipc_stress_report.txt" LD_PRELOAD="$lib" "$build/ipc_stress" "${IPC_STRESS_OPS:-10000}" 8 >"$logs/ipc_stress.log" 2>"$logs/ipc_stress.err"
   rc=$?
   grep -q '"allocs":[1-9]' "$logs/ipc_stress_report.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
@@ -141,7 +153,7 @@ if [ -x "$build/ipc_stress" ]; then
 fi
 
 # PyTorch: same losses with and without expseg, and PyTorch's segments from the pool.
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want train && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   python3 "$here/torch_train.py" "$logs/torch_native.json" 300 >"$logs/torch_native.log" 2>&1
   result torch_train_native $? "$(tail -n 1 "$logs/torch_native.log")"
   EXPSEG_REPORT="$logs/torch_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_train.py" "$logs/torch_shim.json" 300 >"$logs/torch_shim.log" 2>&1
@@ -149,13 +161,13 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   python3 "$here/torch_compare.py" "$logs/torch_native.json" "$logs/torch_shim.json" "$logs/torch_report.txt.json" >"$logs/torch_compare.log" 2>&1
   result torch_same_losses_and_pool $? ""
   sed 's/^/    /' "$logs/torch_compare.log"
-else
+elif want train; then
   echo "SKIP torch tests: no PyTorch with CUDA in python3"
 fi
 
 # Coalesced expandable segments under stress: known patterns, random frees, empty_cache,
 # forced out-of-memory retries, IPC exports; every live tensor checked after each compaction.
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want coalesce && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   ngpu=$(nvidia-smi -L | wc -l)
   EXPSEG_REPORT="$logs/stress_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 1 >"$logs/stress.log" 2>&1
   rc=$?
@@ -177,7 +189,7 @@ fi
 # default allocator, expandable_segments, expseg through its launch path (expseg-run: PyTorch
 # on expandable_segments) and expseg by LD_PRELOAD alone (PyTorch's default allocator).
 # Both expseg modes must pass everything.
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want torchipc && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   MODE=default python3 "$here/torch_ipc.py" >"$logs/torch_ipc_default.log" 2>&1
   MODE=expandable_segments PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable.log" 2>&1
   MODE=expseg-run EXPSEG_LIB="$lib" EXPSEG_REPORT="$logs/torch_ipc_run_report_%p.txt" "$root/scripts/expseg-run" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg_run.log" 2>&1
@@ -185,6 +197,8 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   MODE=expseg-preload LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
   result torch_ipc_expseg_preload $? ""
   for m in default expandable expseg_run expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+fi
+if want nodump && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):
   # as uid 65534 when root. The control run without expseg must fail as PyTorch does.
   asuser=""
@@ -205,7 +219,7 @@ fi
 
 # The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under
 # expseg and writes its own report; the reports merge into one table; expseg doctor passes.
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want torchrun && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   ngpu=$(nvidia-smi -L | wc -l)
   for n in 1 2; do
     if [ "$n" -gt "$ngpu" ]; then echo "SKIP torchrun with $n processes: $ngpu GPU"; continue; fi
@@ -220,7 +234,8 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   done
 fi
 doctor=$(dirname "$lib")/expseg
-if [ -x "$doctor" ]; then
+if ! want doctor; then :
+elif [ -x "$doctor" ]; then
   EXPSEG_LIB="$lib" "$doctor" doctor >"$logs/doctor.log" 2>&1
   result expseg_doctor $? ""
   sed 's/^/    /' "$logs/doctor.log"
@@ -229,9 +244,11 @@ else
 fi
 
 # A process that never touches CUDA stays undisturbed under the shim.
+if want quiet; then
 out=$(EXPSEG_REPORT="$logs/quiet_%p.txt" LD_PRELOAD="$lib" python3 -c 'print("hello")' 2>&1)
 [ "$out" = hello ] && ! ls "$logs"/quiet_* >/dev/null 2>&1
 result non_cuda_process_undisturbed $? ""
+fi
 
 rm -rf "$build"
 echo "$passed passed, $failed failed"

@@ -46,8 +46,8 @@ pub struct Config {
     pub coalesce: Coalesce,
     /// `EXPSEG_DRIVER_API`: serve the driver's allocation calls (`cuMemAlloc_v2` of programs
     /// that reach the driver themselves: static runtimes, driver API users) from the pool.
-    /// Off by default until the path (allocation and driver IPC of pool memory) has run on a
-    /// GPU: it serves every static-runtime program, NCCL inside PyTorch included.
+    /// On by default since the static-runtime, driver API, CuPy and JAX entries of shim-tests
+    /// passed on an H100 (2026-11-23). `0`: those programs get the driver's own memory.
     pub driver_api: bool,
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,
@@ -103,7 +103,7 @@ impl Default for Config {
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
-            driver_api: false,
+            driver_api: true,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
             // and holds a churn step's largest tensors (0.6 GiB) whole.
             coalesce_max: GIB,

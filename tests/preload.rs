@@ -219,8 +219,9 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
         .env("PATH", "/usr/bin:/bin")
         .env("LD_LIBRARY_PATH", libdir)
         .env("LD_PRELOAD", &f.shim)
-        // Driver-level service is opt-in; the tests run with it on, so that every scenario
-        // also checks that shared-runtime programs are served once. "<unset>" removes it.
+        // Driver-level service is on by default; set here too, so that every scenario checks
+        // that shared-runtime programs are served once whatever the default. "<unset>"
+        // removes it.
         .env("EXPSEG_DRIVER_API", "1");
     for (k, v) in env {
         if *v == "<unset>" {
@@ -829,6 +830,16 @@ fn lookups_through_a_runtime_handle_reach_expseg_and_ranges_describe_the_allocat
     assert_eq!(
         (r.get("attr_rc"), r.get("attr_ok")),
         ("0".into(), "1".into())
+    );
+    assert_eq!(
+        (
+            r.get("legacy_rc"),
+            r.get("legacy"),
+            r.get("legacy_plural"),
+            r.get("legacy_foreign")
+        ),
+        ("0".into(), "1".into(), "1".into(), "0".into()),
+        "pool memory is legacy-IPC capable, as cuMemAlloc memory is; other VMM memory is not"
     );
     assert_eq!(
         r.get("other_lookup_ok"),
@@ -1847,7 +1858,7 @@ fn driver_hooks_pass_through_when_off_and_catch_panics() {
     );
     let r = run("simple", &[("EXPSEG_DRIVER_API", "0")]).ok();
     assert_eq!(r.get("to_runtime"), "0");
-    // Off by default (until driver-level IPC of pool memory exists).
+    // On by default.
     for prog in ["drv", "static_prog"] {
         let args: &[&str] = if prog == "drv" { &["direct"] } else { &[] };
         let r = run_in(
@@ -1859,8 +1870,8 @@ fn driver_hooks_pass_through_when_off_and_catch_panics() {
         .ok();
         assert_eq!(
             r.get("pooled"),
-            "0",
-            "{prog}: the driver's calls by default"
+            "1",
+            "{prog}: served from the pool by default"
         );
     }
     let r = run_in(
