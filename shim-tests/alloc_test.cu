@@ -61,11 +61,19 @@ static int fill_verify(void* p, size_t bytes, uint32_t seed, cudaStream_t s = 0)
   return ok;
 }
 
-// 1 if `p` is VMM memory (not legacy-IPC capable), 0 if cudaMalloc memory.
+// 1 if `p` is VMM memory (the driver has an allocation handle for it), 0 if cudaMalloc memory.
+// (Not the legacy-IPC attribute: expseg answers it for pool memory as cudaMalloc memory does.)
 static int is_vmm(void* p) {
+  CUmemGenericAllocationHandle h;
+  if (cuMemRetainAllocationHandle(&h, p) != CUDA_SUCCESS) return 0;
+  cuMemRelease(h);
+  return 1;
+}
+// What the legacy-IPC attribute says (-1: the query failed).
+static int legacy_ipc_capable(void* p) {
   int cap = -1;
   if (cuPointerGetAttribute(&cap, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, (CUdeviceptr)p) != CUDA_SUCCESS) return -1;
-  return cap == 0;
+  return cap;
 }
 
 static int t_sizes(void) {
@@ -81,6 +89,7 @@ static int t_sizes(void) {
     CHECK(e == cudaSuccess && p, "cudaMalloc(%zu) -> %d", n, e);
     CHECK(fill_verify(p, n, (uint32_t)i), "data at %zu bytes", n);
     if (expect_pool) CHECK(is_vmm(p) == (n >= 2 * MIB), "size %zu: vmm=%d", n, is_vmm(p));
+    CHECK(legacy_ipc_capable(p) == 1, "size %zu: legacy IPC capable %d, as cudaMalloc memory is", n, legacy_ipc_capable(p));
     CHECK(cudaFree(p) == cudaSuccess, "cudaFree(%zu)", n);
   }
   return 1;

@@ -24,10 +24,13 @@ extern char** environ;
 static int passed, failed;
 #define CHECK(c, ...) do { if (!(c)) { printf("FAIL " __VA_ARGS__); printf(" (line %d)\n", __LINE__); return 0; } } while (0)
 
+// VMM memory: the driver has an allocation handle for it. (Not the legacy-IPC attribute:
+// expseg answers it for pool memory as for cuMemAlloc memory.)
 static int is_vmm(CUdeviceptr p) {
-  int cap = -1;
-  if (cuPointerGetAttribute(&cap, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) != CUDA_SUCCESS) return -1;
-  return cap == 0;
+  CUmemGenericAllocationHandle h;
+  if (cuMemRetainAllocationHandle(&h, (void*)p) != CUDA_SUCCESS) return 0;
+  cuMemRelease(h);
+  return 1;
 }
 
 static std::vector<uint32_t> pattern(size_t words, uint32_t seed) {
@@ -93,6 +96,9 @@ static int t_sizes() {
     CUresult r = cuMemAlloc(&p, s);
     CHECK(r == CUDA_SUCCESS && p, "cuMemAlloc(%zu MiB): %d", s / MIB, r);
     if (expect_pool) CHECK(is_vmm(p) == 1, "%zu MiB not from the pool", s / MIB);
+    int cap = -1;
+    CHECK(cuPointerGetAttribute(&cap, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) == CUDA_SUCCESS && cap == 1,
+          "%zu MiB: legacy IPC capable %d, as cuMemAlloc memory is", s / MIB, cap);
     CUdeviceptr base = 0; size_t got = 0;
     CHECK(cuMemGetAddressRange(&base, &got, p + s / 2) == CUDA_SUCCESS && base == p && got == s,
           "range of %zu MiB: base %llx size %zu", s / MIB, (unsigned long long)base, got);

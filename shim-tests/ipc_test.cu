@@ -69,10 +69,14 @@ static unsigned long long mismatches(const void* p, size_t bytes, uint32_t seed)
   if (cudaDeviceSynchronize() != cudaSuccess) return ~0ull;
   return *bad;
 }
+// 1 if `p` is standard (cudaMalloc) memory, 0 if VMM memory (the driver has an allocation
+// handle for it), as the legacy-IPC attribute would say natively. expseg answers that attribute
+// for pool memory as for cudaMalloc memory, so a move is told by the handle.
 static int legacy_capable(void* p) {
-  int cap = -1;
-  cuPointerGetAttribute(&cap, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, (CUdeviceptr)p);
-  return cap;
+  CUmemGenericAllocationHandle h;
+  if (cuMemRetainAllocationHandle(&h, p) != CUDA_SUCCESS) return 1;
+  cuMemRelease(h);
+  return 0;
 }
 static void hex(const cudaIpcMemHandle_t& h, char* out) {
   for (int i = 0; i < 64; i++) sprintf(out + 2 * i, "%02x", (unsigned char)h.reserved[i]);

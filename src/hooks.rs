@@ -454,7 +454,9 @@ fn driver_hook_for(
 /// `cudaErrorInvalidValue`: what the runtime answers for IPC of VMM memory.
 const INVALID_VALUE: c_int = 1;
 
-/// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and `..._RANGE_SIZE`.
+/// `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`, `..._RANGE_START_ADDR` and
+/// `..._RANGE_SIZE`.
+const LEGACY_IPC: c_int = 10;
 const RANGE_START_ADDR: c_int = 11;
 const RANGE_SIZE: c_int = 12;
 /// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
@@ -464,6 +466,26 @@ const NO_DRIVER: u32 = 3;
 fn ours(ptr: u64) -> Option<(u64, u64)> {
     let _g = Guard::enter()?;
     catch_unwind(|| api::allocation_range(ptr)).ok().flatten()
+}
+
+/// After the driver answered `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE` for `ptr` into
+/// `data`: a pool allocation says yes, as the `cuMemAlloc` memory it stands for does (the
+/// driver says no to VMM memory; expseg's `cuIpcGetMemHandle` serves it). The driver's value
+/// is 0 or 1 in little-endian; setting its first byte to 1 is right for a caller's `bool` and
+/// `int` alike. Memory opened through a ticket keeps the driver's answer, as memory opened
+/// by `cuIpcOpenMemHandle` does.
+unsafe fn legacy_ipc_capable(data: *mut c_void, ptr: u64) {
+    if data.is_null() {
+        return;
+    }
+    let pooled = Guard::enter().and_then(|_g| {
+        catch_unwind(|| api::pool_allocation_range(ptr))
+            .ok()
+            .flatten()
+    });
+    if pooled.is_some() {
+        *(data as *mut u8) = 1;
+    }
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -498,13 +520,17 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
             return 0;
         }
     }
-    match crate::real::driver()
+    let e = match crate::real::driver()
         .ok()
         .and_then(|t| t.cuPointerGetAttribute)
     {
         Some(f) => f(data, attr, ptr),
         None => NO_DRIVER,
+    };
+    if e == 0 && attr == LEGACY_IPC {
+        legacy_ipc_capable(data, ptr);
     }
+    e
 }
 
 /// `cuPointerGetAttributes` (plural; the runtime's `cudaPointerGetAttributes` asks it): the
@@ -527,6 +553,7 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
             match *attrs.add(i) {
                 RANGE_START_ADDR if !slot.is_null() => *(slot as *mut u64) = b,
                 RANGE_SIZE if !slot.is_null() => *(slot as *mut u64) = s,
+                LEGACY_IPC => legacy_ipc_capable(slot, ptr),
                 _ => {}
             }
         }

@@ -828,6 +828,16 @@ pub fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
     (ptr < va + imp.size).then_some((*va, imp.user))
 }
 
+/// The pool allocation containing `ptr` (memory opened through a ticket excluded).
+pub fn pool_allocation_range(ptr: u64) -> Option<(u64, u64)> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return None;
+    }
+    let mut st = lock();
+    let found = st.open_pools().find_map(|(_, p)| p.find(ptr));
+    found
+}
+
 /// `cudaIpcCloseMemHandle`: unmap memory opened through a ticket; others pass through.
 pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {

@@ -19,7 +19,7 @@ pub mod vmm;
 
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
-    forget_foreign_range, mirror_foreign,
+    forget_foreign_range, mirror_foreign, pool_allocation_range,
 };
 
 use crate::config::Config;

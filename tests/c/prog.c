@@ -224,6 +224,8 @@ static int share(const char* self, const char* how) {
 
 int cuMemGetAddressRange_v2(uint64_t*, size_t*, uint64_t);
 int cuPointerGetAttribute(void*, int, uint64_t);
+int cuPointerGetAttributes(unsigned, int*, void**, uint64_t);
+static unsigned char* foreign_run(int n, size_t piece);
 
 /* Functions fetched through a runtime handle reach expseg; the driver's range queries
  * describe the allocation; other lookups are untouched. */
@@ -244,6 +246,15 @@ static int lookup(void) {
   printf("range_rc=%d range_ok=%d\n", rc, base == (uint64_t)p && size == 6 * MIB);
   rc = cuPointerGetAttribute(&start, 11, (uint64_t)(p + 5)) | cuPointerGetAttribute(&rsize, 12, (uint64_t)(p + 5));
   printf("attr_rc=%d attr_ok=%d\n", rc, start == (uint64_t)p && rsize == 6 * MIB);
+  /* Legacy IPC capable, as cuMemAlloc memory is (the driver says no to VMM memory), through
+   * the singular and the plural call; VMM memory of another allocator keeps the driver's no. */
+  int legacy = 0, legacy2 = 0, legacy_foreign = 7;
+  rc = cuPointerGetAttribute(&legacy, 10, (uint64_t)(p + 5));
+  int attrs[2] = {10, 12}; uint64_t rs2 = 0; void* slots[2] = {&legacy2, &rs2};
+  rc |= cuPointerGetAttributes(2, attrs, slots, (uint64_t)(p + 5));
+  unsigned char* f = foreign_run(1, 2 * MIB);
+  rc |= cuPointerGetAttribute(&legacy_foreign, 10, (uint64_t)f);
+  printf("legacy_rc=%d legacy=%d legacy_plural=%d legacy_foreign=%d\n", rc, legacy, legacy2, legacy_foreign);
   printf("other_lookup_ok=%d\n", dlsym(rt, "cudaGetLastError") != 0 && dlsym(RTLD_NEXT, "malloc") != 0);
   return 0;
 }
