@@ -84,6 +84,7 @@ def worker(name):
 
     pynvml.nvmlInit()
     budget, steps = WORKLOADS[name]
+    steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
     torch.cuda.init()
     torch.zeros(1, device="cuda")
@@ -220,6 +221,11 @@ def run_all(args):
             fp.stdout.readline()
         for m in args.modes:
             env, pre = mode_env(m, args.lib)
+            if args.steps:
+                env["BENCH_STEPS"] = str(args.steps)
+            if args.reports and m.startswith("expseg"):
+                os.makedirs(args.reports, exist_ok=True)
+                env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}.txt")
             t0 = time.time()
             p = subprocess.run(pre + [sys.executable, __file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
             line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -329,6 +335,8 @@ def main():
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--steps", type=int, help="steps per workload instead of the default (diagnosis)")
+    ap.add_argument("--reports", help="keep the expseg modes' exit reports in this folder")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()
@@ -338,6 +346,9 @@ def main():
         filler(args.fill)
     else:
         args.lib = os.path.abspath(args.lib)
+        if args.steps:
+            for w in WORKLOADS:
+                WORKLOADS[w] = (WORKLOADS[w][0], args.steps)
         run_all(args)
 
 
