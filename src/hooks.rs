@@ -578,6 +578,33 @@ unsafe fn redirect_entry_point(
         return;
     }
     let name = std::ffi::CStr::from_ptr(symbol).to_bytes();
+    let before = *pfn;
+    redirect_by_name(name, pfn, version, runtime_api);
+    // Which memory functions a program fetches, and whether it got expseg's: the first
+    // question when a program's memory does not reach the pool (EXPSEG_LOG=expseg=debug).
+    // (Lookups come early, during the runtime's initialisation: reading the configuration
+    // starts the logger.)
+    if (name.starts_with(b"cuMem") || name.starts_with(b"cuIpc"))
+        && catch_unwind(api::config).is_ok()
+    {
+        log::debug!(
+            "lookup {} (version {version}, {}): {}",
+            String::from_utf8_lossy(name),
+            if runtime_api {
+                "entry point API"
+            } else {
+                "cuGetProcAddress"
+            },
+            if *pfn == before {
+                "the driver's"
+            } else {
+                "expseg's"
+            }
+        );
+    }
+}
+
+unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, runtime_api: bool) {
     let ours: *mut c_void = match name {
         // Version 3020 introduced the size_t signature that the hook has.
         b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,

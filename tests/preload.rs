@@ -1793,6 +1793,19 @@ fn a_statically_linked_runtime_is_served_through_cu_get_proc_address() {
         "{json}"
     );
     assert!(json.contains("pool active"), "{json}");
+    // With a debug log, each memory function the runtime looked up says whose it got.
+    let r = run_in(
+        &f.dir,
+        "static_prog",
+        &[],
+        &[("EXPSEG_LOG", "expseg=debug")],
+    )
+    .ok();
+    let err = r.stderr();
+    assert!(
+        err.contains("lookup cuMemAlloc (version 3020, cuGetProcAddress): expseg's"),
+        "{err}"
+    );
 }
 
 #[test]
