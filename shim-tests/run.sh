@@ -149,8 +149,12 @@ PY
   if [ $fw = numba ]; then
     [ "$(grep '^digest' "$logs/${fw}_native.log")" = "$(grep '^digest' "$logs/${fw}_expseg.log")" ] || { echo "    numba: digests differ"; rc=1; }
   fi
-  grep -q '"allocs":[1-9]' "$logs/${fw}_report.txt.json" 2>/dev/null || { echo "    $fw: report shows no pool allocations"; rc=1; }
-  result "${fw}_same_results_under_expseg" $rc "$cmp"
+  # numba's arrays are cuMemAlloc allocations, so they must come from the pool. JAX 0.11's
+  # come from XLA's own VMM and stream-ordered memory, which expseg leaves to the driver
+  # (docs/design.md): its pool count is only printed.
+  n=$(grep -o '"allocs":[0-9]*' "$logs/${fw}_report.txt.json" 2>/dev/null | head -1 | cut -d: -f2)
+  if [ $fw = numba ] && [ "${n:-0}" = 0 ]; then echo "    numba: report shows no pool allocations"; rc=1; fi
+  result "${fw}_same_results_under_expseg" $rc "$cmp; pool allocations ${n:-none}"
 done
 
 # Threads sharing allocations while in use: 8 threads, 10,000 operations, every word checked.
