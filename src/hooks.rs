@@ -206,10 +206,15 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -
         return e;
     }
     boundary("cudaMemGetInfo", || {
-        let extra = api::cudaMemGetInfo() as size_t;
-        *free = (*free).saturating_add(extra).min(*total);
+        add_cached(free, total, api::cudaMemGetInfo());
         e
     })
+}
+
+/// After the driver answered `free`/`total` (both non-null): add the bytes the pool keeps
+/// cached (this process can allocate them), capped at the total.
+unsafe fn add_cached(free: *mut size_t, total: *mut size_t, cached: u64) {
+    *free = (*free).saturating_add(cached as size_t).min(*total);
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -285,8 +290,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) 
         return e;
     }
     driver_boundary("cuMemGetInfo_v2", || {
-        let extra = api::cuMemGetInfo() as size_t;
-        *free = (*free).saturating_add(extra).min(*total);
+        add_cached(free, total, api::cuMemGetInfo());
         e
     })
 }

@@ -106,17 +106,19 @@ impl Next {
     }
 }
 
-/// Declares the runtime functions expseg calls through: for each, a static [`Next`] and an
-/// `unsafe fn` with the C signature that returns [`NO_RUNTIME`] when none is found.
-macro_rules! next_runtime {
-    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
-        /// The next runtime's functions, same names and signatures as the C API.
+/// Declares functions expseg calls through, in module `$module`: for each, a static lookup of
+/// type `$lookup` ([`Next`] for the runtime, [`NextDriver`] for the driver) and an `unsafe fn`
+/// with the C signature that returns `$none` when the function is not found.
+macro_rules! forwarders {
+    ($(#[$doc:meta])* $module:ident, $lookup:ident, $ret:ty, $none:expr;
+     $( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
+        $(#[$doc])*
         #[allow(non_snake_case, clippy::missing_safety_doc)]
-        pub mod next {
+        pub mod $module {
             use super::*;
             $(
-                pub unsafe fn $name($($arg: $ty),*) -> c_int {
-                    static F: Next = Next::new(
+                pub unsafe fn $name($($arg: $ty),*) -> $ret {
+                    static F: $lookup = $lookup::new(
                         match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
                             Ok(s) => s,
                             Err(_) => panic!("symbol name"),
@@ -124,10 +126,10 @@ macro_rules! next_runtime {
                     );
                     match F.get() {
                         Some(p) => {
-                            let f: unsafe extern "C" fn($($ty),*) -> c_int = std::mem::transmute(p);
+                            let f: unsafe extern "C" fn($($ty),*) -> $ret = std::mem::transmute(p);
                             f($($arg),*)
                         }
-                        None => NO_RUNTIME,
+                        None => $none,
                     }
                 }
             )*
@@ -193,36 +195,10 @@ impl NextDriver {
     }
 }
 
-/// Declares the driver functions the driver hooks pass calls on to: for each, an `unsafe fn`
-/// with the C signature that returns `CUDA_ERROR_NOT_INITIALIZED` (3) when there is none.
-macro_rules! next_driver {
-    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
-        /// The driver's own functions behind expseg's driver hooks, same names and signatures.
-        #[allow(non_snake_case, clippy::missing_safety_doc)]
-        pub mod next_driver {
-            use super::*;
-            $(
-                pub unsafe fn $name($($arg: $ty),*) -> u32 {
-                    static F: NextDriver = NextDriver::new(
-                        match CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
-                            Ok(s) => s,
-                            Err(_) => panic!("symbol name"),
-                        },
-                    );
-                    match F.get() {
-                        Some(p) => {
-                            let f: unsafe extern "C" fn($($ty),*) -> u32 = std::mem::transmute(p);
-                            f($($arg),*)
-                        }
-                        None => 3,
-                    }
-                }
-            )*
-        }
-    };
-}
-
-next_driver! {
+forwarders! {
+    /// The driver's own functions behind expseg's driver hooks, same names and signatures;
+    /// `CUDA_ERROR_NOT_INITIALIZED` (3) when there is no driver.
+    next_driver, NextDriver, u32, 3;
     cuMemcpyHtoD_v2(dst: u64, src: *const c_void, size: size_t);
     cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, size: size_t);
     cuMemcpyDtoD_v2(dst: u64, src: u64, size: size_t);
@@ -259,7 +235,10 @@ pub struct CudaIpcMemHandle {
     pub reserved: [u8; 64],
 }
 
-next_runtime! {
+forwarders! {
+    /// The next runtime's functions, same names and signatures as the C API; [`NO_RUNTIME`]
+    /// when none is found.
+    next, Next, c_int, NO_RUNTIME;
     cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t);
     cudaFree(dev_ptr: *mut c_void);
     cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void);
