@@ -20,11 +20,13 @@ EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse).
 coalesced. Prints a table (completed steps or OOM, peak device memory, peak reserved, median
 step time, ratios to expandable_segments and default), writes results.json and memory.png to
 DIR, and with --json a summary (device, driver, date, commit; per workload and mode: steps,
-median ms, peak reserved and device GiB). Diagnosis: --steps N runs N steps instead of the
+median ms, peak reserved and device GiB; --append adds to the file of an earlier run of the same
+commit on the same device). Diagnosis: --steps N runs N steps instead of the
 workload's own count, --repeat N runs every mode N times interleaved (step time: the median of
-the runs' medians, each kept), --reports DIR keeps the expseg modes' exit reports. Steps of a
-few ms (moe) vary by about 10 % from run to run (H100, 2026-11-23): compare them with
---steps 300 --repeat 3 or more.
+the runs' medians, each kept), --reports DIR keeps the expseg modes' exit reports, --cpus LIST
+pins every worker to those CPUs. Steps of a few ms (moe) are launch-bound and vary by up to 40 %
+from process to process (H100, 2026-11-23: whole runs fall in a fast or a slow state, whatever
+the allocator): compare them with --steps 300 --repeat 5 --cpus 4-7.
 """
 import argparse
 import json
@@ -80,7 +82,18 @@ def device_used():
     return pynvml.nvmlDeviceGetMemoryInfo(h).used
 
 
+def cpu_list(text):
+    """ "4-7,9" -> {4, 5, 6, 7, 9}"""
+    out = set()
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
 def worker(name):
+    if os.environ.get("BENCH_CPUS"):
+        os.sched_setaffinity(0, cpu_list(os.environ["BENCH_CPUS"]))
     import pynvml
     import random
 
@@ -232,6 +245,8 @@ def run_all(args):
                 env, pre = mode_env(m, args.lib)
                 if args.steps:
                     env["BENCH_STEPS"] = str(args.steps)
+                if args.cpus:
+                    env["BENCH_CPUS"] = args.cpus
                 if args.reports and m.startswith("expseg"):
                     os.makedirs(args.reports, exist_ok=True)
                     env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}_{rep}.txt")
@@ -277,9 +292,14 @@ def summary(results, args):
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "commit": args.commit,
-        "command": "python3 scripts/bench_torch.py --lib LIB --json FILE --commit COMMIT",
+        "command": " ".join(sys.argv[1:]),
         "workloads": {},
     }
+    if args.append and os.path.exists(args.json):
+        prev = json.load(open(args.json))
+        if (prev.get("device"), prev.get("commit")) == (out["device"], out["commit"]):
+            out["workloads"] = prev.get("workloads", {})
+            out["command"] = prev.get("command", "") + "; then " + " ".join(sys.argv[1:])
     for w, modes in results.items():
         out["workloads"][w] = {
             m: {
@@ -353,9 +373,11 @@ def main():
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--append", action="store_true", help="add this run's workloads to the --json file when it is of the same device and commit")
     ap.add_argument("--steps", type=int, help="steps per workload instead of the default (diagnosis)")
     ap.add_argument("--reports", help="keep the expseg modes' exit reports in this folder")
     ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times, interleaved")
+    ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7): launch-bound steps run in a fast or a slow state depending on where a process lands")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()
