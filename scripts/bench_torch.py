@@ -25,8 +25,9 @@ commit on the same device). Diagnosis: --steps N runs N steps instead of the
 workload's own count, --repeat N runs every mode N times interleaved (step time: the median of
 the runs' medians, each kept), --reports DIR keeps the expseg modes' exit reports, --cpus LIST
 pins every worker to those CPUs. Steps of a few ms (moe) are launch-bound and vary by up to 40 %
-from process to process (H100, 2026-11-23: whole runs fall in a fast or a slow state, whatever
-the allocator): compare them with --steps 300 --repeat 5 --cpus 4-7.
+between processes and over time within one, pinned or not (H100, 2026-11-23: the machine has a
+fast and a slow state, whatever the allocator; scripts/vmm-cost/torch_bookkeeping.py): compare
+them with --steps 300 --repeat 5 or more.
 """
 import argparse
 import json
@@ -377,7 +378,7 @@ def main():
     ap.add_argument("--steps", type=int, help="steps per workload instead of the default (diagnosis)")
     ap.add_argument("--reports", help="keep the expseg modes' exit reports in this folder")
     ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times, interleaved")
-    ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7): launch-bound steps run in a fast or a slow state depending on where a process lands")
+    ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7)")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()
