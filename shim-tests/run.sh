@@ -195,10 +195,10 @@ p = json.load(open(sys.argv[1]))["process"]
 print("    report: " + ", ".join(f"{k[9:]} {v}" for k, v in p.items() if k.startswith("coalesce_")))
 sys.exit(0 if p.get("coalesce_compactions", 0) > 0 and p.get("coalesce_compaction_failures", 1) == 0 else 1)
 PY
-  result torch_coalesce_stress $rc "$(tail -n 1 "$logs/stress.log" | cut -c1-400)"
+  result torch_coalesce_stress $rc "$(grep '^{' "$logs/stress.log" | tail -n 1 | cut -c1-400)"
   if [ "$ngpu" -ge 2 ]; then
     EXPSEG_REPORT="$logs/stress2_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 >"$logs/stress2.log" 2>&1
-    result torch_coalesce_stress_two_gpus $? "$(tail -n 1 "$logs/stress2.log" | cut -c1-400)"
+    result torch_coalesce_stress_two_gpus $? "$(grep '^{' "$logs/stress2.log" | tail -n 1 | cut -c1-400)$(grep -m1 -iE 'illegal|error:' "$logs/stress2.log" | cut -c1-200)"
   fi
 fi
 
