@@ -13,7 +13,7 @@
 //! through the dynamic linker).
 #![allow(unsafe_code)]
 
-use libc::{c_char, c_int, c_void};
+use libc::{c_char, c_void};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
@@ -62,11 +62,16 @@ pub unsafe fn real(handle: *mut c_void, name: &CStr) -> *mut c_void {
     unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(p)(handle, name.as_ptr()) }
 }
 
+// The redirect below serves the x86_64 trampoline only (the exported `dlsym` is x86_64
+// assembly); other architectures build without it.
+#[cfg(target_arch = "x86_64")]
 extern "C" {
-    fn dlinfo(handle: *mut c_void, request: c_int, arg: *mut c_void) -> c_int;
+    fn dlinfo(handle: *mut c_void, request: libc::c_int, arg: *mut c_void) -> libc::c_int;
 }
-const RTLD_DI_LINKMAP: c_int = 2;
+#[cfg(target_arch = "x86_64")]
+const RTLD_DI_LINKMAP: libc::c_int = 2;
 
+#[cfg(target_arch = "x86_64")]
 #[repr(C)]
 struct LinkMap {
     l_addr: usize,
@@ -78,6 +83,7 @@ struct LinkMap {
 /// every `dlsym` in the process: it makes no `dlsym` call and allocates nothing; only a
 /// driver allocation function looked up on a driver handle costs a `dladdr` of the caller
 /// (a shared runtime gets the driver's own, see `hooks::driver_lookup_allowed`).
+#[cfg(target_arch = "x86_64")]
 extern "C" fn expseg_dlsym_redirect(
     handle: *mut c_void,
     name: *const c_char,
