@@ -33,4 +33,12 @@ DEVICES=2 run both_blocking EXPSEG_TEST_ALL_DEVICES=1 CUDA_LAUNCH_BLOCKING=1 EXP
 DEVICES=2 run both_no_settle EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_STRAND_MAX=1T EXPSEG_RELEASE_DELAY=0
 # One handle per page (no coalescing across pages), everything else as coalesced.
 DEVICES=2 run both_page_handles EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_COALESCE_MAX=20M
+# Where the fault is: memcheck names the kernel and the address; the debug log has every
+# map, unmap and compaction of expseg to hold it against (few operations: memcheck is slow).
+if command -v compute-sanitizer >/dev/null; then
+  EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_LOG=expseg=debug EXPSEG_REPORT="$logs/memcheck.txt" LD_PRELOAD="$lib" \
+    timeout 400 compute-sanitizer --tool memcheck --print-limit 5 --target-processes all \
+    python3 "$here/torch_coalesce_stress.py" 400 2 16 >"$logs/memcheck.log" 2>&1
+  echo "memcheck rc=$?: $(grep -m3 -E 'Invalid|Address|at .* in ' "$logs/memcheck.log" | cut -c1-200 | tr '\n' ' ')"
+fi
 echo "logs: $logs"

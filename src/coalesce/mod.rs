@@ -639,6 +639,11 @@ impl<D: Driver> Coalescer<D> {
                 touched.push(pid);
             }
         }
+        log::debug!(
+            "device {}: access {descs:?} at {va:#x}+{size:#x}, set on {lo:#x}+{:#x}",
+            self.drv.device(),
+            hi - lo
+        );
         self.drv.set_access_flags(lo, hi - lo, descs)?;
         for pid in touched {
             let acc = &mut self.phys.get_mut(&pid).unwrap().access;
@@ -788,6 +793,11 @@ impl<D: Driver> Coalescer<D> {
             return;
         }
         let size = ph.size;
+        log::debug!(
+            "device {}: handle {:#x} unmapped from {base:#x}+{size:#x} (no page of it mapped)",
+            self.drv.device(),
+            ph.handle
+        );
         match self.drv.unmap(base, size) {
             Ok(()) => {
                 self.phys.get_mut(&pid).unwrap().base = None;
@@ -962,6 +972,10 @@ impl<D: Driver> Coalescer<D> {
         let size = ph.size;
         let h = ph.handle;
         self.clear_range(b, size, pid)?;
+        log::debug!(
+            "device {}: handle {h:#x} mapped at {b:#x}+{size:#x}",
+            self.drv.device()
+        );
         self.drv.map(b, size, h)?;
         self.phys.get_mut(&pid).unwrap().base = Some(b);
         self.bases.insert(b, pid);
@@ -1042,9 +1056,13 @@ impl<D: Driver> Coalescer<D> {
             .next()
             .map(|v| self.pages[v].props)
             .unwrap_or_default();
+        let me = self.drv.device();
+        log::debug!(
+            "device {me}: compacting handle {handle:#x} ({size:#x} bytes at {base:?}) into {} groups, access {acc:?}",
+            groups.len()
+        );
         // Kernels of other devices given access (PyTorch's peers) may be reading the live
         // pages: they finish before the pages move, as this device's do in copy_out.
-        let me = self.drv.device();
         for (d, _) in acc.iter().filter(|(d, _)| *d != me) {
             self.drv.synchronize_peer(*d)?;
         }
@@ -1308,6 +1326,13 @@ impl<D: Driver> Coalescer<D> {
     /// Release a phys none of whose pages is live.
     fn release_idle(&mut self, pid: u64) -> DrvResult<()> {
         let ph = &self.phys[&pid];
+        log::debug!(
+            "device {}: handle {:#x} released ({:#x} bytes, was at {:?})",
+            self.drv.device(),
+            ph.handle,
+            ph.size,
+            ph.base
+        );
         if let Some(b) = ph.base {
             self.drv.unmap(b, ph.size)?;
             self.bases.remove(&b);
