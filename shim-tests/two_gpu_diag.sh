@@ -36,9 +36,10 @@ DEVICES=2 run both_page_handles EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_COALESCE_MAX=20
 # Where the fault is: memcheck names the kernel and the address; the debug log has every
 # map, unmap and compaction of expseg to hold it against (few operations: memcheck is slow).
 if command -v compute-sanitizer >/dev/null; then
-  EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_LOG=expseg=debug EXPSEG_REPORT="$logs/memcheck.txt" LD_PRELOAD="$lib" \
+  # The library goes in through env, inside the sanitizer (which sets up its own injection).
+  EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_LOG=expseg=debug EXPSEG_REPORT="$logs/memcheck.txt" \
     timeout 400 compute-sanitizer --tool memcheck --print-limit 5 --target-processes all \
-    python3 "$here/torch_coalesce_stress.py" 400 2 16 >"$logs/memcheck.log" 2>&1
+    env LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" 400 2 16 >"$logs/memcheck.log" 2>&1
   echo "memcheck rc=$?: $(grep -m3 -E 'Invalid|Address|at .* in ' "$logs/memcheck.log" | cut -c1-200 | tr '\n' ' ')"
 fi
 echo "logs: $logs"
