@@ -1546,6 +1546,16 @@ fn two_devices_coalesced_in_one_process_keep_their_data() {
         assert_eq!(r.get("two_bad"), "0", "all={all}\n{}", r.stderr());
         assert_eq!(r.get("used_end"), "0", "all={all}");
     }
+    // The program never switches devices (as PyTorch empties every device's cache from one
+    // thread): with both devices coalesced, every driver call for a device's memory is still
+    // made in that device's context. (With the default, device 1's pages are the program's
+    // own calls, made where it makes them.)
+    let r = pages(
+        "libc10_cuda.so",
+        "two_random",
+        &[("FAKE_DEVICES", "2"), ("EXPSEG_TEST_ALL_DEVICES", "1")],
+    );
+    assert_eq!(r.get("wrong_context"), "0", "{}", r.stderr());
 }
 
 /// `pages_main` with libc10_cuda.so as a user without ptrace rights over others: nobody

@@ -82,6 +82,25 @@ impl Vmm {
     }
 }
 
+/// Run `f` on `c` with its device's primary context current on the calling thread (pushed
+/// for the call and popped after when another context is current): expseg's driver calls for
+/// device d are made in d's context, as PyTorch's own calls for d are made under its device
+/// guard, whatever device the thread is on when PyTorch empties every device's cache, the
+/// program asks another device's free memory, or the releaser thread wakes.
+fn in_context<T>(
+    c: &mut Coalescer<CudaDriver>,
+    f: impl FnOnce(&mut Coalescer<CudaDriver>) -> T,
+) -> T {
+    use crate::gpu::Driver as _;
+    match real::driver() {
+        Ok(t) => {
+            let dev = c.driver().device();
+            cuda::with_primary(t, dev, || f(c))
+        }
+        Err(_) => f(c),
+    }
+}
+
 /// A driver result as the C code.
 fn code(r: Result<(), DrvError>) -> u32 {
     match r {
@@ -114,7 +133,7 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
     }
     let mut v = lock();
     let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
-    Some(c.create(size, props).map_err(|e| e.0))
+    Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
 }
 
 pub fn release(vh: u64) -> Option<u32> {
@@ -123,7 +142,7 @@ pub fn release(vh: u64) -> Option<u32> {
     }
     let mut v = lock();
     let c = v.owner(vh)?;
-    Some(code(c.release(vh)))
+    Some(code(in_context(c, |c| c.release(vh))))
 }
 
 pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> {
@@ -135,7 +154,7 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
     if flags != 0 {
         return Some(crate::coalesce::INVALID.0);
     }
-    Some(code(c.map(va, size, offset, vh)))
+    Some(code(in_context(c, |c| c.map(va, size, offset, vh))))
 }
 
 /// Before the program maps a handle of its own at `[va, va+size)`: no ghost of ours there.
@@ -143,8 +162,8 @@ pub fn clear(va: u64, size: u64) {
     if !started() {
         return;
     }
-    for c in lock().all() {
-        c.clear_for_program(va, size);
+    for c in lock().all().filter(|c| c.holds_anything()) {
+        in_context(c, |c| c.clear_for_program(va, size));
     }
 }
 
@@ -154,8 +173,8 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
     }
     let mut v = lock();
     let mut answer = None;
-    for c in v.all() {
-        match c.unmap(va, size) {
+    for c in v.all().filter(|c| c.maps_in(va, size)) {
+        match in_context(c, |c| c.unmap(va, size)) {
             Ok(false) => continue,
             Ok(true) => answer = Some(0),
             Err(e) => answer = Some(e.0),
@@ -175,8 +194,8 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
         return None;
     }
     let mut v = lock();
-    for c in v.all() {
-        match c.set_access(va, size, descs) {
+    for c in v.all().filter(|c| c.maps_in(va, size)) {
+        match in_context(c, |c| c.set_access(va, size, descs)) {
             Ok(false) => continue,
             Ok(true) => return Some(0),
             Err(e) => return Some(e.0),
@@ -192,7 +211,7 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
     }
     let mut v = lock();
     let c = v.owner(vh)?;
-    Some(c.export(vh).map_err(|e| e.0))
+    Some(in_context(c, |c| c.export(vh)).map_err(|e| e.0))
 }
 
 /// Before the memory of the run starting at `ptr` is shared with another process: page-sized
@@ -201,8 +220,8 @@ pub fn isolate_run(ptr: u64) {
     if !started() {
         return;
     }
-    for c in lock().all() {
-        if let Err(e) = c.isolate_run(ptr) {
+    for c in lock().all().filter(|c| c.holds_anything()) {
+        if let Err(e) = in_context(c, |c| c.isolate_run(ptr)) {
             log::warn!("splitting coalesced pages before sharing failed ({e}); a consumer may see memory that later moves");
         }
     }
@@ -238,8 +257,8 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
     if !started() {
         return None;
     }
-    for c in lock().all() {
-        if let Err(e) = c.address_free(va, size) {
+    for c in lock().all().filter(|c| c.holds_anything()) {
+        if let Err(e) = in_context(c, |c| c.address_free(va, size)) {
             return Some(e.0);
         }
     }
@@ -252,9 +271,11 @@ pub fn settle() {
     if !started() {
         return;
     }
-    for c in lock().all() {
-        c.settle(false);
-        c.release_kept();
+    for c in lock().all().filter(|c| c.holds_anything()) {
+        in_context(c, |c| {
+            c.settle(false);
+            c.release_kept();
+        });
     }
 }
 
@@ -267,7 +288,7 @@ pub fn release_kept_for_others() -> bool {
     let mut any = false;
     for c in lock().all() {
         if c.kept_bytes() > 0 {
-            c.release_kept();
+            in_context(c, |c| c.release_kept());
             any = true;
         }
     }
@@ -284,25 +305,15 @@ fn start_releaser() {
     }
     let spawned = std::thread::Builder::new()
         .name("expseg-release".into())
-        .spawn(move || {
-            let mut context_set = false;
-            loop {
-                std::thread::sleep(Duration::from_millis(1));
-                if super::forked() {
-                    return;
-                }
-                let mut v = lock();
-                for c in v.all() {
-                    if c.kept_bytes() > 0 && c.idle_for() >= delay {
-                        if !context_set {
-                            if let Ok(t) = real::driver() {
-                                use crate::gpu::Driver as _;
-                                cuda::ensure_context(t, c.driver().device());
-                            }
-                            context_set = true;
-                        }
-                        c.release_kept();
-                    }
+        .spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(1));
+            if super::forked() {
+                return;
+            }
+            let mut v = lock();
+            for c in v.all() {
+                if c.kept_bytes() > 0 && c.idle_for() >= delay {
+                    in_context(c, |c| c.release_kept());
                 }
             }
         });

@@ -427,6 +427,20 @@ impl<D: Driver> Coalescer<D> {
         p.size - live
     }
 
+    /// Whether the program has a page of ours mapped in `[va, va+size)`.
+    pub fn maps_in(&self, va: u64, size: u64) -> bool {
+        self.maps.range(va..va + size).next().is_some()
+    }
+
+    /// Whether this device has anything of ours: pages, handles, kept handles, or temporary
+    /// mappings to take down. A coalescer that holds nothing has no driver call to make.
+    pub fn holds_anything(&self) -> bool {
+        !self.pages.is_empty()
+            || !self.phys.is_empty()
+            || self.kept_bytes > 0
+            || !self.stray.is_empty()
+    }
+
     // ---- the program's calls -------------------------------------------------------------
 
     /// `cuMemAddressReserve` succeeded: remember the range (runs never cross reservations).

@@ -247,41 +247,73 @@ pub fn make_primary_current(t: &DriverTable, dev: i32) -> u32 {
     unsafe { set(c) }
 }
 
+/// Make `dev`'s primary context current for a while, from whatever context the calling thread
+/// has (none, another device's, or one of the program's own): `Ok(true)` if it was pushed
+/// (undo with [`pop_primary`]), `Ok(false)` if it is current already, `Err` if it cannot be
+/// (not active: it is never created here; or the driver lacks the calls).
+pub fn push_primary(t: &DriverTable, dev: i32) -> Result<bool, u32> {
+    // The common case first, for one `cuCtxGetCurrent`: the primary context seen before is
+    // the current one.
+    if let Some(c) = cached_primary(dev) {
+        let mut cur: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        if unsafe { (t.cuCtxGetCurrent)(&mut cur) } == 0 && cur == c {
+            return Ok(false);
+        }
+    }
+    if primary_device(t) == Some(dev) {
+        return Ok(false);
+    }
+    if !primary_active(t, dev) {
+        return Err(INVALID_CONTEXT);
+    }
+    let push = t.cuCtxPushCurrent_v2.ok_or(INVALID_CONTEXT)?;
+    let c = find_primary(t, dev)?;
+    // SAFETY: an active primary context; the caller pops it.
+    match unsafe { push(c) } {
+        0 => Ok(true),
+        e => Err(e),
+    }
+}
+
+/// Undo a [`push_primary`] that answered `Ok(true)`.
+pub fn pop_primary(t: &DriverTable) {
+    if let Some(pop) = t.cuCtxPopCurrent_v2 {
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; pops the context push_primary pushed.
+        unsafe { pop(&mut popped) };
+    }
+}
+
+/// Run `f` with `dev`'s primary context current, then give the thread its own context back.
+/// Where that context cannot be made current, `f` runs in the thread's context.
+pub fn with_primary<T>(t: &DriverTable, dev: i32, f: impl FnOnce() -> T) -> T {
+    let pushed = push_primary(t, dev) == Ok(true);
+    let r = f();
+    if pushed {
+        pop_primary(t);
+    }
+    r
+}
+
 /// Wait for the work of `dev`'s primary context (the driver's `cuCtxSynchronize`), from
 /// whatever context the calling thread has: the primary context is pushed for the wait if it
-/// is not current. Returns the driver's code.
+/// is not current (an inactive one has no work: 0). Returns the driver's code.
 pub fn synchronize_primary(t: &DriverTable, dev: i32) -> u32 {
     let Some(sync) = t.cuCtxSynchronize else {
         return 0;
     };
-    if primary_device(t) == Some(dev) {
-        // SAFETY: no arguments; waits for the current (primary) context.
-        return unsafe { sync() };
-    }
-    let (Some(retain), Some(release), Some(push), Some(pop)) = (
-        t.cuDevicePrimaryCtxRetain,
-        t.cuDevicePrimaryCtxRelease_v2,
-        t.cuCtxPushCurrent_v2,
-        t.cuCtxPopCurrent_v2,
-    ) else {
-        return 0;
-    };
-    let mut c: CUcontext = std::ptr::null_mut();
-    // SAFETY: the pool of `dev` was opened in its primary context; push/pop restore the
-    // caller's context; the release gives back the reference the retain took.
-    unsafe {
-        let r = retain(&mut c, dev);
-        if r != 0 {
-            return r;
+    match push_primary(t, dev) {
+        Ok(pushed) => {
+            // SAFETY: no arguments; waits for the current context, dev's primary one.
+            let r = unsafe { sync() };
+            if pushed {
+                pop_primary(t);
+            }
+            r
         }
-        let mut r = push(c);
-        if r == 0 {
-            r = sync();
-            let mut popped: CUcontext = std::ptr::null_mut();
-            pop(&mut popped);
-        }
-        release(dev);
-        r
+        Err(_) if !primary_active(t, dev) => 0,
+        Err(e) => e,
     }
 }
 

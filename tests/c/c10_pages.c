@@ -180,7 +180,7 @@ int expandable(const char* what) {
     }
     for (int e = 0; e < 2; e++) { va = seg[e]; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
     size_t fr, tot; cudaMemGetInfo(&fr, &tot);
-    printf("two_steps=%d two_bad=%d used_end=%ld\n", steps, bad, fakecu_used());
+    printf("two_steps=%d two_bad=%d used_end=%ld wrong_context=%ld\n", steps, bad, fakecu_used(), fakecu_count("wrong_context"));
     return 0;
   }
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");

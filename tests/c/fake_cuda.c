@@ -28,9 +28,13 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 #define GRAN (2u << 20)
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_NCOUNT };
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle"};
+                              "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
+                              /* cuMemCreate/Map/Unmap/Release of one device's memory while no context or another
+                               * device's is current (allowed by the driver; expseg makes its own calls in the
+                               * memory's device's context) */
+                              "wrong_context"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -53,6 +57,9 @@ static CUcontext current(void) { return depth ? stack[depth - 1] : 0; }
 /* The runtime binds device d's primary context, unless the thread has a context already. */
 void fakecu_bind_dev(int d) { initialised = 1; if (!depth) stack[depth++] = PRIMARY(d); else if ((uintptr_t)current() < 0x200) stack[depth - 1] = PRIMARY(d); }
 void fakecu_bind(void) { initialised = 1; if (!depth) stack[depth++] = PRIMARY(0); }
+/* The device of the thread's current context, -1 if none: the runtime works in the context
+ * the driver has current (one pushed with cuCtxPushCurrent included), as the real one does. */
+int fakecu_current_device(void) { return ctx_device(current()); }
 long fakecu_count(const char* what) { for (int i = 0; i < C_NCOUNT; i++) if (!strcmp(names[i], what)) return counts[i]; return -1; }
 static void count(int c) { __atomic_add_fetch(&counts[c], 1, __ATOMIC_RELAXED); }
 
@@ -182,7 +189,9 @@ CUresult cuMemGetInfo_v2(size_t* f, size_t* t) {
 
 #ifndef NO_VMM
 #define MAXH 65536
-static struct { int fd; size_t size; int mapped; int retained; } handles[MAXH];
+static struct { int fd; size_t size; int mapped; int retained; int dev; } handles[MAXH];
+/* Called under mu: count a call for device `dev`'s memory made from another device's context. */
+static void check_ctx(int dev) { if (dev >= 0 && ctx_device(current()) != dev) counts[C_WRONG_CTX]++; }
 #define MAXM 65536
 static struct { uint64_t va; size_t size; int h; unsigned access; } maps[MAXM];
 
@@ -197,13 +206,14 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle* h, size_t size, const CUmemAl
     int i = 1; while (i < MAXH && handles[i].size) i++;
     int fd = memfd_create("fakecu", 0);
     if (i == MAXH || fd < 0 || ftruncate(fd, (off_t)size)) r = 2;
-    else { handles[i].fd = fd; handles[i].size = size; used += size; *h = (uint64_t)i; }
+    else { handles[i].fd = fd; handles[i].size = size; handles[i].dev = p->location.id; used += size; *h = (uint64_t)i; check_ctx(p->location.id); }
   }
   pthread_mutex_unlock(&mu); return r;
 }
 CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   pthread_mutex_lock(&mu); counts[C_RELEASE]++;
   CUresult r = 0;
+  if (h > 0 && h < MAXH) check_ctx(handles[h].dev);
   if (h > 0 && h < MAXH && handles[h].retained) handles[h].retained--;
   else if (h == 0 || h >= MAXH || !handles[h].size || handles[h].mapped) r = 1;
   else { close(handles[h].fd); used -= handles[h].size; handles[h].size = 0; }
@@ -250,6 +260,7 @@ CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAllocatio
   else {
     int i = 0; while (i < MAXM && maps[i].size) i++;
     maps[i].va = va; maps[i].size = size; maps[i].h = (int)h; maps[i].access = 0; handles[h].mapped++;
+    check_ctx(handles[h].dev);
   }
   pthread_mutex_unlock(&mu); return r;
 }
@@ -257,7 +268,7 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
   pthread_mutex_lock(&mu); counts[C_UNMAP]++;
   size_t covered = 0;
   for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
-    covered += maps[i].size; handles[maps[i].h].mapped--; maps[i].size = 0;
+    covered += maps[i].size; handles[maps[i].h].mapped--; maps[i].size = 0; check_ctx(handles[maps[i].h].dev);
   }
   pthread_mutex_unlock(&mu);
   if (covered != size) return 1;
@@ -304,7 +315,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* o
   if (size <= 0) return 1;
   pthread_mutex_lock(&mu);
   int i = 1; while (i < MAXH && handles[i].size) i++;
-  handles[i].fd = fd; handles[i].size = (size_t)size; handles[i].mapped = 0;
+  handles[i].fd = fd; handles[i].size = (size_t)size; handles[i].mapped = 0; handles[i].dev = -1;
   used += (size_t)size; /* released like any handle: the books balance */
   pthread_mutex_unlock(&mu);
   *h = (uint64_t)i; return 0;

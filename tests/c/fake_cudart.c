@@ -17,6 +17,7 @@
 
 void fakecu_bind(void);
 void fakecu_bind_dev(int);
+int fakecu_current_device(void);
 int fakecu_lookup(const void* p, void** base, size_t* n, int* fd);
 static __thread int last_error, cur_dev;
 static long n_malloc, n_free, n_sync, n_ipc, n_peer_on, n_peer_off;
@@ -88,7 +89,7 @@ int cudaFree(void* p) {
   return drv.free((uint64_t)(uintptr_t)p) ? err(1) : 0;
 }
 int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
-int cudaGetDevice(int* d) { *d = cur_dev; return 0; }
+int cudaGetDevice(int* d) { int c = fakecu_current_device(); *d = c >= 0 ? c : cur_dev; return 0; }
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind_dev(d); return 0; }
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 int cudaDeviceSynchronize(void) {
