@@ -13,12 +13,16 @@ Prints one JSON line; exit 1 on any mismatch or unexpected error.
 """
 import ctypes
 import json
+import os
 import random
 import sys
 
 import torch
 
 MIB = 1 << 20
+# STRESS_SYNC_ALL=1: wait for every device before empty_cache() (diagnosis: PyTorch's own wait
+# before unmapping is on the current device's default stream).
+SYNC_ALL = os.environ.get("STRESS_SYNC_ALL") == "1"
 GIB = 1 << 30
 
 
@@ -83,6 +87,9 @@ def main():
                 live[k] = (t, v)
                 stats["rewrites"] += 1
             elif 0.80 <= op < 0.87:
+                if SYNC_ALL:
+                    for d in devices:
+                        torch.cuda.synchronize(d)
                 torch.cuda.empty_cache()
                 for d in devices:
                     torch.cuda.mem_get_info(d)  # expseg compacts before answering

@@ -31,6 +31,8 @@ DEVICES=2 run both_coalesced EXPSEG_TEST_ALL_DEVICES=1
 # without compaction at settle and with handles released at once.
 DEVICES=2 run both_blocking EXPSEG_TEST_ALL_DEVICES=1 CUDA_LAUNCH_BLOCKING=1 EXPSEG_LOG=expseg=debug
 DEVICES=2 run both_no_settle EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_STRAND_MAX=1T EXPSEG_RELEASE_DELAY=0
+# Every device waited for before empty_cache() (PyTorch waits on the current device's stream).
+DEVICES=2 run both_synced EXPSEG_TEST_ALL_DEVICES=1 STRESS_SYNC_ALL=1
 # One handle per page (no coalescing across pages), everything else as coalesced.
 DEVICES=2 run both_page_handles EXPSEG_TEST_ALL_DEVICES=1 EXPSEG_COALESCE_MAX=20M
 # Where the fault is: memcheck names the kernel and the address; the debug log has every
