@@ -257,8 +257,14 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
     if !started() {
         return None;
     }
-    for c in lock().all().filter(|c| c.holds_anything()) {
-        if let Err(e) = in_context(c, |c| c.address_free(va, size)) {
+    for c in lock().all() {
+        // Every coalescer forgets the reservation; only one with memory makes driver calls.
+        let r = if c.holds_anything() {
+            in_context(c, |c| c.address_free(va, size))
+        } else {
+            c.address_free(va, size)
+        };
+        if let Err(e) = r {
             return Some(e.0);
         }
     }
