@@ -199,22 +199,36 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -
     let Some(_g) = Guard::enter() else {
         return next::cudaMemGetInfo(free, total);
     };
-    // What the program is told is free should be free: compact partly released pages first.
+    mem_get_info(
+        "cudaMemGetInfo",
+        free,
+        total,
+        || next::cudaMemGetInfo(free, total),
+        api::cudaMemGetInfo,
+    )
+}
+
+/// Free memory as the runtime (`cudaMemGetInfo`) or the driver (`cuMemGetInfo_v2`) tells it,
+/// inside the hook's guard: what the program is told is free should be free, so partly
+/// released pages are compacted first; after the real call answered (`real`, 0 and both
+/// pointers non-null) the bytes the pool keeps cached (`cached`: this process can allocate
+/// them) are added, capped at the total.
+unsafe fn mem_get_info(
+    name: &str,
+    free: *mut size_t,
+    total: *mut size_t,
+    real: impl FnOnce() -> c_int,
+    cached: fn() -> u64,
+) -> c_int {
     let _ = catch_unwind(api::vmm::settle);
-    let e = next::cudaMemGetInfo(free, total);
+    let e = real();
     if e != 0 || free.is_null() || total.is_null() {
         return e;
     }
-    boundary("cudaMemGetInfo", || {
-        add_cached(free, total, api::cudaMemGetInfo());
+    boundary(name, || {
+        *free = (*free).saturating_add(cached() as size_t).min(*total);
         e
     })
-}
-
-/// After the driver answered `free`/`total` (both non-null): add the bytes the pool keeps
-/// cached (this process can allocate them), capped at the total.
-unsafe fn add_cached(free: *mut size_t, total: *mut size_t, cached: u64) {
-    *free = (*free).saturating_add(cached as size_t).min(*total);
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -284,15 +298,13 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) 
     let Some(_g) = Guard::enter() else {
         return next_driver::cuMemGetInfo_v2(free, total);
     };
-    let _ = catch_unwind(api::vmm::settle);
-    let e = next_driver::cuMemGetInfo_v2(free, total);
-    if e != 0 || free.is_null() || total.is_null() {
-        return e;
-    }
-    driver_boundary("cuMemGetInfo_v2", || {
-        add_cached(free, total, api::cuMemGetInfo());
-        e
-    })
+    mem_get_info(
+        "cuMemGetInfo_v2",
+        free,
+        total,
+        || next_driver::cuMemGetInfo_v2(free, total) as c_int,
+        api::cuMemGetInfo,
+    ) as u32
 }
 
 #[cfg_attr(not(test), no_mangle)]

@@ -86,18 +86,19 @@ impl Vmm {
 /// for the call and popped after when another context is current): expseg's driver calls for
 /// device d are made in d's context, as PyTorch's own calls for d are made under its device
 /// guard, whatever device the thread is on when PyTorch empties every device's cache, the
-/// program asks another device's free memory, or the releaser thread wakes.
+/// program asks another device's free memory, or the releaser thread wakes. A coalescer that
+/// holds nothing makes no driver call: its context is left alone.
 fn in_context<T>(
     c: &mut Coalescer<CudaDriver>,
     f: impl FnOnce(&mut Coalescer<CudaDriver>) -> T,
 ) -> T {
     use crate::gpu::Driver as _;
     match real::driver() {
-        Ok(t) => {
+        Ok(t) if c.holds_anything() => {
             let dev = c.driver().device();
             cuda::with_primary(t, dev, || f(c))
         }
-        Err(_) => f(c),
+        _ => f(c),
     }
 }
 
@@ -162,7 +163,7 @@ pub fn clear(va: u64, size: u64) {
     if !started() {
         return;
     }
-    for c in lock().all().filter(|c| c.holds_anything()) {
+    for c in lock().all() {
         in_context(c, |c| c.clear_for_program(va, size));
     }
 }
@@ -220,7 +221,7 @@ pub fn isolate_run(ptr: u64) {
     if !started() {
         return;
     }
-    for c in lock().all().filter(|c| c.holds_anything()) {
+    for c in lock().all() {
         if let Err(e) = in_context(c, |c| c.isolate_run(ptr)) {
             log::warn!("splitting coalesced pages before sharing failed ({e}); a consumer may see memory that later moves");
         }
@@ -258,13 +259,7 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
         return None;
     }
     for c in lock().all() {
-        // Every coalescer forgets the reservation; only one with memory makes driver calls.
-        let r = if c.holds_anything() {
-            in_context(c, |c| c.address_free(va, size))
-        } else {
-            c.address_free(va, size)
-        };
-        if let Err(e) = r {
+        if let Err(e) = in_context(c, |c| c.address_free(va, size)) {
             return Some(e.0);
         }
     }
@@ -277,7 +272,7 @@ pub fn settle() {
     if !started() {
         return;
     }
-    for c in lock().all().filter(|c| c.holds_anything()) {
+    for c in lock().all() {
         in_context(c, |c| {
             c.settle(false);
             c.release_kept();
