@@ -23,7 +23,8 @@ DIR, and with --json a summary (device, driver, date, commit; per workload and m
 median ms, peak reserved and device GiB; --append adds to the file of an earlier run of the same
 commit on the same device). Diagnosis: --steps N runs N steps instead of the
 workload's own count, --repeat N runs every mode N times interleaved (step time: the median of
-the runs' medians, each kept), --reports DIR keeps the expseg modes' exit reports, --cpus LIST
+the runs' medians, each kept), --alt-lib PATH runs a second build as mode expseg-alt (LD_PRELOAD
+alone), --reports DIR keeps the expseg modes' exit reports, --cpus LIST
 pins every worker to those CPUs. Steps of a few ms (moe) are launch-bound and vary by up to 40 %
 between processes and over time within one, pinned or not (H100, 2026-11-23: the machine has a
 fast and a slow state, whatever the allocator; scripts/vmm-cost/torch_bookkeeping.py): compare
@@ -46,6 +47,7 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "train": (24, 300),
     "train_ec": (24, 120),
 }
+ALT_LIB = [None]  # --alt-lib: a second library, as mode expseg-alt (LD_PRELOAD alone)
 MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", "expseg-release0"]
 
 
@@ -63,6 +65,8 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
         env["LD_PRELOAD"] = lib
+    elif mode == "expseg-alt":
+        env["LD_PRELOAD"] = ALT_LIB[0]
     elif mode == "expseg-release0":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "0"
@@ -379,6 +383,7 @@ def main():
     ap.add_argument("--reports", help="keep the expseg modes' exit reports in this folder")
     ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times, interleaved")
     ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7)")
+    ap.add_argument("--alt-lib", help="another libexpseg.so, run as mode expseg-alt (LD_PRELOAD alone): two builds side by side")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()
@@ -388,6 +393,8 @@ def main():
         filler(args.fill)
     else:
         args.lib = os.path.abspath(args.lib)
+        if args.alt_lib:
+            ALT_LIB[0] = os.path.abspath(args.alt_lib)
         if args.steps:
             for w in WORKLOADS:
                 WORKLOADS[w] = (WORKLOADS[w][0], args.steps)

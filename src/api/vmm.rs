@@ -374,6 +374,12 @@ pub fn report_rows() -> Vec<(&'static str, u64)> {
         ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
         ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
         ("coalesce_kept_released", sum(&|s| s.kept_released)),
+        (
+            "coalesce_reused_in_place_bytes",
+            sum(&|s| s.reused_in_place),
+        ),
+        ("coalesce_access_skipped", sum(&|s| s.access_skipped)),
+        ("coalesce_meminfo_skipped", sum(&|s| s.meminfo_skipped)),
         ("coalesce_pages_live", all.iter().map(|a| a.2 as u64).sum()),
         (
             "coalesce_handles_live",

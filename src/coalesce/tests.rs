@@ -446,6 +446,12 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             shrink(&mut c, va + s * PAGE, &[h]);
         }
         c.settle(true);
+        if seed % 2 == 0 {
+            assert!(
+                c.stats().reused_in_place > 0,
+                "seed {seed}: handles taken back in place"
+            );
+        }
         c.release_kept();
         assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
         assert_eq!(c.driver().mapping_count(), 0, "seed {seed}");
@@ -591,4 +597,144 @@ fn without_the_drivers_free_memory_pages_are_created_at_once_and_still_coalesced
     assert!(c.stats().exact_creates >= 1);
     shrink(&mut c, va, &hs);
     assert_eq!(c.driver().used(), 0);
+}
+
+fn delayed() -> CoalesceConfig {
+    let mut k = cfg();
+    k.release_delay = std::time::Duration::from_secs(3600);
+    k
+}
+
+fn meminfo_calls(c: &Coalescer<FakeDriver>) -> u64 {
+    c.driver_calls()[Op::ALL.len()].0
+}
+
+#[test]
+fn a_released_batch_mapped_again_in_place_costs_no_driver_call() {
+    let mut k = delayed();
+    k.margin = 0; // kept handles cover the whole batch
+    let (mut c, va) = setup(100 * PAGE, k);
+    let hs = grow(&mut c, va, 4).unwrap();
+    let more = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    shrink(&mut c, va, &hs);
+    shrink(&mut c, va + 4 * PAGE, &more);
+    // Parked: still mapped (and held) where the pages were.
+    assert_eq!(c.kept_bytes(), 7 * PAGE);
+    assert_eq!(c.driver().mapping_count(), 2);
+    assert_eq!(c.counts(), (0, 0));
+    let before = c.driver().total_calls();
+    let infos = meminfo_calls(&c);
+    // The next step maps 7 pages over both places as one batch.
+    let again = grow(&mut c, va, 7).unwrap();
+    assert_eq!(
+        c.driver().total_calls(),
+        before,
+        "no create, map, access or unmap"
+    );
+    assert_eq!(meminfo_calls(&c), infos, "kept handles covered the batch");
+    assert_eq!(c.stats().reused_in_place, 7 * PAGE);
+    assert_eq!(c.stats().access_skipped, 1);
+    fill(&mut c, va, 7);
+    assert!(intact(&c, va, 7));
+    assert_eq!(c.driver().used(), c.physical_bytes());
+    // Access for another device is still asked of the driver.
+    assert!(c.set_access(va, 7 * PAGE, &[(1, RW)]).unwrap());
+    assert!(c.driver().is_accessible(va, 7 * PAGE, 1));
+    shrink(&mut c, va, &again);
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+#[test]
+fn pages_over_part_of_a_parked_handle_move_it_first() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    // Two pages in the middle of the parked handle: it cannot serve them where it is.
+    let mid = grow(&mut c, va + PAGE, 2).unwrap();
+    fill(&mut c, va + PAGE, 2);
+    assert!(intact(&c, va + PAGE, 2));
+    assert_eq!(c.driver().mapping_count(), 1, "the parked handle left");
+    assert_eq!(c.driver().used(), c.physical_bytes());
+    // A longer batch over it and beyond takes a kept handle where it fits (elsewhere).
+    let hs = grow(&mut c, va + 8 * PAGE, 4).unwrap();
+    shrink(&mut c, va + 8 * PAGE, &hs);
+    let creates = c.driver().calls_of(Op::Create);
+    let wide = grow(&mut c, va + 7 * PAGE, 6).unwrap();
+    assert_eq!(
+        c.driver().calls_of(Op::Create),
+        creates + 2,
+        "the parked 4 pages in place, a new page at each end"
+    );
+    assert_eq!(c.stats().reused_in_place, 4 * PAGE);
+    fill(&mut c, va + 7 * PAGE, 6);
+    assert!(intact(&c, va + PAGE, 2) && intact(&c, va + 7 * PAGE, 6));
+    shrink(&mut c, va + PAGE, &mid);
+    shrink(&mut c, va + 7 * PAGE, &wide);
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+#[test]
+fn a_parked_handle_is_not_the_programs_mapping() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    // The program unmapped it: unmapping or setting access there again fails as natively,
+    // and is not passed to the driver (which would unmap expseg's handle).
+    assert!(c.maps_in(va + PAGE, PAGE));
+    assert_eq!(c.unmap(va, PAGE), Err(INVALID));
+    assert_eq!(c.set_access(va, PAGE, &[(0, RW)]), Err(INVALID));
+    // The program maps a handle of its own there: the parked handle moves out first.
+    c.clear_for_program(va + 2 * PAGE, PAGE);
+    let own = c.driver_mut().create(PAGE).unwrap();
+    c.driver_mut().map(va + 2 * PAGE, PAGE, own).unwrap();
+    assert_eq!(c.kept_bytes(), 4 * PAGE, "still kept, unmapped");
+    c.driver_mut().unmap(va + 2 * PAGE, PAGE).unwrap();
+    c.driver_mut().release(own).unwrap();
+    // Parked again, then the reservation goes: nothing of ours may stay mapped in it.
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().mapping_count(), 1);
+    c.address_free(va, 4000 * PAGE).unwrap();
+    assert_eq!(c.driver().mapping_count(), 0);
+    c.driver_mut().free_va(va, 4000 * PAGE).unwrap();
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn shared_pages_are_never_kept_for_new_pages() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 3).unwrap();
+    let other = grow(&mut c, va + 3 * PAGE, 2).unwrap();
+    c.export(hs[1]).unwrap();
+    shrink(&mut c, va, &hs);
+    shrink(&mut c, va + 3 * PAGE, &other);
+    // Another process may still map the exported batch's pages (split page by page): their
+    // handles went back to the driver (which keeps the memory for an importer), not into the
+    // kept handles; the other batch is kept.
+    assert_eq!(c.kept_bytes(), 2 * PAGE);
+    assert_eq!(c.driver().used(), 2 * PAGE);
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+#[test]
+fn a_failing_unmap_of_a_parked_handle_keeps_it() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    c.driver_mut().fail_nth(Op::Unmap, 0, DrvError(999));
+    c.release_kept();
+    c.driver_mut().clear_failures();
+    assert_eq!(c.kept_bytes(), 4 * PAGE, "kept, to be tried again");
+    assert_eq!(c.driver().used(), c.physical_bytes());
+    c.release_kept();
+    assert_eq!(c.kept_bytes(), 0);
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
 }
