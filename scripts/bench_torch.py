@@ -16,7 +16,8 @@ Modes: default, expandable (expandable_segments:True), expandable_256 (the same 
 large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), expseg
 (scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
 expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
-EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse). Under expseg PyTorch's pages are
+EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse); not run unless
+asked: expseg-keep200 (EXPSEG_RELEASE_DELAY=200: released handles kept through 200 ms of quiet). Under expseg PyTorch's pages are
 coalesced. Prints a table (completed steps or OOM, peak device memory, peak reserved, median
 step time, ratios to expandable_segments and default), writes results.json and memory.png to
 DIR, and with --json a summary (device, driver, date, commit; per workload and mode: steps,
@@ -65,6 +66,9 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
         env["LD_PRELOAD"] = lib
+    elif mode == "expseg-keep200":
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_RELEASE_DELAY"] = "200"
     elif mode == "expseg-alt":
         env["LD_PRELOAD"] = ALT_LIB[0]
     elif mode == "expseg-release0":
