@@ -23,6 +23,10 @@ MIB = 1 << 20
 # STRESS_SYNC_ALL=1: wait for every device before empty_cache() (diagnosis: PyTorch's own wait
 # before unmapping is on the current device's default stream).
 SYNC_ALL = os.environ.get("STRESS_SYNC_ALL") == "1"
+# STRESS_KEEP=1: no torch.cuda.mem_get_info() after empty_cache() (which gives expseg's kept
+# handles back), so released handles live on into the next allocations: kept handles serve
+# new pages, parked ones where they are mapped (run with a long EXPSEG_RELEASE_DELAY).
+KEEP = os.environ.get("STRESS_KEEP") == "1"
 GIB = 1 << 30
 
 
@@ -91,8 +95,9 @@ def main():
                     for d in devices:
                         torch.cuda.synchronize(d)
                 torch.cuda.empty_cache()
-                for d in devices:
-                    torch.cuda.mem_get_info(d)  # expseg compacts before answering
+                if not KEEP:
+                    for d in devices:
+                        torch.cuda.mem_get_info(d)  # expseg compacts before answering
                 stats["empty_cache"] += 1
                 check_all()
             elif 0.87 <= op < 0.89:

@@ -331,7 +331,9 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
         vas.push(end);
         end += s;
     }
-    if start != base || end != base + size {
+    // Pages the program released since may be parked there by expseg: the run is gone, as
+    // it would be natively (an unmapped gap).
+    if start != base || end != base + size || super::vmm::parked_in(base, size) {
         return Err(Refusal::Stale);
     }
     let first = cuda::export_mapping(t, base).map_err(|e| {

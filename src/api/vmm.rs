@@ -205,6 +205,15 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
     None
 }
 
+/// Whether a handle expseg parked (released pages' memory, kept mapped for reuse) lies in
+/// `[va, va+size)`: such a mapping is not the program's, whatever the driver says.
+pub fn parked_in(va: u64, size: u64) -> bool {
+    if !started() {
+        return false;
+    }
+    lock().all().any(|c| c.parked_in_range(va, size))
+}
+
 /// `cuMemExportToShareableHandle` of a page: the real handle to export.
 pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
     if !is_virtual(vh) || !started() {

@@ -752,3 +752,29 @@ fn a_failing_unmap_of_a_parked_handle_keeps_it() {
     assert_eq!(c.driver().used(), 0);
     assert_eq!(c.driver().mapping_count(), 0);
 }
+
+#[test]
+fn sharing_a_run_takes_parked_handles_off_its_addresses() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let live = grow(&mut c, va, 2).unwrap();
+    let after = grow(&mut c, va + 2 * PAGE, 3).unwrap();
+    shrink(&mut c, va + 2 * PAGE, &after);
+    assert_eq!(
+        c.driver().mapping_count(),
+        2,
+        "the released batch is parked after the live one"
+    );
+    // cudaIpcGetMemHandle walks the driver's back-to-back mappings from the tensor's: they
+    // must end where the program's pages end.
+    c.isolate_run(va).unwrap();
+    assert_eq!(
+        c.driver().mapping_count(),
+        2,
+        "the live batch, page by page"
+    );
+    assert!(!c.maps_in(va + 2 * PAGE, 3 * PAGE));
+    assert_eq!(c.kept_bytes(), 3 * PAGE, "still kept, unmapped");
+    shrink(&mut c, va, &live);
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+}
