@@ -22,11 +22,17 @@ static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
         Ok(t) => {
             let n = cuda::device_count(t).unwrap_or(0);
             let c = config();
+            // Without the thread that gives kept handles back, nothing would after the delay:
+            // release at once instead.
+            let threaded = n > 0 && start_releaser();
             let cfg = CoalesceConfig {
                 max_handle: c.coalesce_max,
                 strand_max: c.strand_max,
                 margin: c.coalesce_margin,
-                release_delay: Duration::from_millis(c.release_delay_ms),
+                release_delay: match threaded {
+                    true => Duration::from_millis(c.release_delay_ms),
+                    false => Duration::ZERO,
+                },
             };
             (0..n)
                 .map(|d| match CudaDriver::open(t, d) {
@@ -40,9 +46,6 @@ static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
         }
         Err(_) => Vec::new(),
     };
-    if !devs.is_empty() {
-        start_releaser();
-    }
     STARTED.store(true, Ordering::Release);
     Mutex::new(Vmm { devs })
 });
@@ -307,11 +310,11 @@ pub fn release_kept_for_others() -> bool {
 
 /// Kept handles go back to the driver once the program has been quiet for the delay: a
 /// thread of its own checks every millisecond while any are kept (started at the first
-/// coalescer; never in a forked child).
-fn start_releaser() {
+/// coalescer; never in a forked child). False if there is none (no delay, or no thread).
+fn start_releaser() -> bool {
     let delay = Duration::from_millis(config().release_delay_ms);
     if delay.is_zero() {
-        return;
+        return false;
     }
     let spawned = std::thread::Builder::new()
         .name("expseg-release".into())
@@ -327,8 +330,12 @@ fn start_releaser() {
                 }
             }
         });
-    if let Err(e) = spawned {
-        log::warn!("no thread to give kept handles back ({e}); releasing at once instead");
+    match spawned {
+        Ok(_) => true,
+        Err(e) => {
+            log::warn!("no thread to give kept handles back ({e}); releasing at once instead");
+            false
+        }
     }
 }
 

@@ -405,15 +405,41 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                     c.driver_mut().clear_failures();
                 }
                 8 => c.settle(false),
-                _ => {
-                    if let Some((&s, &h)) = live
-                        .iter()
-                        .nth(rng.below(live.len().max(1) as u64) as usize)
-                    {
-                        let _ = s;
-                        c.export(h).unwrap();
+                _ => match rng.below(4) {
+                    0 | 1 => {
+                        if let Some((_, &h)) = live
+                            .iter()
+                            .nth(rng.below(live.len().max(1) as u64) as usize)
+                        {
+                            c.export(h).unwrap();
+                        }
                     }
-                }
+                    2 => {
+                        // cudaIpcGetMemHandle on a live page: its run is split page by
+                        // page, and nothing parked may stay in the driver's mappings.
+                        if let Some((&s, _)) = live
+                            .iter()
+                            .nth(rng.below(live.len().max(1) as u64) as usize)
+                        {
+                            c.isolate_run(va + s * PAGE + 5).unwrap();
+                            assert!(!c.parked_in_range(va, 200 * PAGE));
+                        }
+                    }
+                    _ => {
+                        // The program maps a handle of its own on free slots (over parked
+                        // handles, if any) and takes it down again.
+                        let start = (0..200u64)
+                            .find(|s| (0..2).all(|i| !live.contains_key(&(s + i))))
+                            .unwrap();
+                        let at = va + start * PAGE;
+                        c.clear_for_program(at, 2 * PAGE);
+                        if let Ok(own) = c.driver_mut().create(2 * PAGE) {
+                            c.driver_mut().map(at, 2 * PAGE, own).unwrap();
+                            c.driver_mut().unmap(at, 2 * PAGE).unwrap();
+                            c.driver_mut().release(own).unwrap();
+                        }
+                    }
+                },
             }
             for &s in live.keys() {
                 assert!(
