@@ -380,19 +380,11 @@ impl<D: Driver> Coalescer<D> {
     /// Take a kept handle out of the books, unmapped (a parked one is unmapped here). None if
     /// it is parked and will not unmap: it stays kept.
     fn unkeep(&mut self, k: KeptKey) -> Option<ChunkHandle> {
-        let kh = self.kept.get(&k)?;
-        if let Some(b) = kh.base {
-            log::debug!(
-                "device {}: kept handle {:#x} unmapped from {b:#x}+{:#x}",
-                self.drv.device(),
-                kh.handle,
-                k.1
-            );
-            if let Err(e) = self.drv.unmap(b, k.1) {
+        if let Some(b) = self.kept.get(&k)?.base {
+            if let Err(e) = self.unpark(b) {
                 log::warn!("unmapping a kept handle failed ({e})");
                 return None;
             }
-            self.parked.remove(&b);
         }
         let kh = self.kept.remove(&k)?;
         self.kept_bytes -= k.1;
@@ -565,7 +557,17 @@ impl<D: Driver> Coalescer<D> {
     /// Whether the program has a page of ours mapped in `[va, va+size)`.
     /// (or a handle of ours is parked there: the driver's mapping is ours, not the program's).
     pub fn maps_in(&self, va: u64, size: u64) -> bool {
-        self.maps.range(va..va + size).next().is_some() || !self.parked_in(va, size).is_empty()
+        self.maps.range(va..va + size).next().is_some() || self.parked_in_range(va, size)
+    }
+
+    /// A program call on `[va, va+size)` where it has no page of ours: Ok(false), pass it
+    /// through; or, where a handle of ours is parked, the program has nothing mapped there
+    /// (the driver's answer without expseg, and the driver must not touch our mapping).
+    fn none_of_the_programs(&self, va: u64, size: u64) -> DrvResult<bool> {
+        match self.parked_in_range(va, size) {
+            false => Ok(false),
+            true => Err(INVALID),
+        }
     }
 
     /// Whether this device has anything of ours: pages, handles, kept handles, or temporary
@@ -773,12 +775,7 @@ impl<D: Driver> Coalescer<D> {
         self.last_call = Instant::now();
         let inside = self.mapped_in(va, size);
         if inside.is_empty() {
-            // A parked handle is mapped there, not the program's memory: the program has
-            // nothing mapped to unmap (the driver's answer without expseg).
-            return match self.parked_in(va, size).is_empty() {
-                true => Ok(false),
-                false => Err(INVALID),
-            };
+            return self.none_of_the_programs(va, size);
         }
         let covered: u64 = inside.iter().map(|(_, v)| self.pages[v].size).sum();
         if inside[0].0 != va || covered != size {
@@ -802,10 +799,7 @@ impl<D: Driver> Coalescer<D> {
         self.last_call = Instant::now();
         let inside = self.mapped_in(va, size);
         if inside.is_empty() {
-            return match self.parked_in(va, size).is_empty() {
-                true => Ok(false),
-                false => Err(INVALID),
-            };
+            return self.none_of_the_programs(va, size);
         }
         self.materialize(&inside)?;
         // The driver sets access on whole mappings: the phys behind the pages, those whose
@@ -1227,14 +1221,9 @@ impl<D: Driver> Coalescer<D> {
         if split.0 > whole.0 || split.1 > whole.1 {
             return vec![chain.to_vec()];
         }
-        let mut rest = Vec::new();
-        let mut i = 0usize;
         for (b, k) in hits {
             let i0 = ((b - start) / unit) as usize;
             let n = (k.1 / unit) as usize;
-            if i0 > i {
-                rest.push(chain[i..i0].to_vec());
-            }
             let kh = self.kept.remove(&k).unwrap();
             self.parked.remove(&b);
             self.kept_bytes -= k.1;
@@ -1250,12 +1239,8 @@ impl<D: Driver> Coalescer<D> {
             for (j, (_, vh)) in chain[i0..i0 + n].iter().enumerate() {
                 self.attach(*vh, pid, j as u64 * unit);
             }
-            i = i0 + n;
         }
-        if i < chain.len() {
-            rest.push(chain[i..].to_vec());
-        }
-        rest
+        pieces
     }
 
     fn same_reservation(&self, a: u64, end: u64) -> bool {

@@ -631,6 +631,13 @@ fn delayed() -> CoalesceConfig {
     k
 }
 
+/// Kept handles go back; then nothing may be held or mapped.
+fn all_given_back(c: &mut Coalescer<FakeDriver>) {
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
 fn meminfo_calls(c: &Coalescer<FakeDriver>) -> u64 {
     c.driver_calls()[Op::ALL.len()].0
 }
@@ -667,9 +674,7 @@ fn a_released_batch_mapped_again_in_place_costs_no_driver_call() {
     assert!(c.set_access(va, 7 * PAGE, &[(1, RW)]).unwrap());
     assert!(c.driver().is_accessible(va, 7 * PAGE, 1));
     shrink(&mut c, va, &again);
-    c.release_kept();
-    assert_eq!(c.driver().used(), 0);
-    assert_eq!(c.driver().mapping_count(), 0);
+    all_given_back(&mut c);
 }
 
 #[test]
@@ -712,9 +717,7 @@ fn pages_over_part_of_a_parked_handle_move_it_first() {
     assert!(intact(&c, va + PAGE, 2) && intact(&c, va + 7 * PAGE, 6));
     shrink(&mut c, va + PAGE, &mid);
     shrink(&mut c, va + 7 * PAGE, &wide);
-    c.release_kept();
-    assert_eq!(c.driver().used(), 0);
-    assert_eq!(c.driver().mapping_count(), 0);
+    all_given_back(&mut c);
 }
 
 #[test]
@@ -758,9 +761,7 @@ fn shared_pages_are_never_kept_for_new_pages() {
     // kept handles; the other batch is kept.
     assert_eq!(c.kept_bytes(), 2 * PAGE);
     assert_eq!(c.driver().used(), 2 * PAGE);
-    c.release_kept();
-    assert_eq!(c.driver().used(), 0);
-    assert_eq!(c.driver().mapping_count(), 0);
+    all_given_back(&mut c);
 }
 
 #[test]
