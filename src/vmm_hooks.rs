@@ -201,9 +201,13 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
         return NO_DRIVER;
     };
     if !h.is_null() {
-        if let Ok(Some(vh)) = catch_unwind(|| vmm::retain(addr as u64)) {
-            *h = vh;
-            return 0;
+        match catch_unwind(|| vmm::retain(addr as u64)) {
+            Ok(Some(Ok(vh))) => {
+                *h = vh;
+                return 0;
+            }
+            Ok(Some(Err(e))) => return e,
+            _ => {}
         }
     }
     f(h, addr)

@@ -8,7 +8,7 @@ use crate::coalesce::{is_virtual, CoalesceConfig, CoalesceStats, Coalescer};
 use crate::gpu::cuda::{self, CudaDriver};
 use crate::gpu::{ChunkHandle, DrvError, Op, PageProps};
 use crate::real;
-use once_cell::sync::Lazy;
+use once_cell::sync::{Lazy, OnceCell};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -96,13 +96,23 @@ fn in_context<T>(
     f: impl FnOnce(&mut Coalescer<CudaDriver>) -> T,
 ) -> T {
     use crate::gpu::Driver as _;
-    match real::driver() {
+    let r = match real::driver() {
         Ok(t) if c.holds_anything() => {
             let dev = c.driver().device();
             cuda::with_primary(t, dev, || f(c))
         }
         _ => f(c),
+    };
+    if c.kept_bytes() > 0 {
+        wake_releaser();
     }
+    r
+}
+
+/// A range past the end of the address space: nothing of expseg's is there (the driver
+/// answers it).
+fn wraps(va: u64, size: u64) -> bool {
+    va.checked_add(size).is_none()
 }
 
 /// A driver result as the C code.
@@ -155,7 +165,7 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
     }
     let mut v = lock();
     let c = v.owner(vh)?;
-    if flags != 0 {
+    if flags != 0 || wraps(va, size) {
         return Some(crate::coalesce::INVALID.0);
     }
     Some(code(in_context(c, |c| c.map(va, size, offset, vh))))
@@ -163,7 +173,7 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
 
 /// Before the program maps a handle of its own at `[va, va+size)`: no ghost of ours there.
 pub fn clear(va: u64, size: u64) {
-    if !started() {
+    if !started() || wraps(va, size) {
         return;
     }
     for c in lock().all() {
@@ -172,7 +182,7 @@ pub fn clear(va: u64, size: u64) {
 }
 
 pub fn unmap(va: u64, size: u64) -> Option<u32> {
-    if !started() {
+    if !started() || wraps(va, size) {
         return None;
     }
     let mut v = lock();
@@ -194,7 +204,7 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
 }
 
 pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
-    if !started() {
+    if !started() || wraps(va, size) {
         return None;
     }
     let mut v = lock();
@@ -240,11 +250,15 @@ pub fn isolate_run(ptr: u64) {
     }
 }
 
-pub fn retain(ptr: u64) -> Option<u64> {
+/// `cuMemRetainAllocationHandle`: Some(Ok(page handle)), Some(Err(code)) where only a handle
+/// of expseg's is mapped, None to pass through.
+pub fn retain(ptr: u64) -> Option<Result<u64, u32>> {
     if !started() {
         return None;
     }
-    lock().all().find_map(|c| c.retain(ptr))
+    lock()
+        .all()
+        .find_map(|c| c.retain(ptr).map_err(|e| e.0).transpose())
 }
 
 pub fn props_of(vh: u64) -> Option<(i32, PageProps)> {
@@ -267,7 +281,7 @@ pub fn reserved(va: u64, size: u64) {
 
 /// `cuMemAddressFree` is about to run: `Some(code)` if it must fail.
 pub fn address_free(va: u64, size: u64) -> Option<u32> {
-    if !started() {
+    if !started() || wraps(va, size) {
         return None;
     }
     for c in lock().all() {
@@ -308,9 +322,20 @@ pub fn release_kept_for_others() -> bool {
     any
 }
 
+/// The releaser thread, once spawned.
+static RELEASER: OnceCell<std::thread::Thread> = OnceCell::new();
+
+/// A coalescer keeps handles: the releaser checks every millisecond until none are kept.
+fn wake_releaser() {
+    if let Some(t) = RELEASER.get() {
+        t.unpark();
+    }
+}
+
 /// Kept handles go back to the driver once the program has been quiet for the delay: a
-/// thread of its own checks every millisecond while any are kept (started at the first
-/// coalescer; never in a forked child). False if there is none (no delay, or no thread).
+/// thread of its own checks every millisecond while any are kept and sleeps while none are
+/// (woken by the call that keeps one; started at the first coalescer; never in a forked
+/// child). False if there is none (no delay, or no thread).
 fn start_releaser() -> bool {
     let delay = Duration::from_millis(config().release_delay_ms);
     if delay.is_zero() {
@@ -319,19 +344,27 @@ fn start_releaser() -> bool {
     let spawned = std::thread::Builder::new()
         .name("expseg-release".into())
         .spawn(move || loop {
-            std::thread::sleep(Duration::from_millis(1));
             if super::forked() {
                 return;
             }
-            let mut v = lock();
-            for c in v.all() {
+            let mut any = false;
+            for c in lock().all() {
                 if c.kept_bytes() > 0 && c.idle_for() >= delay {
                     in_context(c, |c| c.release_kept());
                 }
+                any |= c.kept_bytes() > 0;
+            }
+            match any {
+                true => std::thread::sleep(Duration::from_millis(1)),
+                // A wake-up given meanwhile makes park return at once.
+                false => std::thread::park(),
             }
         });
     match spawned {
-        Ok(_) => true,
+        Ok(t) => {
+            let _ = RELEASER.set(t.thread().clone());
+            true
+        }
         Err(e) => {
             log::warn!("no thread to give kept handles back ({e}); releasing at once instead");
             false

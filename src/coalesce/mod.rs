@@ -248,6 +248,12 @@ fn key(p: PageProps) -> KeyProps {
     (p.shareable, p.rdma)
 }
 
+/// The end of `[va, va+size)`, saturated: a range that wraps (the driver refuses it) must not
+/// make the books panic.
+fn end(va: u64, size: u64) -> u64 {
+    va.saturating_add(size)
+}
+
 /// A run of a phys's live pages that moves to one new handle.
 #[derive(Debug, Clone)]
 struct Group {
@@ -287,6 +293,9 @@ pub struct Coalescer<D: Driver> {
     dirty: BTreeSet<u64>,
     /// Temporary mappings whose teardown failed, retried at the next settle.
     stray: Vec<(u64, u64)>,
+    /// Handles the driver would not take back (cuMemRelease failed): (handle, size), still
+    /// counted as held and retried at the next settle.
+    unreleased: Vec<(ChunkHandle, u64)>,
     /// Fully released handles kept for reuse: (properties, size, sequence) -> handle.
     kept: BTreeMap<KeptKey, Kept>,
     /// Kept handles still mapped: base -> key.
@@ -318,6 +327,7 @@ impl<D: Driver> Coalescer<D> {
             free_est: 0,
             dirty: BTreeSet::new(),
             stray: Vec::new(),
+            unreleased: Vec::new(),
             kept: BTreeMap::new(),
             parked: BTreeMap::new(),
             free_known: false,
@@ -396,12 +406,19 @@ impl<D: Driver> Coalescer<D> {
         let Some(h) = self.unkeep(k) else {
             return false;
         };
-        if let Err(e) = self.drv.release(h) {
-            log::warn!("releasing a kept handle failed ({e})");
-        }
+        self.release_or_hold(h, k.1);
         self.stats.kept_released += 1;
         self.stats.phys_released += 1;
         true
+    }
+
+    /// Give a handle back to the driver; one it will not take stays held (and counted) and
+    /// is tried again at the next settle.
+    fn release_or_hold(&mut self, h: ChunkHandle, size: u64) {
+        if let Err(e) = self.drv.release(h) {
+            log::warn!("releasing a handle failed ({e}); tried again later");
+            self.unreleased.push((h, size));
+        }
     }
 
     /// A parked handle leaves its address (something else is mapped there) and stays kept.
@@ -432,7 +449,7 @@ impl<D: Driver> Coalescer<D> {
     fn parked_in(&self, va: u64, size: u64) -> Vec<u64> {
         let mut out: Vec<u64> = self
             .parked
-            .range(..va + size)
+            .range(..end(va, size))
             .rev()
             .take_while(|(b, k)| **b + k.1 > va)
             .map(|(b, _)| *b)
@@ -504,6 +521,12 @@ impl<D: Driver> Coalescer<D> {
                 stuck.push(k);
             }
         }
+        self.create_room(size, props)
+    }
+
+    /// Create; on out-of-memory every kept handle goes back and the driver is asked again (a
+    /// compaction's move then takes the device path where it can).
+    fn create_room(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle> {
         match self.drv.create_as(size, props) {
             Err(e) if e.is_oom() && self.kept_bytes > 0 => {
                 self.release_kept();
@@ -545,7 +568,9 @@ impl<D: Driver> Coalescer<D> {
 
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
-        self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes
+        self.phys.values().map(|p| p.size).sum::<u64>()
+            + self.kept_bytes
+            + self.unreleased.iter().map(|(_, s)| s).sum::<u64>()
     }
 
     fn dead(&self, pid: u64) -> u64 {
@@ -557,14 +582,26 @@ impl<D: Driver> Coalescer<D> {
     /// Whether the program has a page of ours mapped in `[va, va+size)`.
     /// (or a handle of ours is parked there: the driver's mapping is ours, not the program's).
     pub fn maps_in(&self, va: u64, size: u64) -> bool {
-        self.maps.range(va..va + size).next().is_some() || self.parked_in_range(va, size)
+        self.maps.range(va..end(va, size)).next().is_some() || self.ours_in_range(va, size)
+    }
+
+    /// Whether a handle of ours is mapped in `[va, va+size)`: a parked one, or one behind
+    /// pages (some perhaps already unmapped by the program, not yet released).
+    fn ours_in_range(&self, va: u64, size: u64) -> bool {
+        self.parked_in_range(va, size)
+            || self
+                .bases
+                .range(..end(va, size))
+                .next_back()
+                .is_some_and(|(b, p)| b + self.phys[p].size > va)
     }
 
     /// A program call on `[va, va+size)` where it has no page of ours: Ok(false), pass it
-    /// through; or, where a handle of ours is parked, the program has nothing mapped there
-    /// (the driver's answer without expseg, and the driver must not touch our mapping).
+    /// through; or, where a handle of ours is mapped (parked, or behind pages the program
+    /// unmapped), the program has nothing mapped there (the driver's answer without expseg,
+    /// and the driver must not touch our mapping).
     fn none_of_the_programs(&self, va: u64, size: u64) -> DrvResult<bool> {
-        match self.parked_in_range(va, size) {
+        match self.ours_in_range(va, size) {
             false => Ok(false),
             true => Err(INVALID),
         }
@@ -577,6 +614,7 @@ impl<D: Driver> Coalescer<D> {
             || !self.phys.is_empty()
             || self.kept_bytes > 0
             || !self.stray.is_empty()
+            || !self.unreleased.is_empty()
     }
 
     // ---- the program's calls -------------------------------------------------------------
@@ -589,10 +627,14 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemAddressFree` of `[va, va+size)`: make sure no phys is mapped there any more.
     /// Err if the program still has pages mapped in it (the driver's answer too).
     pub fn address_free(&mut self, va: u64, size: u64) -> DrvResult<()> {
-        if self.maps.range(va..va + size).next().is_some() {
+        if self.maps.range(va..end(va, size)).next().is_some() {
             return Err(INVALID);
         }
-        let inside: Vec<u64> = self.bases.range(va..va + size).map(|(_, p)| *p).collect();
+        let inside: Vec<u64> = self
+            .bases
+            .range(va..end(va, size))
+            .map(|(_, p)| *p)
+            .collect();
         for pid in inside {
             self.compact(pid, false)?;
         }
@@ -702,6 +744,10 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemRelease` of a virtual handle.
     pub fn release(&mut self, vh: u64) -> DrvResult<()> {
         let p = self.pages.get_mut(&vh).ok_or(INVALID)?;
+        // Released already, still mapped: the handle is gone for the program (as natively).
+        if p.refs == 0 {
+            return Err(INVALID);
+        }
         p.refs -= 1;
         if p.refs == 0 && p.slot.is_none() {
             self.pending_bytes -= p.size;
@@ -711,14 +757,20 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// `cuMemRetainAllocationHandle` for an address inside a page: a new reference.
-    pub fn retain(&mut self, ptr: u64) -> Option<u64> {
-        let (va, vh) = self.maps.range(..=ptr).next_back()?;
-        let p = self.pages.get_mut(vh)?;
-        if ptr >= va + p.size {
-            return None;
+    /// Ok(None): nothing of ours there (pass through); INVALID where only a handle of ours is
+    /// mapped (the program has nothing there, and our real handle is not the program's).
+    pub fn retain(&mut self, ptr: u64) -> DrvResult<Option<u64>> {
+        if let Some((va, vh)) = self.maps.range(..=ptr).next_back() {
+            let p = self.pages.get_mut(vh).ok_or(INVALID)?;
+            if ptr < va + p.size {
+                p.refs += 1;
+                return Ok(Some(*vh));
+            }
         }
-        p.refs += 1;
-        Some(*vh)
+        match self.ours_in_range(ptr, 1) {
+            true => Err(INVALID),
+            false => Ok(None),
+        }
     }
 
     /// The page mapping containing `ptr`: (start, size).
@@ -744,7 +796,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let taken = self
             .maps
-            .range(..va + size)
+            .range(..end(va, size))
             .next_back()
             .is_some_and(|(s, v)| s + self.pages[v].size > va);
         if taken {
@@ -765,7 +817,7 @@ impl<D: Driver> Coalescer<D> {
     /// The pages the program mapped in `[va, va+size)`: (address, page), in address order.
     fn mapped_in(&self, va: u64, size: u64) -> Vec<(u64, u64)> {
         self.maps
-            .range(va..va + size)
+            .range(va..end(va, size))
             .map(|(a, v)| (*a, *v))
             .collect()
     }
@@ -855,8 +907,10 @@ impl<D: Driver> Coalescer<D> {
         let size = p.size;
         match p.slot {
             None => {
-                let h = self.drv.create_as(size, p.props)?;
-                self.pending_bytes -= size;
+                // Its own handle (attach takes it off the pending bytes), room made as for
+                // any new page.
+                let props = p.props;
+                let h = self.create_fresh(size, props)?;
                 let pid = self.add_phys(h, size, None, Vec::new());
                 self.attach(vh, pid, 0);
             }
@@ -922,6 +976,9 @@ impl<D: Driver> Coalescer<D> {
     pub fn settle(&mut self, force: bool) {
         for (va, size) in std::mem::take(&mut self.stray) {
             self.drop_tmp(va, size);
+        }
+        for (h, size) in std::mem::take(&mut self.unreleased) {
+            self.release_or_hold(h, size);
         }
         if self.dirty.is_empty() {
             return;
@@ -1343,7 +1400,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let hit: Vec<u64> = self
             .bases
-            .range(..va + size)
+            .range(..end(va, size))
             .filter(|(b, p)| **p != except && **b + self.phys[p].size > va)
             .map(|(_, p)| *p)
             .collect();
@@ -1452,37 +1509,54 @@ impl<D: Driver> Coalescer<D> {
                 break;
             }
         }
+        // The old handle goes back to the driver (off its temporary mapping first). The host
+        // path's new handles are made of its memory: if it will not go, nothing has been
+        // lost yet, and the compaction is undone instead.
+        let mut held = None;
+        if failure.is_none() {
+            if let Some((t, sz)) = w.src_tmp.take() {
+                self.drop_tmp(t, sz);
+            }
+            if let Err(e) = self.drv.release(handle) {
+                match w.new.iter().any(|(_, on_device)| !on_device) {
+                    true => failure = Some(e),
+                    false => held = Some(e),
+                }
+            }
+        }
         if let Some(e) = failure {
             for (t, len) in placed {
                 self.drop_mapping(t, len);
             }
             if let Some(b) = base {
-                let back = self
-                    .drv
-                    .map(b, size, handle)
-                    .and_then(|_| self.drv.set_access_flags(b, size, &acc));
+                let remapped = self.drv.map(b, size, handle);
+                let mapped = remapped.is_ok();
+                let back = remapped.and_then(|_| self.drv.set_access_flags(b, size, &acc));
                 let ph = self.phys.get_mut(&pid).unwrap();
                 match back {
                     Ok(()) => ph.granted = acc.clone(),
                     Err(e2) => {
+                        // Not granted (access is set again with the pages'); not mapped, the
+                        // books say so: the next cuMemSetAccess of its pages maps it again.
                         ph.granted.clear();
-                        log::error!("restoring a handle after a failed compaction failed ({e2}); its data is intact in the handle but unmapped");
+                        if !mapped {
+                            ph.base = None;
+                            self.bases.remove(&b);
+                        }
+                        log::error!("restoring a handle after a failed compaction failed ({e2}); its data is intact in the handle, {} until access is set again", if mapped { "without access" } else { "unmapped" });
                     }
                 }
             }
             self.undo(&mut w);
             return Err(e);
         }
-        // The old handle goes: off its temporary mapping, then back to the driver.
+        // Committed.
         if let Some(b) = base {
             self.bases.remove(&b);
         }
-        self.phys.get_mut(&pid).unwrap().base = None;
-        if let Some((t, sz)) = w.src_tmp.take() {
-            self.drop_tmp(t, sz);
-        }
-        if let Err(e) = self.drv.release(handle) {
-            log::warn!("releasing a compacted handle failed ({e})");
+        if let Some(e) = held {
+            log::warn!("releasing a compacted handle failed ({e}); tried again later");
+            self.unreleased.push((handle, size));
         }
         let members: Vec<(u64, u64)> = self.phys[&pid]
             .slots
@@ -1575,7 +1649,7 @@ impl<D: Driver> Coalescer<D> {
     ) -> DrvResult<()> {
         self.drv.synchronize()?;
         for g in groups {
-            match self.drv.create_as(g.len, props) {
+            match self.create_room(g.len, props) {
                 Ok(h) => w.new.push((h, true)),
                 Err(e) if e.is_oom() => w.new.push((0, false)),
                 Err(e) => return Err(e),
@@ -1652,7 +1726,7 @@ impl<D: Driver> Coalescer<D> {
         own: &[(i32, u32)],
         data: &[u8],
     ) -> DrvResult<ChunkHandle> {
-        let h = self.drv.create_as(g.len, props)?;
+        let h = self.create_room(g.len, props)?;
         let mut w = Work::default();
         let r = match g.target {
             Some(t) => self.drv.map(t, g.len, h).and_then(|_| {

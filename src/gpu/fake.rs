@@ -154,6 +154,14 @@ impl FakeDriver {
         self.calls[op.index()]
     }
 
+    /// Every mapping: (address, size, handle, devices with access).
+    pub fn mapping_list(&self) -> Vec<(u64, u64, ChunkHandle, Vec<i32>)> {
+        self.mappings
+            .iter()
+            .map(|(s, (l, h))| (*s, *l, *h, self.access.get(s).cloned().unwrap_or_default()))
+            .collect()
+    }
+
     /// Whether every byte of `[va, va+size)` is mapped, and readable by `dev`.
     pub fn is_accessible(&self, va: u64, size: u64, dev: i32) -> bool {
         let mut at = va;
