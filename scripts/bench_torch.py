@@ -273,11 +273,17 @@ def run_all(args):
                 r["peak_device"] = max(r.get("peak_device", 0), (prev or {}).get("peak_device", 0))
                 r["peak_reserved"] = max(r.get("peak_reserved", 0), (prev or {}).get("peak_reserved", 0))
                 results[w][m] = r
-                print(f"{w:6} {m:11} steps {r['steps']:4} {'OOM' if r.get('oom') else ''} {r.get('error', '')[:200]}", flush=True)
+                # This run's figures as they come, and the results so far on disk: a run cut
+                # short by a time limit keeps what it measured.
+                print(
+                    f"{w:6} {m:11} steps {r['steps']:4} median {runs[-1]:.2f} ms peak {r['peak_device'] / GIB:.2f} GiB"
+                    f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[:200]}",
+                    flush=True,
+                )
+                json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
         if fp:
             fp.stdin.close()
             fp.wait()
-        json.dump(results, open(os.path.join(args.out, "results.json"), "w"))  # after each workload
     table(results)
     plot(results, os.path.join(args.out, "memory.png"))
     if args.json:
