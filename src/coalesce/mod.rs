@@ -416,9 +416,14 @@ impl<D: Driver> Coalescer<D> {
     /// is tried again at the next settle.
     fn release_or_hold(&mut self, h: ChunkHandle, size: u64) {
         if let Err(e) = self.drv.release(h) {
-            log::warn!("releasing a handle failed ({e}); tried again later");
-            self.unreleased.push((h, size));
+            self.hold(h, size, e);
         }
+    }
+
+    /// A handle the driver would not take back (`e`): held, counted, tried again later.
+    fn hold(&mut self, h: ChunkHandle, size: u64, e: DrvError) {
+        log::warn!("releasing a handle failed ({e}); tried again later");
+        self.unreleased.push((h, size));
     }
 
     /// A parked handle leaves its address (something else is mapped there) and stays kept.
@@ -568,9 +573,12 @@ impl<D: Driver> Coalescer<D> {
 
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
-        self.phys.values().map(|p| p.size).sum::<u64>()
-            + self.kept_bytes
-            + self.unreleased.iter().map(|(_, s)| s).sum::<u64>()
+        self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
+    }
+
+    /// Bytes of handles the driver would not take back yet.
+    fn unreleased_bytes(&self) -> u64 {
+        self.unreleased.iter().map(|(_, s)| s).sum()
     }
 
     fn dead(&self, pid: u64) -> u64 {
@@ -588,12 +596,20 @@ impl<D: Driver> Coalescer<D> {
     /// Whether a handle of ours is mapped in `[va, va+size)`: a parked one, or one behind
     /// pages (some perhaps already unmapped by the program, not yet released).
     fn ours_in_range(&self, va: u64, size: u64) -> bool {
-        self.parked_in_range(va, size)
-            || self
-                .bases
-                .range(..end(va, size))
-                .next_back()
-                .is_some_and(|(b, p)| b + self.phys[p].size > va)
+        self.parked_in_range(va, size) || !self.phys_in(va, size).is_empty()
+    }
+
+    /// Mapped phys overlapping `[va, va+size)`, by address (mappings never overlap).
+    fn phys_in(&self, va: u64, size: u64) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .bases
+            .range(..end(va, size))
+            .rev()
+            .take_while(|(b, p)| **b + self.phys[p].size > va)
+            .map(|(_, p)| *p)
+            .collect();
+        out.reverse();
+        out
     }
 
     /// A program call on `[va, va+size)` where it has no page of ours: Ok(false), pass it
@@ -1398,13 +1414,7 @@ impl<D: Driver> Coalescer<D> {
         for b in self.parked_in(va, size) {
             self.unpark(b)?;
         }
-        let hit: Vec<u64> = self
-            .bases
-            .range(..end(va, size))
-            .filter(|(b, p)| **p != except && **b + self.phys[p].size > va)
-            .map(|(_, p)| *p)
-            .collect();
-        for pid in hit {
+        for pid in self.phys_in(va, size).into_iter().filter(|p| *p != except) {
             self.compact(pid, false)?;
         }
         Ok(())
@@ -1555,8 +1565,7 @@ impl<D: Driver> Coalescer<D> {
             self.bases.remove(&b);
         }
         if let Some(e) = held {
-            log::warn!("releasing a compacted handle failed ({e}); tried again later");
-            self.unreleased.push((handle, size));
+            self.hold(handle, size, e);
         }
         let members: Vec<(u64, u64)> = self.phys[&pid]
             .slots

@@ -373,6 +373,50 @@ impl Rng {
     }
 }
 
+// The randomized tests' program: pages in numbered slots of the reservation, slot -> handle.
+
+/// The lowest run of `n` free slots.
+fn free_run(live: &BTreeMap<u64, u64>, n: u64) -> u64 {
+    (0..200u64)
+        .find(|s| (0..n).all(|i| !live.contains_key(&(s + i))))
+        .unwrap()
+}
+
+/// A random live slot.
+fn pick(rng: &mut Rng, live: &BTreeMap<u64, u64>) -> Option<u64> {
+    live.keys()
+        .nth(rng.below(live.len().max(1) as u64) as usize)
+        .copied()
+}
+
+/// Release a random run of up to 4 live slots, PyTorch's way.
+fn release_random_run(
+    c: &mut Coalescer<FakeDriver>,
+    va: u64,
+    rng: &mut Rng,
+    live: &mut BTreeMap<u64, u64>,
+) {
+    if let Some(s) = pick(rng, live) {
+        let n = 1 + rng.below(4);
+        let run: Vec<u64> = (s..s + n).take_while(|x| live.contains_key(x)).collect();
+        for x in run {
+            let h = live.remove(&x).unwrap();
+            shrink(c, va + x * PAGE, &[h]);
+        }
+    }
+}
+
+/// The program maps a handle of its own over two free slots at `at` (over parked handles,
+/// if any) and takes it down again.
+fn program_maps_its_own(c: &mut Coalescer<FakeDriver>, at: u64) {
+    c.clear_for_program(at, 2 * PAGE);
+    if let Ok(own) = c.driver_mut().create(2 * PAGE) {
+        c.driver_mut().map(at, 2 * PAGE, own).unwrap();
+        c.driver_mut().unmap(at, 2 * PAGE).unwrap();
+        c.driver_mut().release(own).unwrap();
+    }
+}
+
 #[test]
 fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
     for seed in 1..=12u64 {
@@ -392,9 +436,7 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                 0..=3 => {
                     // Grow: a batch at the lowest free run of slots.
                     let n = 1 + rng.below(6);
-                    let start = (0..200u64)
-                        .find(|s| (0..n).all(|i| !live.contains_key(&(s + i))))
-                        .unwrap();
+                    let start = free_run(&live, n);
                     let at = va + start * PAGE;
                     match grow(&mut c, at, n) {
                         Ok(hs) => {
@@ -406,21 +448,7 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                         Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
                     }
                 }
-                4..=6 => {
-                    // Release a random run of live slots.
-                    if let Some((&s, _)) = live
-                        .iter()
-                        .nth(rng.below(live.len().max(1) as u64) as usize)
-                    {
-                        let n = 1 + rng.below(4);
-                        let run: Vec<u64> =
-                            (s..s + n).take_while(|x| live.contains_key(x)).collect();
-                        for x in run {
-                            let h = live.remove(&x).unwrap();
-                            shrink(&mut c, va + x * PAGE, &[h]);
-                        }
-                    }
-                }
+                4..=6 => release_random_run(&mut c, va, &mut rng, &mut live),
                 7 => {
                     // A fault somewhere in the next compaction.
                     let op =
@@ -433,38 +461,19 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                 8 => c.settle(false),
                 _ => match rng.below(4) {
                     0 | 1 => {
-                        if let Some((_, &h)) = live
-                            .iter()
-                            .nth(rng.below(live.len().max(1) as u64) as usize)
-                        {
-                            c.export(h).unwrap();
+                        if let Some(s) = pick(&mut rng, &live) {
+                            c.export(live[&s]).unwrap();
                         }
                     }
                     2 => {
                         // cudaIpcGetMemHandle on a live page: its run is split page by
                         // page, and nothing parked may stay in the driver's mappings.
-                        if let Some((&s, _)) = live
-                            .iter()
-                            .nth(rng.below(live.len().max(1) as u64) as usize)
-                        {
+                        if let Some(s) = pick(&mut rng, &live) {
                             c.isolate_run(va + s * PAGE + 5).unwrap();
                             assert!(!c.parked_in_range(va, 200 * PAGE));
                         }
                     }
-                    _ => {
-                        // The program maps a handle of its own on free slots (over parked
-                        // handles, if any) and takes it down again.
-                        let start = (0..200u64)
-                            .find(|s| (0..2).all(|i| !live.contains_key(&(s + i))))
-                            .unwrap();
-                        let at = va + start * PAGE;
-                        c.clear_for_program(at, 2 * PAGE);
-                        if let Ok(own) = c.driver_mut().create(2 * PAGE) {
-                            c.driver_mut().map(at, 2 * PAGE, own).unwrap();
-                            c.driver_mut().unmap(at, 2 * PAGE).unwrap();
-                            c.driver_mut().release(own).unwrap();
-                        }
-                    }
+                    _ => program_maps_its_own(&mut c, va + free_run(&live, 2) * PAGE),
                 },
             }
             for &s in live.keys() {
@@ -1035,18 +1044,8 @@ fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
         let (mut c, va) = setup(60 * PAGE, k);
         let mut live: BTreeMap<u64, u64> = BTreeMap::new(); // slot -> handle
         let mut unmapped: Vec<u64> = Vec::new(); // unmapped, not yet released
-        let free_run = |live: &BTreeMap<u64, u64>, n: u64| {
-            (0..200u64)
-                .find(|s| (0..n).all(|i| !live.contains_key(&(s + i))))
-                .unwrap()
-        };
         for step in 0..300 {
             let ctx = format!("seed {seed} step {step}");
-            let pick = |rng: &mut Rng, live: &BTreeMap<u64, u64>| {
-                live.keys()
-                    .nth(rng.below(live.len().max(1) as u64) as usize)
-                    .copied()
-            };
             match rng.below(12) {
                 0..=3 => {
                     let n = 1 + rng.below(6);
@@ -1065,17 +1064,7 @@ fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
                         Err(e) => assert!(e.is_oom(), "{ctx}: {e}"),
                     }
                 }
-                4..=5 => {
-                    if let Some(s) = pick(&mut rng, &live) {
-                        let n = 1 + rng.below(4);
-                        let run: Vec<u64> =
-                            (s..s + n).take_while(|x| live.contains_key(x)).collect();
-                        for x in run {
-                            let h = live.remove(&x).unwrap();
-                            shrink(&mut c, va + x * PAGE, &[h]);
-                        }
-                    }
-                }
+                4..=5 => release_random_run(&mut c, va, &mut rng, &mut live),
                 6 => {
                     if let Some(s) = pick(&mut rng, &live) {
                         let h = live.remove(&s).unwrap();
@@ -1138,18 +1127,7 @@ fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
                         Err(_) => shrink(&mut c, at, &hs),
                     }
                 }
-                10 => {
-                    // The program maps a handle of its own over free slots.
-                    let at = va + free_run(&live, 2) * PAGE;
-                    c.clear_for_program(at, 2 * PAGE);
-                    if let Ok(own) = c.driver_mut().create(2 * PAGE) {
-                        c.driver_mut()
-                            .map(at, 2 * PAGE, own)
-                            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
-                        c.driver_mut().unmap(at, 2 * PAGE).unwrap();
-                        c.driver_mut().release(own).unwrap();
-                    }
-                }
+                10 => program_maps_its_own(&mut c, va + free_run(&live, 2) * PAGE),
                 _ => {
                     if let Some(s) = pick(&mut rng, &live) {
                         match rng.below(2) {
@@ -1164,11 +1142,10 @@ fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
                 assert!(intact(&c, va + s * PAGE, 1), "{ctx} slot {s}");
             }
             assert_eq!(c.driver().used(), c.physical_bytes(), "{ctx}");
-            let held: u64 = c.unreleased.iter().map(|(_, s)| s).sum();
             let pages = (live.len() + unmapped.len()) as u64 * PAGE;
             assert_eq!(
                 c.physical_bytes(),
-                pages + c.stranded() + c.kept_bytes() + held,
+                pages + c.stranded() + c.kept_bytes() + c.unreleased_bytes(),
                 "{ctx}: books"
             );
             let pending: u64 = c
