@@ -18,9 +18,10 @@
 //! trip to the driver.
 
 mod export;
+mod export_types;
 mod stats;
 
-pub use export::{Export, ExportError, ExportPolicy, Exported, MoveStep};
+pub use export_types::{Export, ExportError, ExportPolicy, Exported, MoveStep};
 pub use stats::PoolStats;
 
 use crate::gpu::{ChunkHandle, Driver, DrvError, Op};
@@ -75,7 +76,7 @@ struct Block {
     /// `Some(tick)` while cached: when it was freed.
     cached_at: Option<u64>,
     /// Standard memory mirroring this allocation for IPC, once a handle was asked for.
-    mirror: Option<export::Mirror>,
+    mirror: Option<export_types::Mirror>,
     /// Its chunks were given to other processes (IPC tickets): never reused after the free.
     shared: bool,
     /// The chunks as POSIX descriptors, exported once when the block is first shared, so a
