@@ -862,7 +862,7 @@ mod tests {
 
     #[test]
     fn without_a_random_source_no_ticket_is_issued() {
-        use crate::ipc::transport::tests::NO_RANDOM;
+        use crate::ipc::transport::NO_RANDOM;
         NO_RANDOM.with(|n| n.set(true));
         let mut s = IpcState::default();
         let t = s.ticket(0, 1 << 21);

@@ -9,7 +9,7 @@
 //! not used yet. Little-endian.
 #![allow(unsafe_code)]
 
-use super::{Grant, Refusal};
+use super::ticket::{Grant, Refusal};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -27,7 +27,7 @@ pub const BATCH: usize = 64;
 /// anything guessable: without a random source there are no tickets.
 pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
     #[cfg(test)]
-    if tests::NO_RANDOM.with(|n| n.get()) {
+    if NO_RANDOM.with(|n| n.get()) {
         return Err(std::io::Error::other("no random source (test)"));
     }
     let mut done = 0;
@@ -444,13 +444,14 @@ fn recv_with_fds(sock: RawFd, data: &mut [u8]) -> std::io::Result<(usize, Vec<Ow
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
+thread_local! {
+    /// Makes `fill_random` fail on this thread, as on a system without a random source.
+    pub(crate) static NO_RANDOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
-    thread_local! {
-        /// Makes `fill_random` fail on this thread, as on a system without a random source.
-        pub static NO_RANDOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn a_grant_carries_its_descriptors_and_refusals_carry_none() {
