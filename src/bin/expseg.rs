@@ -261,7 +261,7 @@ fn check_ipc(r: &mut Report, cudart: Option<String>) {
             );
             return;
         }
-        let f = |n: &CStr| expseg::dlsym::real(h, n);
+        let f = |n: &CStr| expseg::real::lookup::real(h, n);
         let (m, cp, g, fr) = (
             f(c"cudaMalloc"),
             f(c"cudaMemcpy"),

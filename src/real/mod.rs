@@ -11,6 +11,8 @@
 //! here if none is yet). Its symbols are split like cuinterpose's: without the *required* ones
 //! the pool cannot run and everything passes through.
 
+pub mod lookup;
+
 use libc::{c_char, c_int, c_uint, c_void, size_t};
 use once_cell::sync::OnceCell;
 use std::ffi::CStr;
@@ -51,7 +53,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
     // SAFETY: dlsym/dlopen with valid NUL-terminated strings; handles are closed again
     // (RTLD_NOLOAD only raised their reference count).
     unsafe {
-        let p = crate::dlsym::real(libc::RTLD_NEXT, name);
+        let p = lookup::real(libc::RTLD_NEXT, name);
         if !p.is_null() && !is_self(p as usize) {
             return p;
         }
@@ -60,7 +62,7 @@ fn lookup_next(name: &CStr) -> *mut c_void {
             if h.is_null() {
                 continue;
             }
-            let p = crate::dlsym::real(h, name);
+            let p = lookup::real(h, name);
             libc::dlclose(h);
             if !p.is_null() && !is_self(p as usize) {
                 return p;
@@ -186,7 +188,7 @@ impl NextDriver {
             return None;
         }
         // SAFETY: a live handle and a NUL-terminated name.
-        let p = unsafe { crate::dlsym::real(lib, self.name) };
+        let p = unsafe { lookup::real(lib, self.name) };
         if p.is_null() || is_self(p as usize) {
             return None;
         }
@@ -538,14 +540,14 @@ macro_rules! driver_table {
             unsafe fn resolve(lib: *mut c_void) -> Result<DriverTable, &'static str> {
                 Ok(DriverTable {
                     $( $r: {
-                        let p = crate::dlsym::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($r), "\0").as_bytes()));
+                        let p = lookup::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($r), "\0").as_bytes()));
                         if p.is_null() {
                             return Err(stringify!($r));
                         }
                         std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rt),*) -> u32>(p)
                     }, )*
                     $( $o: {
-                        let p = crate::dlsym::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($o), "\0").as_bytes()));
+                        let p = lookup::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($o), "\0").as_bytes()));
                         (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ot),*) -> u32>(p))
                     }, )*
                 })
