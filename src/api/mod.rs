@@ -17,6 +17,7 @@ mod ipc;
 pub mod reads;
 pub mod vmm;
 
+pub use crate::real::is_shared_runtime_file;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
     forget_foreign_range, mirror_foreign, pool_allocation_range,
@@ -332,14 +333,6 @@ fn serve(dev: i32, size: usize) -> Served {
 
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const DRV_OUT_OF_MEMORY: u32 = 2;
-
-/// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's
-/// `libcudart-1a2b3c.so.12`): the callers that must get the driver's own allocation
-/// functions, because expseg serves their programs at the runtime level already.
-pub fn is_shared_runtime_file(path: &[u8]) -> bool {
-    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-    file.starts_with(b"libcudart") && file.windows(3).any(|w| w == b".so")
-}
 
 /// `cuMemAlloc_v2` of a driver caller (a program linking `libcuda`, a statically linked
 /// runtime reaching the driver through `cuGetProcAddress`): the same pool and threshold as

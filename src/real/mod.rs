@@ -218,6 +218,14 @@ forwarders! {
     cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_void);
 }
 
+/// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's
+/// `libcudart-1a2b3c.so.12`): the callers that must get the driver's own allocation
+/// functions, because expseg serves their programs at the runtime level already.
+pub fn is_shared_runtime_file(path: &[u8]) -> bool {
+    let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
+    file.starts_with(b"libcudart") && file.windows(3).any(|w| w == b".so")
+}
+
 /// Whether the code at `pc` belongs to a shared CUDA runtime (`libcudart*.so*`). Makes no
 /// allocation and no `dlsym` call (it runs inside the exported `dlsym`).
 pub fn in_shared_runtime(pc: usize) -> bool {
@@ -226,7 +234,7 @@ pub fn in_shared_runtime(pc: usize) -> bool {
     unsafe {
         libc::dladdr(pc as *const c_void, &mut info) != 0
             && !info.dli_fname.is_null()
-            && crate::api::is_shared_runtime_file(CStr::from_ptr(info.dli_fname).to_bytes())
+            && is_shared_runtime_file(CStr::from_ptr(info.dli_fname).to_bytes())
     }
 }
 
