@@ -4,6 +4,10 @@
 #![allow(unsafe_code)]
 
 use super::{ChunkHandle, Driver, DrvError, DrvResult, IpcHandle};
+pub use crate::real::primary::{
+    make_primary_current, pop_primary, primary_device, push_primary, synchronize_primary,
+    with_primary,
+};
 use crate::real::{runtime, DriverTable};
 use cudarc::driver::sys::{
     CUcontext, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
@@ -132,80 +136,6 @@ pub fn has_context(t: &DriverTable) -> bool {
     unsafe { (t.cuCtxGetCurrent)(&mut c) == 0 && !c.is_null() }
 }
 
-/// Primary contexts seen so far, per device (0: not known yet): a context found here is
-/// checked with one `cuDevicePrimaryCtxGetState` instead of a retain and release.
-static PRIMARY: [std::sync::atomic::AtomicUsize; 64] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 64];
-
-/// The device whose *primary* context is current on the calling thread; `None` when there is
-/// no current context, when it is another context (`cuCtxCreate`), or when the driver lacks
-/// the calls to tell. Never creates a context: an inactive primary context is not retained.
-pub fn primary_device(t: &DriverTable) -> Option<i32> {
-    let get_dev = t.cuCtxGetDevice?;
-    let mut cur: CUcontext = std::ptr::null_mut();
-    let mut dev = 0;
-    // SAFETY: valid out-pointers; the driver answers errors for a thread without a context.
-    unsafe {
-        if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_dev(&mut dev) != 0 {
-            return None;
-        }
-    }
-    // An inactive primary context cannot be the current one (and retaining it would create it).
-    if !primary_active(t, dev) {
-        return None;
-    }
-    if cached_primary(dev) == Some(cur) {
-        return Some(dev);
-    }
-    (find_primary(t, dev).ok()? == cur).then_some(dev)
-}
-
-/// `CUDA_ERROR_INVALID_CONTEXT`.
-const INVALID_CONTEXT: u32 = 201;
-
-/// Whether `dev`'s primary context exists (is active); false when the driver cannot tell.
-fn primary_active(t: &DriverTable, dev: i32) -> bool {
-    let Some(state) = t.cuDevicePrimaryCtxGetState else {
-        return false;
-    };
-    let (mut flags, mut active) = (0, 0);
-    // SAFETY: valid out-pointers.
-    unsafe { state(dev, &mut flags, &mut active) == 0 && active != 0 }
-}
-
-/// The primary context of `dev` last seen (see [`PRIMARY`]).
-fn cached_primary(dev: i32) -> Option<CUcontext> {
-    let slot = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d))?;
-    match slot.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => None,
-        c => Some(c as CUcontext),
-    }
-}
-
-/// `dev`'s active primary context, found with one retain and release and remembered in
-/// [`PRIMARY`]. The caller checked that it is active: the retain creates nothing.
-fn find_primary(t: &DriverTable, dev: i32) -> Result<CUcontext, u32> {
-    let (Some(retain), Some(release)) =
-        (t.cuDevicePrimaryCtxRetain, t.cuDevicePrimaryCtxRelease_v2)
-    else {
-        return Err(INVALID_CONTEXT);
-    };
-    let mut c: CUcontext = std::ptr::null_mut();
-    // SAFETY: the primary context is active; the release gives back the reference just taken
-    // (the context stays alive: it is active).
-    unsafe {
-        let r = retain(&mut c, dev);
-        if r != 0 {
-            return Err(r);
-        }
-        release(dev);
-    }
-    if let Some(s) = usize::try_from(dev).ok().and_then(|d| PRIMARY.get(d)) {
-        s.store(c as usize, std::sync::atomic::Ordering::Relaxed);
-    }
-    Ok(c)
-}
-
 /// The device of context `ctx` (pushed for the question, then popped).
 pub fn device_of_context(t: &DriverTable, ctx: usize) -> Option<i32> {
     let (push, pop, get) = (
@@ -226,94 +156,6 @@ pub fn device_of_context(t: &DriverTable, ctx: usize) -> Option<i32> {
         let mut popped: CUcontext = std::ptr::null_mut();
         pop(&mut popped);
         (r == 0).then_some(dev)
-    }
-}
-
-/// Make `dev`'s primary context current on the calling thread, if it is active (never creates
-/// one: `CUDA_ERROR_INVALID_CONTEXT` otherwise). For processes without a shared runtime, where
-/// switching devices is switching primary contexts.
-pub fn make_primary_current(t: &DriverTable, dev: i32) -> u32 {
-    let Some(set) = t.cuCtxSetCurrent.filter(|_| primary_active(t, dev)) else {
-        return INVALID_CONTEXT;
-    };
-    let c = match cached_primary(dev) {
-        Some(c) => c,
-        None => match find_primary(t, dev) {
-            Ok(c) => c,
-            Err(e) => return e,
-        },
-    };
-    // SAFETY: an active primary context.
-    unsafe { set(c) }
-}
-
-/// Make `dev`'s primary context current for a while, from whatever context the calling thread
-/// has (none, another device's, or one of the program's own): `Ok(true)` if it was pushed
-/// (undo with [`pop_primary`]), `Ok(false)` if it is current already, `Err` if it cannot be
-/// (not active: it is never created here; or the driver lacks the calls).
-pub fn push_primary(t: &DriverTable, dev: i32) -> Result<bool, u32> {
-    // The common case first, for one `cuCtxGetCurrent`: the primary context seen before is
-    // the current one.
-    if let Some(c) = cached_primary(dev) {
-        let mut cur: CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
-        if unsafe { (t.cuCtxGetCurrent)(&mut cur) } == 0 && cur == c {
-            return Ok(false);
-        }
-    }
-    if primary_device(t) == Some(dev) {
-        return Ok(false);
-    }
-    if !primary_active(t, dev) {
-        return Err(INVALID_CONTEXT);
-    }
-    let push = t.cuCtxPushCurrent_v2.ok_or(INVALID_CONTEXT)?;
-    let c = find_primary(t, dev)?;
-    // SAFETY: an active primary context; the caller pops it.
-    match unsafe { push(c) } {
-        0 => Ok(true),
-        e => Err(e),
-    }
-}
-
-/// Undo a [`push_primary`] that answered `Ok(true)`.
-pub fn pop_primary(t: &DriverTable) {
-    if let Some(pop) = t.cuCtxPopCurrent_v2 {
-        let mut popped: CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; pops the context push_primary pushed.
-        unsafe { pop(&mut popped) };
-    }
-}
-
-/// Run `f` with `dev`'s primary context current, then give the thread its own context back.
-/// Where that context cannot be made current, `f` runs in the thread's context.
-pub fn with_primary<T>(t: &DriverTable, dev: i32, f: impl FnOnce() -> T) -> T {
-    let pushed = push_primary(t, dev) == Ok(true);
-    let r = f();
-    if pushed {
-        pop_primary(t);
-    }
-    r
-}
-
-/// Wait for the work of `dev`'s primary context (the driver's `cuCtxSynchronize`), from
-/// whatever context the calling thread has: the primary context is pushed for the wait if it
-/// is not current (an inactive one has no work: 0). Returns the driver's code.
-pub fn synchronize_primary(t: &DriverTable, dev: i32) -> u32 {
-    let Some(sync) = t.cuCtxSynchronize else {
-        return 0;
-    };
-    match push_primary(t, dev) {
-        Ok(pushed) => {
-            // SAFETY: no arguments; waits for the current context, dev's primary one.
-            let r = unsafe { sync() };
-            if pushed {
-                pop_primary(t);
-            }
-            r
-        }
-        Err(_) if !primary_active(t, dev) => 0,
-        Err(e) => e,
     }
 }
 
