@@ -54,7 +54,7 @@ impl IpcState {
                     return None;
                 };
                 // Ids count up from 1; `fdshare::GETFD_ID` (u32::MAX) is never one.
-                self.next_id = (self.next_id % (super::fdshare::GETFD_ID - 1)) + 1;
+                self.next_id = (self.next_id % (super::fdshare::record::GETFD_ID - 1)) + 1;
                 let id = self.next_id;
                 self.by_id.insert(id, (dev, base, nonce));
                 GLOBAL.ipc_tickets_issued.add(1);
@@ -636,8 +636,8 @@ fn decide_once(id: u32, nonce: u64, peer: u32) -> Decision {
     if !admitted(peer) {
         return Err(Refusal::Forbidden);
     }
-    if id == super::fdshare::GETFD_ID {
-        return super::fdshare::serve(nonce);
+    if id == super::fdshare::record::GETFD_ID {
+        return super::fdshare::record::serve(nonce);
     }
     let mut st = lock();
     let Some(&(dev, base, n)) = st.ipc.by_id.get(&id) else {
