@@ -1,7 +1,7 @@
 //! The IPC calls: `cudaIpcGetMemHandle` (producer), `cudaIpcOpenMemHandle` and
 //! `cudaIpcCloseMemHandle` (consumer), and the producer's answers to tickets.
 
-use super::{
+use super::state::{
     bypass, config, ensure_state, lock, Answer, State, OUT_OF_MEMORY, STATE_STARTED, UNKNOWN,
 };
 use crate::gpu::cuda::{self, Imported};
@@ -37,7 +37,7 @@ pub(super) struct IpcState {
     /// Why the socket could not serve.
     server_error: Option<String>,
     /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
-    foreign: HashMap<u64, ForeignShare>,
+    pub(super) foreign: HashMap<u64, ForeignShare>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
     opened: std::collections::BTreeMap<u64, Imported>,
 }
@@ -91,15 +91,15 @@ const FREED_KEPT: usize = 4096;
 
 /// VMM memory of another allocator that was asked for a handle: the run of mappings the
 /// handle stands for, and its mirror (none when only expseg consumers are served).
-struct ForeignShare {
-    dev: i32,
+pub(super) struct ForeignShare {
+    pub(super) dev: i32,
     size: u64,
     mirror: Option<Arc<Mirror>>,
 }
 
 /// A standard buffer mirroring a foreign run, with its legacy handle. Freed when the last
 /// reference goes: a refresh in flight on another thread keeps it alive.
-struct Mirror {
+pub(super) struct Mirror {
     ptr: u64,
     handle: IpcHandle,
 }
@@ -110,34 +110,6 @@ impl Drop for Mirror {
             log::warn!("IPC: freeing the mirror at {:#x} failed", self.ptr);
         }
     }
-}
-
-/// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
-/// (their tickets go stale, their mirrors are freed once no refresh uses them).
-pub fn forget_foreign_range(va: u64, size: u64) {
-    if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
-        return;
-    }
-    let mut st = lock();
-    if st.ipc.foreign.is_empty() {
-        return;
-    }
-    let gone: Vec<u64> = st
-        .ipc
-        .foreign
-        .keys()
-        .filter(|b| (va..va + size).contains(*b))
-        .copied()
-        .collect();
-    let mut dropped = Vec::new();
-    for base in gone {
-        if let Some(f) = st.ipc.foreign.remove(&base) {
-            st.ipc.forget(f.dev, base);
-            dropped.push(f);
-        }
-    }
-    drop(st);
-    drop(dropped); // cudaFree outside the lock
 }
 
 /// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
@@ -379,7 +351,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         // under the lock, for what was queued meanwhile only) and the one-time ticket check,
         // a child process (a move that falls back to a mirror, rare, still runs it there).
         drop(st);
-        let e = super::synchronize(dev);
+        let e = super::state::synchronize(dev);
         if e != 0 {
             return Answer::Done(Err(e));
         }

@@ -8,257 +8,36 @@
 //! State is created at the first call that needs the pool, never in the library's
 //! constructor: a process that never touches CUDA meets no thread, lock or driver call.
 //!
-//! Locks: one mutex over all device pools ([`STATE`]). Driver calls of the pool run under it;
+//! Locks: one mutex over all device pools (`state::STATE`). Driver calls of the pool run under it;
 //! device synchronisation (which may wait for long kernels) never does.
 #![allow(non_snake_case)]
 
 pub mod fdshare;
 mod ipc;
 pub mod reads;
+mod state;
 pub mod vmm;
 
 pub use crate::real::is_shared_runtime_file;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
-    forget_foreign_range, mirror_foreign, pool_allocation_range,
+    mirror_foreign, pool_allocation_range,
+};
+pub use state::{
+    config, forget_foreign_range, forked, write_exit_report, Answer, OUT_OF_MEMORY, UNKNOWN,
 };
 
-use crate::config::Config;
-use crate::gpu::cuda::{self, CudaDriver};
-use crate::gpu::Driver as _;
-use crate::pool::{AllocError, Pool, PoolConfig, PoolStats};
-use crate::real::{self, runtime, DriverTable};
+use state::{bypass, ensure_state, lock, pool_stats, status, synchronize, FORKED, STATE_STARTED};
+
+use crate::gpu::cuda;
+use crate::pool::AllocError;
+use crate::real::{self, runtime};
 use crate::stats::{self, GLOBAL};
-use once_cell::sync::Lazy;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// `cudaErrorMemoryAllocation`.
-pub const OUT_OF_MEMORY: i32 = 2;
-/// `cudaErrorUnknown`: what a hook returns after catching a panic.
-pub const UNKNOWN: i32 = 999;
 /// `cudaErrorPeerAccessAlreadyEnabled`.
 const PEER_ALREADY_ENABLED: i32 = 704;
-
-static CONFIG: Lazy<Config> = Lazy::new(|| {
-    let c = Config::from_env();
-    init_logger(&c.log);
-    if c.report.is_some() {
-        extern "C" fn at_exit() {
-            write_exit_report();
-        }
-        OWNER_PID.store(std::process::id(), Ordering::Relaxed);
-        #[allow(unsafe_code)]
-        // SAFETY: registers a plain extern "C" function that only reads counters and writes files.
-        unsafe {
-            libc::atexit(at_exit);
-        }
-        report_on_sigterm();
-    }
-    c
-});
-
-/// Jobs end by SIGTERM (`scancel`, Ray teardown, torchrun's elastic agent): where the program
-/// left SIGTERM at its default, a one-shot handler writes the report, then the default action
-/// runs as before (the process dies by SIGTERM). A program that installs its own handler
-/// later replaces this one. Writing in a signal handler is not async-signal-safe: a SIGTERM
-/// that lands while that very thread is inside `malloc` can hang the exit until the sender's
-/// SIGKILL, which is what the job would get without a report anyway.
-fn report_on_sigterm() {
-    extern "C" fn on_sigterm(_: libc::c_int) {
-        write_exit_report();
-        #[allow(unsafe_code)]
-        // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
-        // the signal would have.
-        unsafe {
-            libc::raise(libc::SIGTERM);
-        }
-    }
-    #[allow(unsafe_code)]
-    // SAFETY: sigaction with zeroed, then filled, structs; only installed over SIG_DFL.
-    unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) != 0
-            || old.sa_sigaction != libc::SIG_DFL
-        {
-            return;
-        }
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_sigterm as *const () as usize;
-        sa.sa_flags = libc::SA_RESETHAND;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
-    }
-}
-
-/// The configuration, read (and the logger set up) at the first call.
-pub fn config() -> &'static Config {
-    &CONFIG
-}
-
-fn init_logger(filter: &str) {
-    use std::io::Write;
-    let _ = env_logger::Builder::new()
-        .parse_filters(filter)
-        .target(env_logger::Target::Stderr)
-        .format(|buf, r| writeln!(buf, "[expseg {}] {}", r.level(), r.args()))
-        .try_init();
-}
-
-/// Set in a child after `fork`: CUDA state is not inherited, so everything passes through.
-static FORKED: AtomicBool = AtomicBool::new(false);
-/// Pid that owns the state; the exit report is written by it only.
-static OWNER_PID: AtomicU32 = AtomicU32::new(0);
-
-enum Slot {
-    Unopened,
-    Open(Box<Pool<CudaDriver>>),
-    /// VMM cannot serve this device; its calls pass through.
-    Off,
-}
-
-struct State {
-    driver: Result<&'static DriverTable, String>,
-    pools: Vec<Slot>,
-    /// Per owning device, the devices granted peer access to its memory.
-    grants: Vec<Vec<i32>>,
-    /// IPC tickets issued and memory opened through tickets.
-    ipc: ipc::IpcState,
-}
-
-static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
-
-impl State {
-    fn start() -> State {
-        register_fork_hook();
-        let driver = real::driver().map_err(str::to_string).and_then(|t| {
-            cuda::device_count(t)
-                .map(|n| (t, n))
-                .map_err(|e| format!("cuDeviceGetCount failed: {e}"))
-        });
-        match driver {
-            Ok((t, n)) => {
-                log::debug!("pool ready for {n} device(s)");
-                State {
-                    driver: Ok(t),
-                    pools: (0..n).map(|_| Slot::Unopened).collect(),
-                    grants: vec![Vec::new(); n.max(0) as usize],
-                    ipc: Default::default(),
-                }
-            }
-            Err(why) => {
-                log::warn!(
-                    "VMM pool unavailable ({why}); every call passes through to the CUDA runtime"
-                );
-                State {
-                    driver: Err(why),
-                    pools: Vec::new(),
-                    grants: Vec::new(),
-                    ipc: Default::default(),
-                }
-            }
-        }
-    }
-
-    /// The pool of `dev`, opened on first use.
-    fn pool(&mut self, dev: i32) -> Option<&mut Pool<CudaDriver>> {
-        let t = *self.driver.as_ref().ok()?;
-        let slot = self.pools.get_mut(usize::try_from(dev).ok()?)?;
-        if let Slot::Unopened = slot {
-            *slot = match CudaDriver::open(t, dev) {
-                Ok(d) => {
-                    let c = config();
-                    let cfg = PoolConfig {
-                        cache_max: c.cache_max,
-                        max_chunk: c.max_chunk,
-                    };
-                    log::info!(
-                        "device {dev}: pool open (granularity {} KiB, shareable {})",
-                        d.granularity() / 1024,
-                        d.shareable
-                    );
-                    let mut p = Pool::new(d, cfg);
-                    for peer in &self.grants[dev as usize] {
-                        if let Err(e) = p.grant(*peer) {
-                            log::error!(
-                                "device {dev}: granting access to device {peer} failed: {e}"
-                            );
-                        }
-                    }
-                    Slot::Open(Box::new(p))
-                }
-                Err(why) => {
-                    log::warn!("{why}; its allocations pass through to cudaMalloc");
-                    Slot::Off
-                }
-            };
-        }
-        match slot {
-            Slot::Open(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    fn open_pools(&mut self) -> impl Iterator<Item = (i32, &mut Pool<CudaDriver>)> {
-        self.pools
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                Slot::Open(p) => Some((i as i32, p.as_mut())),
-                _ => None,
-            })
-    }
-
-    /// The pool of `dev` if it is open (never opens one).
-    fn open_pool(&mut self, dev: i32) -> Option<&mut Pool<CudaDriver>> {
-        match self.pools.get_mut(usize::try_from(dev).ok()?)? {
-            Slot::Open(p) => Some(p),
-            _ => None,
-        }
-    }
-
-    /// The device whose pool has a live allocation starting at `ptr`.
-    fn owner(&mut self, ptr: u64) -> Option<i32> {
-        self.open_pools()
-            .find(|(_, p)| p.live_size(ptr).is_some())
-            .map(|(d, _)| d)
-    }
-}
-
-fn lock() -> MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Whether this is a forked child (CUDA state is not inherited).
-pub fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
-}
-
-/// Whether calls should even look at the pool.
-fn bypass() -> bool {
-    config().disabled || FORKED.load(Ordering::Relaxed)
-}
-
-fn register_fork_hook() {
-    extern "C" fn child_after_fork() {
-        FORKED.store(true, Ordering::Relaxed);
-    }
-    #[allow(unsafe_code)]
-    // SAFETY: registers a plain extern "C" function that only sets an atomic.
-    unsafe {
-        libc::pthread_atfork(None, None, Some(child_after_fork));
-    }
-}
-
-/// What a hook should do.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Answer<T> {
-    /// Hand this back to the program.
-    Done(T),
-    /// Call the real runtime with the program's arguments.
-    PassThrough,
-}
 
 fn pass_alloc<T>(size: usize) -> Answer<T> {
     GLOBAL.passthrough_allocs.add(1);
@@ -489,18 +268,6 @@ fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
     }
 }
 
-/// Set once the pool state exists; before that no pointer can be the pool's.
-static STATE_STARTED: AtomicBool = AtomicBool::new(false);
-
-/// Wait for all work on `dev`, leaving the calling thread's current device as it was.
-pub(crate) fn synchronize(dev: i32) -> i32 {
-    let t = Instant::now();
-    let e = runtime::synchronize_device(dev);
-    GLOBAL.syncs.add(1);
-    GLOBAL.sync_ns.add(t.elapsed().as_nanos() as u64);
-    e
-}
-
 /// `cudaMemGetInfo`: what the application can allocate on the current device is the driver's
 /// free memory plus what the pool keeps cached for it. Returns the bytes to add to `free`.
 pub fn cudaMemGetInfo() -> u64 {
@@ -586,81 +353,6 @@ fn revoke_peer(peer: i32, cur: i32) {
         if let Err(err) = p.revoke(cur) {
             log::error!("revoking device {cur}'s access to device {peer}'s pool failed: {err}");
         }
-    }
-}
-
-fn ensure_state() -> MutexGuard<'static, State> {
-    let g = lock();
-    STATE_STARTED.store(true, Ordering::Release);
-    g
-}
-
-/// Whether the pool is running, or why not; for reports and diagnostics.
-fn status(st: &State) -> String {
-    if config().disabled {
-        return "disabled by EXPSEG_DISABLE".into();
-    }
-    match &st.driver {
-        Ok(_) => "pool active".into(),
-        Err(why) => format!("pass-through: {why}"),
-    }
-}
-
-/// Counters of every open pool.
-fn pool_stats(st: &mut State) -> Vec<(i32, PoolStats)> {
-    st.open_pools()
-        .map(|(d, p)| (d, p.stats().clone()))
-        .collect()
-}
-
-/// Called at exit: write the report if one was asked for. No CUDA call: the runtime may
-/// already be shutting down.
-pub fn write_exit_report() {
-    let Some(template) = config().report.clone() else {
-        return;
-    };
-    if FORKED.load(Ordering::Relaxed) || OWNER_PID.load(Ordering::Relaxed) != std::process::id() {
-        return;
-    }
-    // Another thread may hold the lock while the process exits: wait a little, then report
-    // without pool figures rather than hang the exit.
-    let mut guard = None;
-    for _ in 0..50 {
-        if !STATE_STARTED.load(Ordering::Acquire) {
-            break;
-        }
-        match STATE.try_lock() {
-            Ok(g) => {
-                guard = Some(g);
-                break;
-            }
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                guard = Some(p.into_inner());
-                break;
-            }
-            Err(std::sync::TryLockError::WouldBlock) => {
-                std::thread::sleep(std::time::Duration::from_millis(2))
-            }
-        }
-    }
-    let (status, pools) = match guard.as_mut() {
-        Some(st) => (status(st), pool_stats(st)),
-        None if !STATE_STARTED.load(Ordering::Acquire) => {
-            let why = if config().disabled {
-                "disabled by EXPSEG_DISABLE"
-            } else if !vmm::report_rows().is_empty() {
-                "coalescing PyTorch's pages (no cudaMalloc reached the pool)"
-            } else {
-                "pool never started"
-            };
-            (why.into(), Vec::new())
-        }
-        None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
-    };
-    let mut snap = stats::Snapshot::take(status, config().effective(), pools);
-    snap.global.extend(vmm::report_rows());
-    if let Err(e) = stats::write_report(&template, &snap) {
-        log::error!("cannot write the report to {template}: {e}");
     }
 }
 

@@ -1,0 +1,612 @@
+//! What the api keeps for the whole process, created at first use: the configuration (whose
+//! first read sets up the logger and registers the exit report), the device pools under one
+//! lock ([`STATE`]), the coalescers of PyTorch's pages under theirs ([`coalescers`]), and the
+//! small helpers every call shares (the off switches, [`Answer`], the error codes).
+
+use super::ipc;
+use crate::config::Config;
+use crate::gpu::cuda::{self, CudaDriver};
+use crate::gpu::Driver as _;
+use crate::pool::{Pool, PoolConfig, PoolStats};
+use crate::real::{self, runtime, DriverTable};
+use crate::stats::{self, GLOBAL};
+use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+/// `cudaErrorMemoryAllocation`.
+pub const OUT_OF_MEMORY: i32 = 2;
+/// `cudaErrorUnknown`: what a hook returns after catching a panic.
+pub const UNKNOWN: i32 = 999;
+
+static CONFIG: Lazy<Config> = Lazy::new(|| {
+    let c = Config::from_env();
+    init_logger(&c.log);
+    if c.report.is_some() {
+        extern "C" fn at_exit() {
+            write_exit_report();
+        }
+        OWNER_PID.store(std::process::id(), Ordering::Relaxed);
+        #[allow(unsafe_code)]
+        // SAFETY: registers a plain extern "C" function that only reads counters and writes files.
+        unsafe {
+            libc::atexit(at_exit);
+        }
+        report_on_sigterm();
+    }
+    c
+});
+
+/// Jobs end by SIGTERM (`scancel`, Ray teardown, torchrun's elastic agent): where the program
+/// left SIGTERM at its default, a one-shot handler writes the report, then the default action
+/// runs as before (the process dies by SIGTERM). A program that installs its own handler
+/// later replaces this one. Writing in a signal handler is not async-signal-safe: a SIGTERM
+/// that lands while that very thread is inside `malloc` can hang the exit until the sender's
+/// SIGKILL, which is what the job would get without a report anyway.
+fn report_on_sigterm() {
+    extern "C" fn on_sigterm(_: libc::c_int) {
+        write_exit_report();
+        #[allow(unsafe_code)]
+        // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
+        // the signal would have.
+        unsafe {
+            libc::raise(libc::SIGTERM);
+        }
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: sigaction with zeroed, then filled, structs; only installed over SIG_DFL.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGTERM, std::ptr::null(), &mut old) != 0
+            || old.sa_sigaction != libc::SIG_DFL
+        {
+            return;
+        }
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigterm as *const () as usize;
+        sa.sa_flags = libc::SA_RESETHAND;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
+    }
+}
+
+/// The configuration, read (and the logger set up) at the first call.
+pub fn config() -> &'static Config {
+    &CONFIG
+}
+
+fn init_logger(filter: &str) {
+    use std::io::Write;
+    let _ = env_logger::Builder::new()
+        .parse_filters(filter)
+        .target(env_logger::Target::Stderr)
+        .format(|buf, r| writeln!(buf, "[expseg {}] {}", r.level(), r.args()))
+        .try_init();
+}
+
+/// Set in a child after `fork`: CUDA state is not inherited, so everything passes through.
+pub(super) static FORKED: AtomicBool = AtomicBool::new(false);
+/// Pid that owns the state; the exit report is written by it only.
+static OWNER_PID: AtomicU32 = AtomicU32::new(0);
+
+enum Slot {
+    Unopened,
+    Open(Box<Pool<CudaDriver>>),
+    /// VMM cannot serve this device; its calls pass through.
+    Off,
+}
+
+pub(super) struct State {
+    pub(super) driver: Result<&'static DriverTable, String>,
+    pools: Vec<Slot>,
+    /// Per owning device, the devices granted peer access to its memory.
+    pub(super) grants: Vec<Vec<i32>>,
+    /// IPC tickets issued and memory opened through tickets.
+    pub(super) ipc: ipc::IpcState,
+}
+
+static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
+
+impl State {
+    fn start() -> State {
+        register_fork_hook();
+        let driver = real::driver().map_err(str::to_string).and_then(|t| {
+            cuda::device_count(t)
+                .map(|n| (t, n))
+                .map_err(|e| format!("cuDeviceGetCount failed: {e}"))
+        });
+        match driver {
+            Ok((t, n)) => {
+                log::debug!("pool ready for {n} device(s)");
+                State {
+                    driver: Ok(t),
+                    pools: (0..n).map(|_| Slot::Unopened).collect(),
+                    grants: vec![Vec::new(); n.max(0) as usize],
+                    ipc: Default::default(),
+                }
+            }
+            Err(why) => {
+                log::warn!(
+                    "VMM pool unavailable ({why}); every call passes through to the CUDA runtime"
+                );
+                State {
+                    driver: Err(why),
+                    pools: Vec::new(),
+                    grants: Vec::new(),
+                    ipc: Default::default(),
+                }
+            }
+        }
+    }
+
+    /// The pool of `dev`, opened on first use.
+    pub(super) fn pool(&mut self, dev: i32) -> Option<&mut Pool<CudaDriver>> {
+        let t = *self.driver.as_ref().ok()?;
+        let slot = self.pools.get_mut(usize::try_from(dev).ok()?)?;
+        if let Slot::Unopened = slot {
+            *slot = match CudaDriver::open(t, dev) {
+                Ok(d) => {
+                    let c = config();
+                    let cfg = PoolConfig {
+                        cache_max: c.cache_max,
+                        max_chunk: c.max_chunk,
+                    };
+                    log::info!(
+                        "device {dev}: pool open (granularity {} KiB, shareable {})",
+                        d.granularity() / 1024,
+                        d.shareable
+                    );
+                    let mut p = Pool::new(d, cfg);
+                    for peer in &self.grants[dev as usize] {
+                        if let Err(e) = p.grant(*peer) {
+                            log::error!(
+                                "device {dev}: granting access to device {peer} failed: {e}"
+                            );
+                        }
+                    }
+                    Slot::Open(Box::new(p))
+                }
+                Err(why) => {
+                    log::warn!("{why}; its allocations pass through to cudaMalloc");
+                    Slot::Off
+                }
+            };
+        }
+        match slot {
+            Slot::Open(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    pub(super) fn open_pools(&mut self) -> impl Iterator<Item = (i32, &mut Pool<CudaDriver>)> {
+        self.pools
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::Open(p) => Some((i as i32, p.as_mut())),
+                _ => None,
+            })
+    }
+
+    /// The pool of `dev` if it is open (never opens one).
+    pub(super) fn open_pool(&mut self, dev: i32) -> Option<&mut Pool<CudaDriver>> {
+        match self.pools.get_mut(usize::try_from(dev).ok()?)? {
+            Slot::Open(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The device whose pool has a live allocation starting at `ptr`.
+    pub(super) fn owner(&mut self, ptr: u64) -> Option<i32> {
+        self.open_pools()
+            .find(|(_, p)| p.live_size(ptr).is_some())
+            .map(|(d, _)| d)
+    }
+}
+
+pub(super) fn lock() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether this is a forked child (CUDA state is not inherited).
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+/// Whether calls should even look at the pool.
+pub(super) fn bypass() -> bool {
+    config().disabled || FORKED.load(Ordering::Relaxed)
+}
+
+fn register_fork_hook() {
+    extern "C" fn child_after_fork() {
+        FORKED.store(true, Ordering::Relaxed);
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: registers a plain extern "C" function that only sets an atomic.
+    unsafe {
+        libc::pthread_atfork(None, None, Some(child_after_fork));
+    }
+}
+
+/// What a hook should do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answer<T> {
+    /// Hand this back to the program.
+    Done(T),
+    /// Call the real runtime with the program's arguments.
+    PassThrough,
+}
+
+/// Set once the pool state exists; before that no pointer can be the pool's.
+pub(super) static STATE_STARTED: AtomicBool = AtomicBool::new(false);
+
+/// Wait for all work on `dev`, leaving the calling thread's current device as it was.
+pub(crate) fn synchronize(dev: i32) -> i32 {
+    let t = Instant::now();
+    let e = runtime::synchronize_device(dev);
+    GLOBAL.syncs.add(1);
+    GLOBAL.sync_ns.add(t.elapsed().as_nanos() as u64);
+    e
+}
+
+pub(super) fn ensure_state() -> MutexGuard<'static, State> {
+    let g = lock();
+    STATE_STARTED.store(true, Ordering::Release);
+    g
+}
+
+/// Whether the pool is running, or why not; for reports and diagnostics.
+pub(super) fn status(st: &State) -> String {
+    if config().disabled {
+        return "disabled by EXPSEG_DISABLE".into();
+    }
+    match &st.driver {
+        Ok(_) => "pool active".into(),
+        Err(why) => format!("pass-through: {why}"),
+    }
+}
+
+/// Counters of every open pool.
+pub(super) fn pool_stats(st: &mut State) -> Vec<(i32, PoolStats)> {
+    st.open_pools()
+        .map(|(d, p)| (d, p.stats().clone()))
+        .collect()
+}
+
+/// Called at exit: write the report if one was asked for. No CUDA call: the runtime may
+/// already be shutting down.
+pub fn write_exit_report() {
+    let Some(template) = config().report.clone() else {
+        return;
+    };
+    if FORKED.load(Ordering::Relaxed) || OWNER_PID.load(Ordering::Relaxed) != std::process::id() {
+        return;
+    }
+    // Another thread may hold the lock while the process exits: wait a little, then report
+    // without pool figures rather than hang the exit.
+    let mut guard = None;
+    for _ in 0..50 {
+        if !STATE_STARTED.load(Ordering::Acquire) {
+            break;
+        }
+        match STATE.try_lock() {
+            Ok(g) => {
+                guard = Some(g);
+                break;
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                guard = Some(p.into_inner());
+                break;
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                std::thread::sleep(std::time::Duration::from_millis(2))
+            }
+        }
+    }
+    let (status, pools) = match guard.as_mut() {
+        Some(st) => (status(st), pool_stats(st)),
+        None if !STATE_STARTED.load(Ordering::Acquire) => {
+            let why = if config().disabled {
+                "disabled by EXPSEG_DISABLE"
+            } else if !coalescers::report_rows().is_empty() {
+                "coalescing PyTorch's pages (no cudaMalloc reached the pool)"
+            } else {
+                "pool never started"
+            };
+            (why.into(), Vec::new())
+        }
+        None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
+    };
+    let mut snap = stats::Snapshot::take(status, config().effective(), pools);
+    snap.global.extend(coalescers::report_rows());
+    if let Err(e) = stats::write_report(&template, &snap) {
+        log::error!("cannot write the report to {template}: {e}");
+    }
+}
+
+/// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
+/// (their tickets go stale, their mirrors are freed once no refresh uses them).
+pub fn forget_foreign_range(va: u64, size: u64) {
+    if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
+        return;
+    }
+    let mut st = lock();
+    if st.ipc.foreign.is_empty() {
+        return;
+    }
+    let gone: Vec<u64> = st
+        .ipc
+        .foreign
+        .keys()
+        .filter(|b| (va..va + size).contains(*b))
+        .copied()
+        .collect();
+    let mut dropped = Vec::new();
+    for base in gone {
+        if let Some(f) = st.ipc.foreign.remove(&base) {
+            st.ipc.forget(f.dev, base);
+            dropped.push(f);
+        }
+    }
+    drop(st);
+    drop(dropped); // cudaFree outside the lock
+}
+
+/// The coalescers of PyTorch's pages, one per device, under a lock of their own; their policy
+/// is `api::vmm`'s. They live here, beside the configuration, because the exit report that
+/// the configuration registers reads their figures and they read the configuration.
+pub(super) mod coalescers {
+    use crate::api::state::config;
+    use crate::coalesce::{CoalesceConfig, CoalesceStats, Coalescer};
+    use crate::gpu::cuda::{self, CudaDriver};
+    use crate::gpu::Op;
+    use crate::real;
+    use once_cell::sync::{Lazy, OnceCell};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Mutex, MutexGuard};
+    use std::time::Duration;
+
+    pub(crate) struct Vmm {
+        pub(crate) devs: Vec<Option<Coalescer<CudaDriver>>>,
+    }
+
+    pub(crate) static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
+        let devs = match real::driver() {
+            Ok(t) => {
+                let n = cuda::device_count(t).unwrap_or(0);
+                let c = config();
+                // Without the thread that gives kept handles back, nothing would after the delay:
+                // release at once instead.
+                let threaded = n > 0 && start_releaser();
+                let cfg = CoalesceConfig {
+                    max_handle: c.coalesce_max,
+                    strand_max: c.strand_max,
+                    margin: c.coalesce_margin,
+                    release_delay: match threaded {
+                        true => Duration::from_millis(c.release_delay_ms),
+                        false => Duration::ZERO,
+                    },
+                };
+                (0..n)
+                    .map(|d| match CudaDriver::open(t, d) {
+                        Ok(drv) => Some(Coalescer::new(drv, cfg)),
+                        Err(why) => {
+                            log::warn!("{why}; its expandable segments are not coalesced");
+                            None
+                        }
+                    })
+                    .collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        STARTED.store(true, Ordering::Release);
+        Mutex::new(Vmm { devs })
+    });
+
+    /// Set once the coalescers exist (before that no handle or address can be theirs).
+    static STARTED: AtomicBool = AtomicBool::new(false);
+
+    /// The coalescers, once no IPC mirror refresh is reading memory (any call may unmap pages it
+    /// moves: `super::reads`). A refresh registers under this lock, so none starts meanwhile.
+    pub(crate) fn lock() -> MutexGuard<'static, Vmm> {
+        let g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+        crate::api::reads::wait_none();
+        g
+    }
+
+    pub(crate) fn started() -> bool {
+        STARTED.load(Ordering::Acquire)
+    }
+
+    impl Vmm {
+        pub(crate) fn all(&mut self) -> impl Iterator<Item = &mut Coalescer<CudaDriver>> {
+            self.devs.iter_mut().flatten()
+        }
+
+        pub(crate) fn owner(&mut self, vh: u64) -> Option<&mut Coalescer<CudaDriver>> {
+            self.all().find(|c| c.owns(vh))
+        }
+    }
+
+    /// Run `f` on `c` with its device's primary context current on the calling thread (pushed
+    /// for the call and popped after when another context is current): expseg's driver calls for
+    /// device d are made in d's context, as PyTorch's own calls for d are made under its device
+    /// guard, whatever device the thread is on when PyTorch empties every device's cache, the
+    /// program asks another device's free memory, or the releaser thread wakes. A coalescer that
+    /// holds nothing makes no driver call: its context is left alone.
+    pub(crate) fn in_context<T>(
+        c: &mut Coalescer<CudaDriver>,
+        f: impl FnOnce(&mut Coalescer<CudaDriver>) -> T,
+    ) -> T {
+        use crate::gpu::Driver as _;
+        let r = match real::driver() {
+            Ok(t) if c.holds_anything() => {
+                let dev = c.driver().device();
+                cuda::with_primary(t, dev, || f(c))
+            }
+            _ => f(c),
+        };
+        if c.kept_bytes() > 0 {
+            wake_releaser();
+        }
+        r
+    }
+
+    /// The releaser thread, once spawned.
+    static RELEASER: OnceCell<std::thread::Thread> = OnceCell::new();
+
+    /// A coalescer keeps handles: the releaser checks every millisecond until none are kept.
+    fn wake_releaser() {
+        if let Some(t) = RELEASER.get() {
+            t.unpark();
+        }
+    }
+
+    /// Kept handles go back to the driver once the program has been quiet for the delay: a
+    /// thread of its own checks every millisecond while any are kept and sleeps while none are
+    /// (woken by the call that keeps one; started at the first coalescer; never in a forked
+    /// child). False if there is none (no delay, or no thread).
+    fn start_releaser() -> bool {
+        let delay = Duration::from_millis(config().release_delay_ms);
+        if delay.is_zero() {
+            return false;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("expseg-release".into())
+            .spawn(move || loop {
+                if crate::api::state::forked() {
+                    return;
+                }
+                let mut any = false;
+                for c in lock().all() {
+                    if c.kept_bytes() > 0 && c.idle_for() >= delay {
+                        in_context(c, |c| c.release_kept());
+                    }
+                    any |= c.kept_bytes() > 0;
+                }
+                match any {
+                    true => std::thread::sleep(Duration::from_millis(1)),
+                    // A wake-up given meanwhile makes park return at once.
+                    false => std::thread::park(),
+                }
+            });
+        match spawned {
+            Ok(t) => {
+                let _ = RELEASER.set(t.thread().clone());
+                true
+            }
+            Err(e) => {
+                log::warn!("no thread to give kept handles back ({e}); releasing at once instead");
+                false
+            }
+        }
+    }
+
+    /// Per device: counters, pages held, physical handles, stranded bytes, driver calls.
+    #[allow(clippy::type_complexity)]
+    pub fn stats() -> Vec<(i32, CoalesceStats, usize, usize, u64, Vec<(u64, u64)>)> {
+        if !started() {
+            return Vec::new();
+        }
+        use crate::gpu::Driver as _;
+        let mut v = match VMM.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(_) => return Vec::new(),
+        };
+        v.all()
+            .map(|c| {
+                let (pages, phys) = c.counts();
+                (
+                    c.driver().device(),
+                    c.stats().clone(),
+                    pages,
+                    phys,
+                    c.stranded(),
+                    c.driver_calls().to_vec(),
+                )
+            })
+            .collect()
+    }
+
+    /// The coalescers' figures for the exit report, summed over devices.
+    pub fn report_rows() -> Vec<(&'static str, u64)> {
+        let all = stats();
+        if all.is_empty() {
+            return Vec::new();
+        }
+        let sum =
+            |f: &dyn Fn(&CoalesceStats) -> u64| all.iter().map(|(_, s, ..)| f(s)).sum::<u64>();
+        let mut rows = vec![
+            ("coalesce_pages_created", sum(&|s| s.pages_created)),
+            ("coalesce_handles_created", sum(&|s| s.phys_created)),
+            ("coalesce_handles_released", sum(&|s| s.phys_released)),
+            ("coalesce_exact_creates", sum(&|s| s.exact_creates)),
+            ("coalesce_compactions", sum(&|s| s.compactions)),
+            ("coalesce_compacted_bytes", sum(&|s| s.compacted_bytes)),
+            ("coalesce_host_copies", sum(&|s| s.host_copies)),
+            (
+                "coalesce_compaction_failures",
+                sum(&|s| s.compaction_failures),
+            ),
+            ("coalesce_access_fallbacks", sum(&|s| s.access_fallbacks)),
+            ("coalesce_exports_split", sum(&|s| s.exports_split)),
+            ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
+            ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
+            ("coalesce_kept_released", sum(&|s| s.kept_released)),
+            (
+                "coalesce_reused_in_place_bytes",
+                sum(&|s| s.reused_in_place),
+            ),
+            ("coalesce_access_skipped", sum(&|s| s.access_skipped)),
+            ("coalesce_meminfo_skipped", sum(&|s| s.meminfo_skipped)),
+            ("coalesce_pages_live", all.iter().map(|a| a.2 as u64).sum()),
+            (
+                "coalesce_handles_live",
+                all.iter().map(|a| a.3 as u64).sum(),
+            ),
+            ("coalesce_stranded_bytes", all.iter().map(|a| a.4).sum()),
+        ];
+        // Driver time of the coalescers, per operation that was called.
+        const NAMES: [&str; Op::ALL.len() + 1] = [
+            "coalesce_create",
+            "coalesce_release",
+            "coalesce_reserve",
+            "coalesce_free_va",
+            "coalesce_map",
+            "coalesce_unmap",
+            "coalesce_set_access",
+            "coalesce_legacy_alloc",
+            "coalesce_legacy_free",
+            "coalesce_copy",
+            "coalesce_ipc_handle",
+            "coalesce_sync",
+            "coalesce_meminfo",
+        ];
+        const NS: [&str; Op::ALL.len() + 1] = [
+            "coalesce_create_ns",
+            "coalesce_release_ns",
+            "coalesce_reserve_ns",
+            "coalesce_free_va_ns",
+            "coalesce_map_ns",
+            "coalesce_unmap_ns",
+            "coalesce_set_access_ns",
+            "coalesce_legacy_alloc_ns",
+            "coalesce_legacy_free_ns",
+            "coalesce_copy_ns",
+            "coalesce_ipc_handle_ns",
+            "coalesce_sync_ns",
+            "coalesce_meminfo_ns",
+        ];
+        for i in 0..NAMES.len() {
+            let calls: u64 = all.iter().map(|a| a.5[i].0).sum();
+            if calls > 0 {
+                rows.push((NAMES[i], calls));
+                rows.push((NS[i], all.iter().map(|a| a.5[i].1).sum()));
+            }
+        }
+        rows
+    }
+}
