@@ -3,7 +3,7 @@
 //! lock ([`STATE`]), the coalescers of PyTorch's pages under theirs ([`coalescers`]), and the
 //! small helpers every call shares (the off switches, [`Answer`], the error codes).
 
-use super::ipc;
+use super::ipc::shares::IpcState;
 use crate::config::Config;
 use crate::gpu::cuda::{self, CudaDriver};
 use crate::gpu::Driver as _;
@@ -103,7 +103,7 @@ pub(super) struct State {
     /// Per owning device, the devices granted peer access to its memory.
     pub(super) grants: Vec<Vec<i32>>,
     /// IPC tickets issued and memory opened through tickets.
-    pub(super) ipc: ipc::IpcState,
+    pub(super) ipc: IpcState,
 }
 
 static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));

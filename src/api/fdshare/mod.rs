@@ -40,7 +40,7 @@ pub fn exported(fd: i32, handle: u64) {
             map.insert(fd, (handle, id));
         }
     }
-    super::ipc::ensure_server();
+    super::ipc::tickets::ensure_server();
 }
 
 /// The consumer's side: the kernel refused `pidfd_getfd` for descriptor `fd` of the process

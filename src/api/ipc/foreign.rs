@@ -1,0 +1,143 @@
+//! Foreign VMM memory (another allocator's: PyTorch's expandable segments, vLLM's cumem pool)
+//! asked for a handle: the run of mappings gets a ticket, a mirror, or both.
+
+use super::mirror::{make_mirror, refresh_mirror};
+use super::shares::{ForeignShare, MAX_RUN};
+use super::tickets::{foreign_tickets_ready, peers_without_tickets, plain_driver_ignores_tickets};
+use crate::api::state::{bypass, config, ensure_state, lock, UNKNOWN};
+use crate::gpu::cuda;
+use crate::gpu::IpcHandle;
+use std::sync::Arc;
+
+/// How many times a request starts over when another thread changed the share meanwhile.
+const RACE_RETRIES: usize = 8;
+
+/// `cudaIpcGetMemHandle` on VMM memory expseg does not own (PyTorch's expandable segments,
+/// vLLM's cumem pool), after the runtime refused it. The handle stands for the run of
+/// back-to-back mappings that starts with the one containing `ptr` (PyTorch maps a segment
+/// 20 MiB at a time, so a tensor spans several): its base is that mapping's start, which is
+/// what range queries answer. It carries a ticket for consumers running expseg (they map the
+/// same pages: shared both ways) and, unless `EXPSEG_IPC_PEERS=expseg`, a mirror of the run
+/// for plain consumers, refreshed at each request (one-way, point-in-time). `None`: not such
+/// memory, keep the runtime's answer.
+pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
+    if bypass() {
+        return None;
+    }
+    let t = crate::real::driver().ok()?;
+    crate::api::vmm::isolate_run(ptr);
+    let c = config();
+    for _ in 0..RACE_RETRIES {
+        let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
+        let size: u64 = sizes.iter().sum();
+        if c.ipc_tickets {
+            // Once per process, possibly slow (a child process): never under the lock.
+            plain_driver_ignores_tickets(dev);
+        }
+        let mut st = ensure_state();
+        let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
+        if c.ipc_peers_expseg && !ticketed {
+            return Some(Err(peers_without_tickets(&st, ptr)));
+        }
+        let want_mirror = !c.ipc_peers_expseg;
+        let same = st
+            .ipc
+            .foreign
+            .get(&base)
+            .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
+            .map(|f| f.mirror.clone());
+        let mirror = match same {
+            Some(Some(m)) => {
+                // Refresh without the lock; the reference keeps the buffer alive even if
+                // another thread replaces or forgets the share meanwhile, and the registered
+                // read holds back unmaps of the run until the copy is done.
+                drop(st);
+                let reading = crate::api::vmm::begin_read(base, size);
+                if !still_mapped(t, base, size) {
+                    continue; // unmapped meanwhile: look again
+                }
+                let refreshed = refresh_mirror(dev, m.ptr, base, size);
+                drop(reading);
+                if let Err(e) = refreshed {
+                    return Some(Err(e));
+                }
+                st = lock();
+                let current = st
+                    .ipc
+                    .foreign
+                    .get(&base)
+                    .and_then(|f| f.mirror.as_ref())
+                    .is_some_and(|cur| Arc::ptr_eq(cur, &m));
+                if !current {
+                    continue; // replaced while refreshing: its handle would die with it
+                }
+                Some(m)
+            }
+            Some(None) => None,
+            None => {
+                let old = st.ipc.foreign.remove(&base);
+                drop(st);
+                drop(old); // cudaFree outside the lock
+                let reading = crate::api::vmm::begin_read(base, size);
+                if !still_mapped(t, base, size) {
+                    continue;
+                }
+                let made = want_mirror.then(|| make_mirror(dev, base, size));
+                drop(reading);
+                let mirror = if let Some(made) = made {
+                    match made {
+                        Ok(m) => Some(Arc::new(m)),
+                        // A handle plain consumers could not open would fail in the consumer,
+                        // far from the cause: fail here, saying why and what helps.
+                        Err(e) => {
+                            log::error!(
+                                "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}); free memory, or set EXPSEG_IPC_PEERS=expseg if every consumer runs expseg (they map the memory itself)"
+                            );
+                            return Some(Err(e));
+                        }
+                    }
+                } else {
+                    None
+                };
+                st = lock();
+                if st.ipc.foreign.contains_key(&base) {
+                    continue; // another thread shared this base meanwhile: start over
+                }
+                log::warn!(
+                    "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
+                    sizes.len(),
+                    match (ticketed, &mirror) {
+                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror at {:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.ptr),
+                        (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg): plain consumers cannot open its handle".to_string(),
+                        (false, Some(m)) => format!("shared through a mirror at {:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.ptr),
+                        (false, None) => unreachable!("no mirror only with tickets"),
+                    }
+                );
+                st.ipc.foreign.insert(
+                    base,
+                    ForeignShare {
+                        dev,
+                        size,
+                        mirror: mirror.clone(),
+                    },
+                );
+                mirror
+            }
+        };
+        let mut handle = mirror.map_or([0u8; 64], |m| m.handle);
+        if ticketed {
+            if let Some(t) = st.ipc.ticket(dev, base) {
+                t.stamp(&mut handle);
+            }
+        }
+        return Some(Ok(handle));
+    }
+    log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}): the mappings kept changing under concurrent requests; giving up");
+    Some(Err(UNKNOWN))
+}
+
+/// Whether `[base, base+size)` is still one run of mappings from `base` on.
+fn still_mapped(t: &crate::real::DriverTable, base: u64, size: u64) -> bool {
+    cuda::run_from(t, base, MAX_RUN)
+        .is_some_and(|(b, sizes, _)| b == base && sizes.iter().sum::<u64>() >= size)
+}

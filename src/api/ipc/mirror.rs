@@ -1,0 +1,51 @@
+//! Mirrors: standard buffers holding a copy of memory that has no legacy handle of its own,
+//! made and refreshed on request, freed with their last reference.
+
+use crate::gpu::IpcHandle;
+use crate::real::runtime;
+
+/// A standard buffer mirroring a foreign run, with its legacy handle. Freed when the last
+/// reference goes: a refresh in flight on another thread keeps it alive.
+pub(super) struct Mirror {
+    pub(super) ptr: u64,
+    pub(super) handle: IpcHandle,
+}
+
+impl Drop for Mirror {
+    fn drop(&mut self) {
+        if runtime::free(self.ptr) != 0 {
+            log::warn!("IPC: freeing the mirror at {:#x} failed", self.ptr);
+        }
+    }
+}
+
+/// Copy `size` bytes at `base` into the mirror at `p`, after the device's pending work.
+pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
+    runtime::on_device(dev, || match runtime::device_synchronize() {
+        0 => match runtime::copy_d2d(p, base, size as usize) {
+            0 => match runtime::device_synchronize() {
+                0 => Ok(()),
+                e => Err(e),
+            },
+            e => Err(e),
+        },
+        e => Err(e),
+    })
+}
+
+/// A standard buffer holding a copy of `size` bytes at `base`, and its legacy handle.
+pub(super) fn make_mirror(dev: i32, base: u64, size: u64) -> Result<Mirror, i32> {
+    let p = runtime::on_device(dev, || match runtime::malloc(size as usize) {
+        (0, p) => Ok(p),
+        (e, _) => Err(e),
+    })?;
+    let made = refresh_mirror(dev, p, base, size)
+        .and_then(|()| runtime::on_device(dev, || runtime::ipc_get_mem_handle(p)));
+    match made {
+        Ok(handle) => Ok(Mirror { ptr: p, handle }),
+        Err(e) => {
+            runtime::free(p);
+            Err(e)
+        }
+    }
+}

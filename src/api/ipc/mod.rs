@@ -1,0 +1,19 @@
+//! The IPC calls: `cudaIpcGetMemHandle` (producer), `cudaIpcOpenMemHandle` and
+//! `cudaIpcCloseMemHandle` (consumer), and the producer's answers to tickets.
+//!
+//! By policy: pool memory asked for a handle ([`get`]: moved in place or mirrored), foreign
+//! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]), tickets and their socket
+//! ([`tickets`]), what is remembered ([`shares`]), and the consumer's side ([`open`]).
+
+mod foreign;
+mod get;
+mod mirror;
+mod open;
+pub(super) mod shares;
+pub(super) mod tickets;
+
+pub use foreign::mirror_foreign;
+pub use get::cudaIpcGetMemHandle;
+pub use open::{
+    allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
+};

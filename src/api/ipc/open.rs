@@ -1,0 +1,143 @@
+//! The consumer's side: `cudaIpcOpenMemHandle` of a ticketed handle maps the producer's own
+//! memory, `cudaIpcCloseMemHandle` unmaps it, and range queries see such memory (and pool
+//! allocations) whole.
+
+use crate::api::state::{bypass, ensure_state, lock, Answer, STATE_STARTED};
+use crate::gpu::cuda;
+use crate::gpu::IpcHandle;
+use crate::ipc::transport::{self, AskError};
+use crate::ipc::{Refusal, Ticket};
+use crate::real::runtime;
+use crate::stats::GLOBAL;
+use std::sync::atomic::Ordering;
+
+/// `cudaErrorInvalidResourceHandle`: a ticket that cannot be honoured.
+const INVALID_HANDLE: i32 = 400;
+
+/// `cudaIpcOpenMemHandle`: a handle with an expseg ticket maps the producer's original memory
+/// (two-way sharing); plain handles pass through. If the producer cannot be reached, a handle
+/// that also carries a mirror opens the mirror; a refused ticket is an error.
+pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
+    if bypass() {
+        return Answer::PassThrough;
+    }
+    let Some(t) = Ticket::read(&handle) else {
+        return Answer::PassThrough;
+    };
+    let ticket_only = handle[24..].iter().all(|b| *b == 0);
+    let path = transport::socket_path(t.uid, t.pid);
+    let started = std::time::Instant::now();
+    let (grant, mut incoming) = match transport::ask(&path, t.uid, t.pid, t.id, t.nonce) {
+        Ok(g) => g,
+        Err(AskError::Untrusted(why)) => {
+            log::error!("IPC: not asking for the ticket of process {}: {why}", t.pid);
+            if ticket_only {
+                return Answer::Done(Err(INVALID_HANDLE));
+            }
+            log::error!("IPC: opening the handle's mirror instead (one-way)");
+            return Answer::PassThrough;
+        }
+        Err(AskError::Refused(Refusal::Failed)) if !ticket_only => {
+            log::warn!(
+                "IPC: process {} could not export the memory of its ticket; opening its mirror (one-way)",
+                t.pid
+            );
+            return Answer::PassThrough;
+        }
+        Err(AskError::Refused(r)) => {
+            log::error!("IPC: process {} refused the ticket ({r:?}): the handle is stale, forged or not ours to open", t.pid);
+            return Answer::Done(Err(INVALID_HANDLE));
+        }
+        Err(e) if ticket_only => {
+            log::error!("IPC: cannot reach process {} for its ticket ({e:?})", t.pid);
+            return Answer::Done(Err(INVALID_HANDLE));
+        }
+        Err(e) => {
+            log::warn!(
+                "IPC: cannot reach process {} for its ticket ({e:?}); opening its mirror (one-way)",
+                t.pid
+            );
+            return Answer::PassThrough;
+        }
+    };
+    let Ok(dev) = runtime::get_device() else {
+        return Answer::Done(Err(INVALID_HANDLE));
+    };
+    let Some(drv) = ensure_state().driver.as_ref().ok().copied() else {
+        return Answer::Done(Err(INVALID_HANDLE));
+    };
+    if !cuda::has_context(drv) && runtime::free(0) != 0 {
+        return Answer::Done(Err(INVALID_HANDLE));
+    }
+    let asked = started.elapsed();
+    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, || {
+        incoming.next_batch().map_err(|e| format!("{e:?}"))
+    });
+    match imported {
+        Ok(imp) => {
+            let va = imp.va;
+            log::debug!(
+                "IPC: ticket {} of process {} opened: {} bytes in {} chunk(s); ask {:.3} ms, import and map {:.3} ms",
+                t.id,
+                t.pid,
+                grant.size,
+                grant.chunks.len(),
+                asked.as_secs_f64() * 1e3,
+                (started.elapsed() - asked).as_secs_f64() * 1e3
+            );
+            lock().ipc.opened.insert(va, imp);
+            GLOBAL.ipc_tickets_opened.add(1);
+            Answer::Done(Ok(va))
+        }
+        Err(e) => {
+            log::error!("IPC: mapping the memory of process {} failed: {e}", t.pid);
+            if ticket_only {
+                Answer::Done(Err(INVALID_HANDLE))
+            } else {
+                Answer::PassThrough
+            }
+        }
+    }
+    // The received descriptors close here: the imported handles keep the memory.
+}
+
+/// The allocation containing `ptr` as the program sees it — a pool allocation or memory opened
+/// through a ticket — for `cuMemGetAddressRange` and `cuPointerGetAttribute`, which would
+/// otherwise report one chunk's mapping. `None`: not ours, ask the driver.
+pub fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return None;
+    }
+    let mut st = lock();
+    if let Some(r) = st.open_pools().find_map(|(_, p)| p.find(ptr)) {
+        return Some(r);
+    }
+    let (va, imp) = st.ipc.opened.range(..=ptr).next_back()?;
+    (ptr < va + imp.size).then_some((*va, imp.user))
+}
+
+/// The pool allocation containing `ptr` (memory opened through a ticket excluded).
+pub fn pool_allocation_range(ptr: u64) -> Option<(u64, u64)> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return None;
+    }
+    let mut st = lock();
+    let found = st.open_pools().find_map(|(_, p)| p.find(ptr));
+    found
+}
+
+/// `cudaIpcCloseMemHandle`: unmap memory opened through a ticket; others pass through.
+pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return Answer::PassThrough;
+    }
+    let Some(imp) = lock().ipc.opened.remove(&ptr) else {
+        return Answer::PassThrough;
+    };
+    // Work of this process may still use the mapping.
+    let e = runtime::device_synchronize();
+    if let Ok(t) = crate::real::driver() {
+        cuda::unmap_imported(t, imp);
+    }
+    Answer::Done(e)
+}

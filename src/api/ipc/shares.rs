@@ -1,0 +1,125 @@
+//! What the IPC calls remember: the tickets this process issued (and, for a while, the ones
+//! gone stale), the runs of foreign memory it shared, and the memory it opened through
+//! others' tickets.
+
+use super::mirror::Mirror;
+use crate::gpu::cuda::Imported;
+use crate::ipc::transport;
+use crate::ipc::{random_u64, Ticket};
+use crate::stats::GLOBAL;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Tickets this process issued, and memory it opened through other processes' tickets.
+#[derive(Default)]
+pub(crate) struct IpcState {
+    next_id: u32,
+    /// ticket id -> (device, allocation base, nonce)
+    pub(super) by_id: HashMap<u32, (i32, u64, u64)>,
+    /// (device, base) -> ticket id: one ticket per allocation, so repeated requests return
+    /// the same 64 bytes
+    by_alloc: HashMap<(i32, u64), u32>,
+    /// Tickets of the most recently freed allocations (at most [`FREED_KEPT`]): refused as
+    /// stale, not as unknown; older ones are refused as unknown.
+    pub(super) freed: std::collections::HashSet<u32>,
+    freed_order: std::collections::VecDeque<u32>,
+    /// Whether the ticket socket is serving (`None`: not tried yet).
+    pub(super) server: Option<bool>,
+    /// Why the socket could not serve.
+    pub(super) server_error: Option<String>,
+    /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
+    pub(crate) foreign: HashMap<u64, ForeignShare>,
+    /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
+    pub(super) opened: std::collections::BTreeMap<u64, Imported>,
+}
+
+impl IpcState {
+    /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
+    /// source for its nonce (the handle then carries no ticket).
+    pub(super) fn ticket(&mut self, dev: i32, base: u64) -> Option<Ticket> {
+        let id = match self.by_alloc.get(&(dev, base)) {
+            Some(id) => *id,
+            None => {
+                let Some(nonce) = random_u64() else {
+                    log::error!("IPC: no random source for a ticket's nonce; no ticket");
+                    return None;
+                };
+                // Ids count up from 1; `fdshare::GETFD_ID` (u32::MAX) is never one.
+                self.next_id = (self.next_id % (crate::api::fdshare::record::GETFD_ID - 1)) + 1;
+                let id = self.next_id;
+                self.by_id.insert(id, (dev, base, nonce));
+                GLOBAL.ipc_tickets_issued.add(1);
+                self.by_alloc.insert((dev, base), id);
+                id
+            }
+        };
+        Some(Ticket {
+            pid: std::process::id(),
+            uid: transport::current_uid(),
+            id,
+            nonce: self.by_id[&id].2,
+        })
+    }
+
+    /// The allocation was freed: its tickets are stale from now on.
+    pub(crate) fn forget(&mut self, dev: i32, base: u64) {
+        if let Some(id) = self.by_alloc.remove(&(dev, base)) {
+            self.by_id.remove(&id);
+            if self.freed.insert(id) {
+                self.freed_order.push_back(id);
+            }
+            while self.freed_order.len() > FREED_KEPT {
+                if let Some(old) = self.freed_order.pop_front() {
+                    self.freed.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// How many freed tickets are remembered as stale.
+const FREED_KEPT: usize = 4096;
+
+/// VMM memory of another allocator that was asked for a handle: the run of mappings the
+/// handle stands for, and its mirror (none when only expseg consumers are served).
+pub(crate) struct ForeignShare {
+    pub(crate) dev: i32,
+    pub(super) size: u64,
+    pub(super) mirror: Option<Arc<Mirror>>,
+}
+
+/// Most mappings a foreign run covers (20 MiB pages: 1.25 TiB).
+pub(super) const MAX_RUN: usize = transport::MAX_CHUNKS;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_random_source_no_ticket_is_issued() {
+        use crate::ipc::transport::NO_RANDOM;
+        NO_RANDOM.with(|n| n.set(true));
+        let mut s = IpcState::default();
+        let t = s.ticket(0, 1 << 21);
+        let r = crate::ipc::random_u64();
+        NO_RANDOM.with(|n| n.set(false));
+        assert!(t.is_none(), "no guessable nonce");
+        assert!(r.is_none());
+        assert!(s.by_id.is_empty());
+    }
+
+    #[test]
+    fn freed_tickets_are_remembered_within_a_bound() {
+        let mut s = IpcState::default();
+        for base in 0..(3 * FREED_KEPT as u64) {
+            s.ticket(0, base << 21);
+            s.forget(0, base << 21);
+        }
+        assert_eq!(s.freed.len(), FREED_KEPT);
+        assert_eq!(s.freed_order.len(), FREED_KEPT);
+        assert!(s.by_id.is_empty() && s.by_alloc.is_empty());
+        // The newest is stale, the oldest forgotten.
+        assert!(s.freed.contains(&(3 * FREED_KEPT as u32)));
+        assert!(!s.freed.contains(&1));
+    }
+}

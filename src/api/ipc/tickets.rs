@@ -1,0 +1,244 @@
+//! Tickets on the producer's side: whether they can be issued (the socket serves; a ticketed
+//! handle still opens with the plain driver, checked once in a child process), the socket
+//! itself, and its answer to each ticket.
+
+use super::shares::MAX_RUN;
+use crate::api::state::{config, lock, State};
+use crate::gpu::cuda;
+use crate::ipc::transport::{self, Decision};
+use crate::ipc::{Grant, Refusal};
+use crate::real::runtime;
+use crate::stats::GLOBAL;
+use once_cell::sync::OnceCell;
+use std::sync::atomic::Ordering;
+
+/// Whether tickets can be issued for foreign memory on `dev`: the socket serves and a
+/// ticketed handle still opens with the plain driver. (Whether the other allocator's pages can
+/// be exported is found out per request; a consumer falls back to the mirror if not.)
+pub(super) fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
+    server_ready(st) && plain_driver_ignores_tickets(dev)
+}
+
+/// Export the run of foreign mappings starting at `base` that a ticket stands for: the first
+/// mapping at once (so a refusal is clean), the others as the transport sends them.
+fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
+    let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
+    // The ticket thread has no context of its own; the source below runs on it too.
+    cuda::ensure_context(t, dev);
+    let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
+    // The mappings that make up the shared `size`: still mapped from the same start.
+    let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
+    for s in all {
+        if end >= start + size {
+            break;
+        }
+        sizes.push(s);
+        vas.push(end);
+        end += s;
+    }
+    // Pages the program released since may be parked there by expseg: the run is gone, as
+    // it would be natively (an unmapped gap).
+    if start != base || end != base + size || crate::api::vmm::parked_in(base, size) {
+        return Err(Refusal::Stale);
+    }
+    let first = cuda::export_mapping(t, base).map_err(|e| {
+        log::warn!("IPC: the pages at {base:#x} cannot be exported ({e}); consumers fall back to the mirror");
+        Refusal::Failed
+    })?;
+    let mut fds = std::iter::once(Ok(first)).chain(vas.into_iter().skip(1).map(move |va| {
+        cuda::export_mapping(t, va).map_err(|e| std::io::Error::other(e.to_string()))
+    }));
+    let source: transport::FdSource = Box::new(move || {
+        fds.next()
+            .unwrap_or_else(|| Err(std::io::Error::other("no more mappings")))
+    });
+    Ok((
+        Grant {
+            size,
+            chunks: sizes,
+        },
+        source,
+    ))
+}
+
+/// `EXPSEG_IPC_PEERS=expseg` promises consumers the memory itself; without tickets there is
+/// no way to keep that promise, and a mirror would silently break it: fail, saying why.
+pub(super) fn peers_without_tickets(st: &State, ptr: u64) -> i32 {
+    let why = match (&st.ipc.server_error, config().ipc_tickets) {
+        (_, false) => "EXPSEG_IPC_TICKETS=0".to_string(),
+        (Some(e), _) => e.clone(),
+        (None, _) => "this device's memory cannot be exported, or the driver does not accept ticketed handles (expseg doctor tells)".to_string(),
+    };
+    log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}) fails: EXPSEG_IPC_PEERS=expseg needs tickets, and tickets are off: {why}");
+    NOT_SUPPORTED
+}
+
+/// Whether tickets can be issued: the device's chunks are exportable, the socket serves, and
+/// a ticketed handle still opens with the plain driver (checked once, in a child process).
+pub(super) fn tickets_ready(st: &mut State, dev: i32) -> bool {
+    if !st.open_pool(dev).is_some_and(|p| p.driver().shareable) {
+        return false;
+    }
+    server_ready(st) && plain_driver_ignores_tickets(dev)
+}
+
+/// Start the ticket socket if it does not serve yet (for `fdshare`); whether it serves.
+pub(crate) fn ensure_server() -> bool {
+    let mut st = lock();
+    server_ready(&mut st)
+}
+
+/// Start the ticket socket on first use; whether it serves.
+fn server_ready(st: &mut State) -> bool {
+    if st.ipc.server.is_none() {
+        let started = start_server();
+        if let Err(e) = &started {
+            log::warn!("IPC tickets disabled: {e}");
+            st.ipc.server_error = Some(e.clone());
+        }
+        st.ipc.server = Some(started.is_ok());
+    }
+    st.ipc.server == Some(true)
+}
+
+fn start_server() -> Result<(), String> {
+    // Nonces are what keeps other processes of the user from guessing tickets.
+    crate::ipc::random_u64()
+        .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
+    let uid = transport::current_uid();
+    let others = !config().ipc_allow_uids.is_empty();
+    transport::prepare_dir(uid, others)?;
+    let path = transport::socket_path(uid, std::process::id());
+    transport::serve(&path, others, admitted, decide)?;
+    extern "C" fn remove_socket() {
+        let _ = std::fs::remove_file(transport::socket_path(
+            transport::current_uid(),
+            std::process::id(),
+        ));
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: registers a plain extern "C" function that removes one file.
+    unsafe {
+        libc::atexit(remove_socket);
+    }
+    Ok(())
+}
+
+/// Whether a process of `uid` may ask for tickets at all (checked before its request is
+/// read; the first refusal is logged).
+fn admitted(uid: u32) -> bool {
+    let ok = uid == transport::current_uid() || config().ipc_allow_uids.contains(&uid);
+    if !ok {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            log::warn!("IPC: closed a connection from uid {uid} (not ours, not in EXPSEG_IPC_ALLOW_UIDS); later ones are closed silently");
+        }
+    }
+    ok
+}
+
+/// The producer's answer to a ticket: runs on a thread of the socket server.
+fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+    let d = decide_once(id, nonce, peer);
+    match &d {
+        Ok(_) => GLOBAL.ipc_tickets_granted.add(1),
+        Err(_) => GLOBAL.ipc_tickets_refused.add(1),
+    }
+    d
+}
+
+fn decide_once(id: u32, nonce: u64, peer: u32) -> Decision {
+    if !admitted(peer) {
+        return Err(Refusal::Forbidden);
+    }
+    if id == crate::api::fdshare::record::GETFD_ID {
+        return crate::api::fdshare::record::serve(nonce);
+    }
+    let mut st = lock();
+    let Some(&(dev, base, n)) = st.ipc.by_id.get(&id) else {
+        return Err(if st.ipc.freed.contains(&id) {
+            Refusal::Stale
+        } else {
+            Refusal::Unknown
+        });
+    };
+    if n != nonce {
+        return Err(Refusal::Unknown);
+    }
+    if let Some(f) = st.ipc.foreign.get(&base) {
+        let size = f.size;
+        drop(st);
+        return export_foreign(dev, base, size);
+    }
+    let Some(pool) = st.open_pool(dev) else {
+        return Err(Refusal::Stale);
+    };
+    match pool.export_fds(base) {
+        None => Err(Refusal::Stale),
+        Some(Err(e)) => {
+            log::error!("IPC: exporting the chunks of {base:#x} failed: {e}");
+            Err(Refusal::Failed)
+        }
+        Some(Ok((size, fds))) => {
+            let chunks = fds.iter().map(|f| f.1).collect();
+            Ok((
+                Grant { size, chunks },
+                transport::fds_of(fds.into_iter().map(|f| f.0).collect()),
+            ))
+        }
+    }
+}
+
+/// Run the ticket check once per process: a child process without expseg opens a ticketed
+/// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
+/// `expseg-ipc-check` next to libexpseg.so.
+/// The one-time ticket check's answer, once known.
+static TICKET_CHECK: OnceCell<bool> = OnceCell::new();
+
+pub(super) fn plain_driver_ignores_tickets(dev: i32) -> bool {
+    *TICKET_CHECK.get_or_init(|| match check_in_child(dev) {
+        Ok(()) => {
+            log::info!("IPC: a ticketed handle opens with the plain driver; tickets enabled");
+            true
+        }
+        Err(e) => {
+            log::warn!("IPC tickets disabled: {e}; mirrors carry plain handles");
+            false
+        }
+    })
+}
+
+fn check_in_child(dev: i32) -> Result<(), String> {
+    if let Some(ms) = config().test_slow_check_ms {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    let helper = crate::real::self_dir()
+        .map(|d| d.join("expseg-ipc-check"))
+        .ok_or("cannot tell where libexpseg.so is")?;
+    // A process with the static runtime has no libcudart: its plain consumers open handles
+    // with the driver, and so does the check.
+    let lib = if crate::real::runtime_present() {
+        crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?
+    } else {
+        "libcuda.so.1".to_string()
+    };
+    let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+    let buf = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
+        (0, p) => Ok(p),
+        (e, _) => Err(e),
+    })
+    .map_err(|e| format!("cudaMalloc for the check failed ({e})"))?;
+    let result = (|| {
+        if runtime::copy_h2d(buf, &pattern) != 0 {
+            return Err("copy for the check failed".to_string());
+        }
+        let h = runtime::ipc_get_mem_handle(buf)
+            .map_err(|e| format!("cudaIpcGetMemHandle failed ({e})"))?;
+        crate::ipc::check_ticketed_handle(&helper, &lib, h, &pattern, dev)
+    })();
+    runtime::free(buf);
+    result
+}
+
+/// `cudaErrorNotSupported`.
+pub(super) const NOT_SUPPORTED: i32 = 801;
