@@ -3,30 +3,36 @@
 //!
 //! # Architecture
 //!
-//! One call travels down these layers; each adds one thing:
+//! One call travels down these floors, and imports point down only
+//! (`scripts/check-module-cycles.py`, run by CI, fails on a new import circle):
 //!
-//! | module | what it adds |
-//! | --- | --- |
-//! | [`hooks`] | every exported C symbol, a few lines each: re-entrancy guard, panic boundary, call [`api`] |
-//! | [`dlsym`] | the exported `dlsym`: lookups on a runtime or driver handle reach the hooks |
-//! | [`syscall_hook`] | the exported `syscall`: a `pidfd_getfd` the kernel denies is asked of the producer's expseg ([`api::fdshare`]) |
-//! | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling |
-//! | [`real`] | the only `dlsym` code: the next runtime's functions and the driver's function table |
-//! | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
-//! | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting, IPC export |
-//! | [`coalesce`] | safe logic behind PyTorch's VMM pages: virtual handles, one physical handle per run, compaction, reuse |
-//! | [`vmm_hooks`] | the VMM entry points handed to PyTorch's `libc10_cuda` (never exported) and the load-time PyTorch default |
-//! | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
-//! | [`config`] | the `EXPSEG_*` table |
-//! | [`stats`] | counters and the exit report |
-//! | [`pyapi`] | C functions for the Python module: the live report as JSON |
+//! hooks → api → pool / coalesce / ipc → gpu → real → lookup
+//!
+//! | floor | module | what it adds |
+//! | --- | --- | --- |
+//! | hooks | [`hooks`] | every exported C symbol, a few lines each: re-entrancy guard, panic boundary, call [`api`] |
+//! | hooks | [`vmm_hooks`] | the VMM entry points handed to PyTorch's `libc10_cuda` (never exported) and the load-time PyTorch default |
+//! | hooks | [`dlsym`] | the exported `dlsym`: lookups on a runtime or driver handle reach the hooks |
+//! | hooks | [`syscall_hook`] | the exported `syscall`: a `pidfd_getfd` the kernel denies is asked of the producer's expseg ([`api::fdshare`]) |
+//! | hooks | [`pyapi`] | C functions for the Python module: the live report as JSON |
+//! | api | [`api`] | one safe function per hooked call, same name: policy (pool or pass-through), device and context handling; its IPC calls in `api::ipc` (by policy: get, foreign, open, tickets, shares, mirror), the coalescer policy in [`api::vmm`], what they share in `api::state` |
+//! | pool | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting, IPC export |
+//! | coalesce | [`coalesce`] | safe logic behind PyTorch's VMM pages: virtual handles, one physical handle per run, compaction, reuse |
+//! | ipc | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
+//! | gpu | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
+//! | real | [`real`] | the next runtime's functions, the driver's function table (`real::driver`), primary contexts ([`real::primary`]) |
+//! | lookup | [`real::lookup`] | the only `dlsym`/`dlvsym` code: glibc's own `dlsym`, never redirected |
+//! | beside | [`config`] | the `EXPSEG_*` table |
+//! | beside | [`stats`] | counters and the exit report |
+//! | beside | [`elf`] | the glibc requirement of an ELF file |
 //!
 //! So "where is cudaMalloc handled?" is answered by `grep 'fn cudaMalloc'`: the hook in
-//! `hooks.rs`, the policy in `api.rs`; the pool behind it runs under `cargo test` against
+//! `hooks.rs`, the policy in `api/mod.rs`; the pool behind it runs under `cargo test` against
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
-//! `vmm_hooks`, `dlsym`, `syscall_hook`, `real`, `pyapi`, `gpu::cuda` and `ipc::transport`.
+//! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver` and
+//! `real::primary`), `pyapi`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;

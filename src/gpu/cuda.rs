@@ -1,4 +1,4 @@
-//! The real driver: [`Driver`] over the CUDA VMM calls of [`crate::real::driver`].
+//! The real driver: [`Driver`] over the CUDA VMM calls of [`crate::real::driver()`].
 //!
 //! Each method is one driver call and one return-code conversion; no policy lives here.
 #![allow(unsafe_code)]
