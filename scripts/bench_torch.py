@@ -11,7 +11,24 @@ filler process that holds the rest of the card:
   churn  ~48 GiB per step in 0.05-0.6 GiB tensors, a third touched, all freed, and
          torch.cuda.empty_cache() every step (frameworks handing memory to a colocated engine);
   train  a small GPT-like model, a few hundred steps: step time and losses;
-  train_ec the same model with varying shapes and torch.cuda.empty_cache() every step.
+  train_ec the same model with varying shapes and torch.cuda.empty_cache() every step;
+  gpt2_ec  a GPT-2-sized (124M) Hugging Face model (transformers' GPT2LMHeadModel, built from
+         its config: no download), AdamW, bf16 autocast, batches of 8 with dynamic padding
+         (sequence lengths 512-1024), torch.cuda.empty_cache() every step;
+  rl     a colocated RL loop: a train step of the small GPT, empty_cache(), the weights packed
+         into one bucket shipped to a worker process over torch.multiprocessing (the worker
+         copies them into its own model), a rollout phase in the worker that takes and frees a
+         KV-cache-sized block set (12 GiB of 64 MiB blocks) and runs its model, empty_cache() in
+         both; the step is the trainer's whole round;
+  ddp_ec   two ranks (torchrun, one GPU each, NCCL) of DDP over the small GPT with varying
+         shapes and torch.cuda.empty_cache() every step; rank 0's step time and device memory;
+         needs two GPUs (skipped with fewer), no filler;
+  handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
+         frees it, empties its cache and writes one line to a pipe; a second process reads
+         the line and at once asks for 70 % of the free memory (one torch.empty). --rounds
+         rounds per pair of trainer mode and consumer (plain PyTorch, or under expseg); the
+         trainer also as a plain CUDA program (shim-tests/handoff_fill.cu, the cudaMalloc
+         path; built with nvcc when missing). Not in the default list (--workloads handoff).
 Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
 large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), expseg
 (scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
@@ -47,7 +64,15 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "churn": (56, 20),
     "train": (24, 300),
     "train_ec": (24, 120),
+    "gpt2_ec": (40, 40),
+    "rl": (40, 30),
+    "ddp_ec": (0, 120),
 }
+# Trainer modes of the handoff workload: PyTorch ones (mode_env), and a plain CUDA program.
+HANDOFF_MODES = [
+    "default", "expandable", "expseg", "expseg-preload", "expseg-keep",
+    "expseg-cudamalloc", "expseg-cudamalloc-keep", "c-native", "c-expseg", "c-expseg-keep",
+]
 ALT_LIB = [None]  # --alt-lib: a second library, as mode expseg-alt (LD_PRELOAD alone)
 MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", "expseg-release0"]
 
@@ -66,6 +91,20 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
         env["LD_PRELOAD"] = lib
+    elif mode in ("expseg-keep", "c-expseg-keep"):
+        # Opt-in keeping: released handles kept through 2 ms of quiet, 1 GiB of freed
+        # cudaMalloc memory cached per device (the defaults before issue 21).
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_RELEASE_DELAY"] = "2"
+        env["EXPSEG_CACHE_MAX"] = "1G" if mode == "expseg-keep" else "64G"
+    elif mode == "c-expseg":
+        env["LD_PRELOAD"] = lib
+    elif mode in ("expseg-cudamalloc", "expseg-cudamalloc-keep"):
+        # PyTorch's own caching allocator (cudaMalloc segments) under expseg's pool.
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_TORCH_DEFAULTS"] = "0"
+        if mode.endswith("-keep"):
+            env["EXPSEG_CACHE_MAX"] = "64G"
     elif mode == "expseg-keep200":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "200"
@@ -112,6 +151,13 @@ def worker(name):
     budget, steps = WORKLOADS[name]
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
+    if name == "ddp_ec":
+        import torch.distributed as dist
+
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        os.environ["BENCH_NVML_INDEX"] = str(local)
+        dist.init_process_group("nccl")
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     base_used = device_used()
@@ -119,7 +165,7 @@ def worker(name):
     u8 = torch.uint8
     res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": []}
     state = {}
-    if name in ("train", "train_ec"):
+    if name in ("train", "train_ec", "ddp_ec"):
         torch.manual_seed(0)
         torch.use_deterministic_algorithms(True)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -129,8 +175,36 @@ def worker(name):
         vocab = 8192
         model = gpt(dim=512, layers=6, vocab=vocab, heads=8, positions=2048)
         model = model.cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         gen = torch.Generator().manual_seed(1)
+        if name == "ddp_ec":
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+            gen.manual_seed(1 + dist.get_rank())
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    if name == "gpt2_ec":
+        torch.manual_seed(0)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config()).cuda()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1)
+    if name == "rl":
+        torch.manual_seed(0)
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        import torch.multiprocessing as mp
+
+        vocab = 8192
+        model = gpt(dim=1024, layers=8, vocab=vocab, heads=16, positions=1024).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1)
+        ctx = mp.get_context("spawn")
+        state["q_in"], state["q_out"] = ctx.Queue(), ctx.Queue()
+        state["proc"] = ctx.Process(target=rl_worker, args=(state["q_in"], state["q_out"]))
+        state["proc"].start()
+        assert state["q_out"].get(timeout=300) == "ready"
 
     def step(i):
         if name == "frag":
@@ -169,7 +243,7 @@ def worker(name):
                 total += n
             del ts
             torch.cuda.empty_cache()
-        elif name in ("train", "train_ec"):
+        elif name in ("train", "train_ec", "ddp_ec"):
             batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
             data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
             logits = model(data[:, :-1])
@@ -178,8 +252,39 @@ def worker(name):
             opt.step()
             opt.zero_grad(set_to_none=True)
             res["losses"].append(loss.item())
-            if name == "train_ec":
+            if name in ("train_ec", "ddp_ec"):
                 torch.cuda.empty_cache()
+        elif name == "gpt2_ec":
+            seq = 512 + 128 * (i % 5)
+            data = torch.randint(0, 50257, (8, seq), generator=gen).to("cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=data, labels=data).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            torch.cuda.empty_cache()
+        elif name == "rl":
+            batch, seq = 8 + 4 * (i % 3), 512
+            data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
+            logits = model(data[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            del logits, loss
+            torch.cuda.empty_cache()
+            # Weight sync: one bf16 bucket, shared by CUDA IPC (torch.multiprocessing).
+            with torch.no_grad():
+                bucket = torch.cat([p.detach().reshape(-1).to(torch.bfloat16) for p in model.parameters()])
+            torch.cuda.synchronize()
+            state["q_in"].put(("weights", bucket))
+            assert state["q_out"].get(timeout=300) == "loaded"
+            del bucket
+            state["q_in"].put(("rollout", i))
+            assert state["q_out"].get(timeout=300) == "rolled"
+            torch.cuda.empty_cache()
 
     # The device memory of the process, sampled every 2 ms by a thread: the true peak, not
     # just the step ends.
@@ -207,10 +312,172 @@ def worker(name):
         res["oom"] = str(e).split("\n")[0][:200]
     peak["run"] = False
     sampler.join()
+    if name == "rl":
+        state["q_in"].put(("stop", 0))
+        state["proc"].join(timeout=60)
+    if name == "ddp_ec":
+        dist.barrier()
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
     res["peak_device"] = max([peak["v"]] + [m[0] for m in res["mem"]])
     res["peak_reserved"] = torch.cuda.max_memory_reserved()
     res["median_step_ms"] = statistics.median(res["step_ms"][1:] or res["step_ms"] or [0])
     print("RESULT " + json.dumps(res))
+
+
+def handoff_trainer():
+    """Each stdin line: take that many bytes, free them, empty the cache, signal the pipe."""
+    import random
+
+    import torch
+
+    torch.zeros(1, device="cuda")
+    out = os.fdopen(int(os.environ["HANDOFF_FD"]), "w")
+    rng = random.Random(5)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        want, got, ts, ok = int(line), 0, [], True
+        try:
+            while got < want:
+                n = min(int(rng.uniform(0.05, 0.6) * GIB), want - got)
+                t = torch.empty(n, dtype=torch.uint8, device="cuda")
+                t[:: 1 << 16].fill_(1)
+                ts.append(t)
+                got += n
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            ok = False
+        ts = t = None
+        torch.cuda.empty_cache()
+        out.write("emptied\n")
+        out.flush()
+        print("EMPTIED" if ok else "FILLFAIL", flush=True)
+
+
+def handoff_consumer():
+    """Each stdin line: wait for the trainer's line on the pipe, then at once take that many
+    bytes (one tensor), write them, give them back; print ROUND ok ms."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    inp = os.fdopen(int(os.environ["HANDOFF_FD"]), "r")
+    print("READY", flush=True)
+    for line in sys.stdin:
+        want = int(line)
+        inp.readline()
+        t0 = time.perf_counter()
+        try:
+            x = torch.empty(want, dtype=torch.uint8, device="cuda")
+            x[:: 1 << 16].fill_(2)
+            torch.cuda.synchronize()
+            ok = 1
+        except torch.OutOfMemoryError:
+            ok = 0
+        ms = (time.perf_counter() - t0) * 1e3
+        x = None
+        torch.cuda.empty_cache()
+        print(f"ROUND {ok} {ms:.1f}", flush=True)
+
+
+def c_trainer_binary():
+    """shim-tests/handoff_fill.cu, built once next to this script's run (nvcc)."""
+    src = os.path.join(HERE, "..", "shim-tests", "handoff_fill.cu")
+    exe = os.path.join(os.environ.get("TMPDIR", "/tmp"), "expseg_handoff_fill")
+    if not os.path.exists(exe):
+        subprocess.run(["nvcc", "-O2", "-cudart", "shared", "-o", exe, src], check=True)
+    return exe
+
+
+def run_handoff(args, results):
+    """Every trainer mode against a plain and an expseg consumer, --rounds rounds each."""
+    def readline_until(p, words):
+        while True:
+            l = p.stdout.readline()
+            if not l:
+                return None
+            if l.split()[0:1] and l.split()[0] in words:
+                return l.split()
+
+    for m in args.handoff_modes:
+        for consumer in ("plain", "expseg"):
+            rfd, wfd = os.pipe()
+            tenv, pre = mode_env(m if not m.startswith("c-") else ("default" if m == "c-native" else m), args.lib)
+            tenv["HANDOFF_FD"] = str(wfd)
+            cmd = [c_trainer_binary()] if m.startswith("c-") else [sys.executable, __file__, "--handoff-trainer"]
+            cenv, _ = mode_env("expseg-preload" if consumer == "expseg" else "default", args.lib)
+            cenv["HANDOFF_FD"] = str(rfd)
+            t = subprocess.Popen(pre + cmd, env=tenv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(wfd,))
+            c = subprocess.Popen([sys.executable, __file__, "--handoff-consumer"], env=cenv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(rfd,))
+            os.close(rfd)
+            os.close(wfd)
+            r = {"ok": 0, "of": args.rounds, "fill_failed": 0, "consumer_ms": [], "error": ""}
+            if readline_until(t, ("READY",)) is None or readline_until(c, ("READY",)) is None:
+                r["error"] = "a process did not start"
+            else:
+                time.sleep(0.5)
+                free = free_now()
+                for i in range(args.rounds):
+                    c.stdin.write(f"{int(0.70 * free)}\n")
+                    c.stdin.flush()
+                    t.stdin.write(f"{int(0.80 * free)}\n")
+                    t.stdin.flush()
+                    tl, cl = readline_until(t, ("EMPTIED", "FILLFAIL")), readline_until(c, ("ROUND",))
+                    if tl is None or cl is None:
+                        r["error"] = "a process died"
+                        break
+                    r["fill_failed"] += tl[0] == "FILLFAIL"
+                    r["ok"] += int(cl[1])
+                    r["consumer_ms"].append(float(cl[2]))
+                    time.sleep(0.05)
+            for p in (t, c):
+                try:
+                    p.stdin.close()
+                    p.wait(timeout=30)
+                except Exception:
+                    p.kill()
+            key = f"{m}+{consumer}"
+            results.setdefault("handoff", {})[key] = r
+            print(f"handoff {key:34} {r['ok']}/{r['of']} consumer got its memory; trainer fills failed {r['fill_failed']} {r['error']}", flush=True)
+            json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
+
+
+def rl_worker(q_in, q_out):
+    """The inference side of the rl workload: its own copy of the model, weights loaded from
+    the trainer's bucket, a rollout that takes and frees a KV-cache-sized block set."""
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+    from gpt import gpt
+
+    model = gpt(dim=1024, layers=8, vocab=8192, heads=16, positions=1024).cuda().to(torch.bfloat16)
+    q_out.put("ready")
+    while True:
+        what, arg = q_in.get()
+        if what == "stop":
+            return
+        if what == "weights":
+            with torch.no_grad():
+                off = 0
+                for p in model.parameters():
+                    n = p.numel()
+                    p.copy_(arg[off : off + n].view_as(p))
+                    off += n
+            torch.cuda.synchronize()
+            del arg
+            q_out.put("loaded")
+        elif what == "rollout":
+            blocks = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(192)]
+            for b in blocks[::8]:
+                b.fill_(1)
+            with torch.no_grad():
+                x = torch.randint(0, 8192, (16, 256), device="cuda")
+                for _ in range(4):
+                    model(x)
+            torch.cuda.synchronize()
+            del blocks
+            torch.cuda.empty_cache()
+            q_out.put("rolled")
 
 
 def filler(gib):
@@ -238,9 +505,20 @@ def run_all(args):
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for w in args.workloads:
+        if w == "handoff":
+            run_handoff(args, results)
+            continue
         budget, _ = WORKLOADS[w]
+        launch = []
+        if w == "ddp_ec":
+            import torch
+
+            if torch.cuda.device_count() < 2:
+                print(f"SKIP {w}: {torch.cuda.device_count()} GPU(s), it needs two", flush=True)
+                continue
+            launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         # Hold everything but the budget (plus room for one CUDA context) in another process.
-        fill = free_now() / GIB - budget - 0.75
+        fill = free_now() / GIB - budget - 0.75 if budget else 0
         fp = None
         if fill > 0:
             fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -260,7 +538,7 @@ def run_all(args):
                     os.makedirs(args.reports, exist_ok=True)
                     env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}_{rep}.txt")
                 t0 = time.time()
-                p = subprocess.run(pre + [sys.executable, __file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
+                p = subprocess.run(pre + [sys.executable] + launch + [__file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
                 line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(line[-1][7:]) if line else {"steps": 0, "oom": None, "error": (p.stderr or p.stdout)[-400:]}
                 r["wall_s"] = round(time.time() - t0, 1)
@@ -316,6 +594,9 @@ def summary(results, args):
             out["workloads"] = prev.get("workloads", {})
             out["command"] = prev.get("command", "") + "; then " + " ".join(sys.argv[1:])
     for w, modes in results.items():
+        if w == "handoff":
+            out["workloads"][w] = {k: {"ok": r["ok"], "of": r["of"], "fill_failed": r["fill_failed"], "error": r["error"]} for k, r in modes.items()}
+            continue
         out["workloads"][w] = {
             m: {
                 "steps": r.get("steps", 0),
@@ -341,6 +622,8 @@ def table(results):
     print("\n| workload | mode | steps | peak device GiB | peak reserved GiB | median step ms | device vs expandable | step vs expandable | step vs default |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for w, modes in results.items():
+        if w == "handoff":
+            continue
         ref, dflt = modes.get("expandable", {}), modes.get("default", {})
         for m, r in modes.items():
             steps = f"{r['steps']}/{WORKLOADS[w][1]}" + (" OOM" if r.get("oom") else "") + (" error" if r.get("error") else "")
@@ -353,7 +636,7 @@ def table(results):
                 f"| {w} | {m} | {steps} | {pd:.2f} | {pr:.2f} | {st:.1f} | {ratio(r.get('peak_device', 0), ref.get('peak_device', 0))}"
                 f" | {ratio(st, ref.get('median_step_ms', 0))} | {ratio(st, dflt.get('median_step_ms', 0))} |"
             )
-    for w in ("train", "train_ec"):
+    for w in ("train", "train_ec", "gpt2_ec", "rl", "ddp_ec"):
         d = results.get(w, {}).get("default", {}).get("losses")
         for m, r in results.get(w, {}).items():
             if d and r.get("losses"):
@@ -367,6 +650,9 @@ def plot(results, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return
+    results = {w: m for w, m in results.items() if w != "handoff"}
+    if not results:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for ax, (w, modes) in zip(axes[0], results.items()):
@@ -384,7 +670,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=os.path.join(HERE, "..", "target", "release", "libexpseg.so"))
     ap.add_argument("--out", default="bench-torch-out")
-    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help="also: handoff")
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
     ap.add_argument("--commit", default="unknown")
@@ -394,10 +680,18 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times, interleaved")
     ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7)")
     ap.add_argument("--alt-lib", help="another libexpseg.so, run as mode expseg-alt (LD_PRELOAD alone): two builds side by side")
+    ap.add_argument("--rounds", type=int, default=20, help="handoff: rounds per pair")
+    ap.add_argument("--handoff-modes", nargs="*", default=HANDOFF_MODES, help="handoff: trainer modes")
+    ap.add_argument("--handoff-trainer", action="store_true")
+    ap.add_argument("--handoff-consumer", action="store_true")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
     args = ap.parse_args()
-    if args.worker:
+    if args.handoff_trainer:
+        handoff_trainer()
+    elif args.handoff_consumer:
+        handoff_consumer()
+    elif args.worker:
         worker(args.worker)
     elif args.fill is not None:
         filler(args.fill)
