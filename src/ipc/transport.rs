@@ -104,7 +104,7 @@ fn peer_uid(s: &UnixStream) -> Option<u32> {
 }
 
 /// The uid and pid of the process at the other end of `s` (as it was at connect time).
-fn peer_cred(s: &UnixStream) -> Option<(u32, u32)> {
+pub(crate) fn peer_cred(s: &UnixStream) -> Option<(u32, u32)> {
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` and `len` are valid for the size given.

@@ -1,0 +1,295 @@
+//! Reclaim between expseg processes: when an allocation finds no memory, the other expseg
+//! processes of the same user are asked, each within a bounded time, to give back what they
+//! hold beyond their program's live memory on that GPU (kept handles, cached blocks).
+//!
+//! The request rides on the ticket protocol (`transport`): id [`RECLAIM_ID`], the GPU's key
+//! (from its UUID, so the same GPU under any `CUDA_VISIBLE_DEVICES`) as the nonce. The answer
+//! is a grant header with no chunks whose size is the bytes given back. The same checks as for
+//! tickets hold both ways: the asker only talks to a socket in its own private directory
+//! served by the process its name says, of its own uid; the server admits only its own uid
+//! (or `EXPSEG_IPC_ALLOW_UIDS`). A peer that does not answer within the bound is skipped.
+
+use super::transport::{self, AskError};
+use super::ticket::Refusal;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// The request id of a reclaim (ticket ids stay below it; `u32::MAX` is `pidfd_getfd`'s).
+pub const RECLAIM_ID: u32 = u32::MAX - 1;
+
+/// How long one peer may take to connect, give back and answer.
+pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The key of a GPU in requests: its 16-byte UUID folded to 64 bits.
+pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
+    let lo = u64::from_le_bytes(uuid[0..8].try_into().unwrap());
+    let hi = u64::from_le_bytes(uuid[8..16].try_into().unwrap());
+    lo ^ hi.rotate_left(17)
+}
+
+/// The pids of the other processes of `uid` that serve an expseg socket (a socket of a dead
+/// process is listed too; asking it fails at once). Nothing when the directory is not
+/// private to `uid`.
+pub fn peers(uid: u32, me: u32) -> Vec<u32> {
+    peers_in(&transport::socket_dir(uid), uid, me)
+}
+
+fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
+    if transport::dir_trusted(dir, uid).is_err() {
+        return Vec::new();
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            name.strip_suffix(".sock")?.parse::<u32>().ok()
+        })
+        .filter(|pid| *pid != me)
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// Ask process `pid` of `uid` to give back what it holds beyond live memory on the GPU of
+/// `key`: the bytes it gave back.
+pub fn ask_one(uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
+    ask_at(&transport::socket_path(uid, pid), uid, pid, key, timeout)
+}
+
+fn ask_at(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
+    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
+    match transport::peer_cred(&s) {
+        Some(c) if c == (uid, pid) => {}
+        Some((u, p)) => {
+            return Err(AskError::Untrusted(format!(
+                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
+                path.display()
+            )))
+        }
+        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
+    }
+    s.set_read_timeout(Some(timeout))
+        .and_then(|_| s.set_write_timeout(Some(timeout)))
+        .map_err(AskError::Unreachable)?;
+    let mut req = [0u8; 16];
+    req[0..4].copy_from_slice(&RECLAIM_ID.to_le_bytes());
+    req[8..16].copy_from_slice(&key.to_le_bytes());
+    s.write_all(&req).map_err(AskError::Unreachable)?;
+    let mut head = [0u8; 16];
+    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
+    let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
+    if status != 0 {
+        return Err(AskError::Refused(Refusal::from_code(status)));
+    }
+    if head[4..8] != [0; 4] {
+        return Err(AskError::Protocol("a reclaim answer carries no chunks"));
+    }
+    Ok(u64::from_le_bytes(head[8..16].try_into().unwrap()))
+}
+
+/// What one peer answered.
+#[derive(Debug)]
+pub struct Answer {
+    pub pid: u32,
+    pub result: Result<u64, AskError>,
+}
+
+/// Ask every other expseg process of `uid` at once (one thread each, each bounded by
+/// `timeout`): their answers, in pid order.
+pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
+    ask_peers_in(&transport::socket_dir(uid), uid, me, key, timeout)
+}
+
+fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
+    let pids = peers_in(dir, uid, me);
+    std::thread::scope(|scope| {
+        let asks: Vec<_> = pids
+            .iter()
+            .map(|&pid| {
+                let path = dir.join(format!("{pid}.sock"));
+                (
+                    pid,
+                    scope.spawn(move || ask_at(&path, uid, pid, key, timeout)),
+                )
+            })
+            .collect();
+        asks.into_iter()
+            .map(|(pid, h)| Answer {
+                pid,
+                result: h
+                    .join()
+                    .unwrap_or(Err(AskError::Protocol("the asking thread panicked"))),
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ipc::transport::{current_uid, serve, FdSource};
+    use crate::ipc::Grant;
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::net::UnixListener;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// A private socket directory of this test's own (no environment variable: other tests
+    /// of the process set `EXPSEG_IPC_DIR`).
+    fn private_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("expseg-reclaim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        dir
+    }
+
+    fn sock(dir: &Path, pid: u32) -> PathBuf {
+        dir.join(format!("{pid}.sock"))
+    }
+
+    /// A peer answering reclaims the way api's server does: `freed` bytes for `key`, 0 for
+    /// other GPUs. Returns how many requests it saw.
+    fn holding_peer(path: &Path, key: u64, freed: u64) -> Arc<AtomicU64> {
+        let seen = Arc::new(AtomicU64::new(0));
+        let s = seen.clone();
+        serve(
+            path,
+            false,
+            |u| u == current_uid(),
+            move |id, nonce, _| {
+                s.fetch_add(1, Ordering::SeqCst);
+                if id != RECLAIM_ID {
+                    return Err(Refusal::Unknown);
+                }
+                let none: FdSource = Box::new(|| Err(std::io::Error::other("no chunks")));
+                let size = if nonce == key { freed } else { 0 };
+                Ok((
+                    Grant {
+                        size,
+                        chunks: vec![],
+                    },
+                    none,
+                ))
+            },
+        )
+        .unwrap();
+        seen
+    }
+
+    #[test]
+    fn a_holding_peer_gives_back_a_silent_one_is_skipped_in_bounded_time() {
+        let dir = private_dir("peers");
+        let uid = current_uid();
+        let me = std::process::id();
+        // This process serves as pid `me`, a holding peer; a stale socket of a dead process
+        // stands at pid me+1.
+        let key = gpu_key(&[7; 16]);
+        let seen = holding_peer(&sock(&dir, me), key, 3 << 30);
+        drop(UnixListener::bind(sock(&dir, me + 1)).unwrap());
+        assert_eq!(
+            ask_at(&sock(&dir, me), uid, me, key, PEER_TIMEOUT).unwrap(),
+            3 << 30
+        );
+        let other_gpu = gpu_key(&[8; 16]);
+        assert_eq!(
+            ask_at(&sock(&dir, me), uid, me, other_gpu, PEER_TIMEOUT).unwrap(),
+            0
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), 2);
+        // Asked as another process would (`me` = 1): the holder gives, the dead one fails.
+        assert_eq!(peers_in(&dir, uid, 1), vec![me, me + 1]);
+        let answers = ask_peers_in(&dir, uid, 1, key, PEER_TIMEOUT);
+        assert_eq!(
+            answers[0].result.as_ref().ok(),
+            Some(&(3 << 30)),
+            "{answers:?}"
+        );
+        assert!(matches!(answers[1].result, Err(AskError::Unreachable(_))));
+        // A process's own socket is never asked.
+        assert_eq!(peers_in(&dir, uid, me), vec![me + 1]);
+        // A socket whose name says another pid than the process serving it: untrusted,
+        // nothing sent.
+        std::fs::rename(sock(&dir, me), sock(&dir, me + 3)).unwrap();
+        assert!(matches!(
+            ask_at(&sock(&dir, me + 3), uid, me + 3, key, PEER_TIMEOUT),
+            Err(AskError::Untrusted(_))
+        ));
+        assert_eq!(seen.load(Ordering::SeqCst), 3);
+        // A directory others can write: no peers at all.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(peers_in(&dir, uid, 1).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_peer_that_never_answers_is_skipped_after_the_bound() {
+        let dir = private_dir("silent");
+        let uid = current_uid();
+        let me = std::process::id();
+        // A listener of this process that accepts nothing and answers nothing.
+        let silent = UnixListener::bind(sock(&dir, me)).unwrap();
+        let t = std::time::Instant::now();
+        let answers = ask_peers_in(&dir, uid, 1, 1, Duration::from_millis(200));
+        let took = t.elapsed();
+        assert_eq!(answers.len(), 1);
+        assert!(
+            matches!(answers[0].result, Err(AskError::Unreachable(_))),
+            "{answers:?}"
+        );
+        assert!(
+            took >= Duration::from_millis(150) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        drop(silent);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_peer_of_another_uid_is_never_asked_and_refuses_to_give() {
+        let dir = private_dir("uid");
+        let uid = current_uid();
+        let me = std::process::id();
+        let seen = Arc::new(AtomicU64::new(0));
+        let s = seen.clone();
+        // A server that admits no one (as a process of another user admits us).
+        serve(
+            &sock(&dir, me),
+            false,
+            |_| false,
+            move |_, _, _| {
+                s.fetch_add(1, Ordering::SeqCst);
+                Err(Refusal::Unknown)
+            },
+        )
+        .unwrap();
+        assert!(ask_at(&sock(&dir, me), uid, me, 1, PEER_TIMEOUT).is_err());
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            0,
+            "refused before the request was read"
+        );
+        // As the asker: a socket served by a process of another uid than the one asked
+        // for is never written to.
+        assert!(matches!(
+            ask_at(&sock(&dir, me), uid + 1, me, 1, PEER_TIMEOUT),
+            Err(AskError::Untrusted(_))
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn gpu_keys_differ_by_uuid() {
+        assert_ne!(gpu_key(&[1; 16]), gpu_key(&[2; 16]));
+        let mut a = [0u8; 16];
+        a[15] = 1;
+        assert_ne!(gpu_key(&a), gpu_key(&[0; 16]));
+    }
+}
