@@ -1,0 +1,392 @@
+//! The coalescer's books: pages (the program's virtual handles), physical handles behind them,
+//! kept handles, reservations, and the range queries over them. Nothing here calls the
+//! driver but to read its free memory or name its device.
+
+use super::timed::Timed;
+use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Instant;
+
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const INVALID: DrvError = DrvError(1);
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub const NOT_SUPPORTED: DrvError = DrvError(801);
+
+/// Virtual handles carry this tag in their top 16 bits (the driver's own handles are
+/// addresses of its objects, far below it).
+pub(super) const TAG: u64 = 0xE5E5 << 48;
+
+pub fn is_virtual(h: u64) -> bool {
+    h & (0xFFFF << 48) == TAG
+}
+
+/// Virtual handles are numbered process-wide: each device has its coalescer, and a handle
+/// must name one page of one of them.
+pub(super) static NEXT_VH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Tuning.
+#[derive(Clone, Copy, Debug)]
+pub struct CoalesceConfig {
+    /// Largest physical handle a batch gets; longer runs get several.
+    pub max_handle: u64,
+    /// Stranded bytes tolerated before compaction.
+    pub strand_max: u64,
+    /// Free memory kept in hand when pages are admitted without creating them.
+    pub margin: u64,
+    /// Keep fully released handles for reuse while the program keeps allocating; 0: release
+    /// at once. The caller releases them after this much quiet ([`Coalescer::idle_for`]).
+    pub release_delay: std::time::Duration,
+}
+
+impl Default for CoalesceConfig {
+    fn default() -> Self {
+        CoalesceConfig {
+            max_handle: 1 << 30,
+            strand_max: 0,
+            margin: 1 << 30,
+            release_delay: std::time::Duration::ZERO,
+        }
+    }
+}
+
+/// Counters for the report.
+#[derive(Clone, Debug, Default)]
+pub struct CoalesceStats {
+    pub pages_created: u64,
+    pub phys_created: u64,
+    pub phys_released: u64,
+    pub exact_creates: u64,
+    pub compactions: u64,
+    pub compacted_bytes: u64,
+    pub host_copies: u64,
+    pub compaction_failures: u64,
+    pub access_fallbacks: u64,
+    pub exports_split: u64,
+    pub peak_stranded: u64,
+    /// Bytes of pages served from released handles kept for reuse.
+    pub reused_bytes: u64,
+    /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).
+    pub kept_released: u64,
+    /// Bytes of pages served by a kept handle still mapped where the pages were mapped: no
+    /// driver call at all.
+    pub reused_in_place: u64,
+    /// `cuMemSetAccess` calls answered without the driver: the mappings already had it.
+    pub access_skipped: u64,
+    /// Batches admitted without asking the driver for its free memory (kept handles cover them).
+    pub meminfo_skipped: u64,
+}
+
+#[derive(Debug)]
+pub(super) struct Page {
+    pub(super) size: u64,
+    pub(super) props: PageProps,
+    /// Program references: 1 from create, +1 per retain; released at 0.
+    pub(super) refs: u32,
+    /// `(phys, offset)` once the page has memory.
+    pub(super) slot: Option<(u64, u64)>,
+    /// Where the program mapped it.
+    pub(super) va: Option<u64>,
+    /// Handed out as its own handle (exported): never coalesced again.
+    pub(super) single: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct Phys {
+    pub(super) handle: ChunkHandle,
+    pub(super) size: u64,
+    /// Where the handle is mapped, whole.
+    pub(super) base: Option<u64>,
+    /// offset -> page
+    pub(super) slots: BTreeMap<u64, u64>,
+    /// Access the program set on any page of it: (device, flags).
+    pub(super) access: Vec<(i32, u32)>,
+    /// Access set on the mapping at `base` since it was mapped (empty when unmapped).
+    pub(super) granted: Vec<(i32, u32)>,
+}
+
+/// A fully released handle kept for reuse. `base`: still mapped there (*parked*), with
+/// `granted` access, so pages mapped at the same place again need no driver call.
+#[derive(Debug, Clone)]
+pub(super) struct Kept {
+    pub(super) handle: ChunkHandle,
+    pub(super) base: Option<u64>,
+    pub(super) granted: Vec<(i32, u32)>,
+}
+
+/// Page properties as an ordered key.
+pub(super) type KeyProps = (bool, bool);
+
+/// A kept handle's key: (properties, size, sequence).
+pub(super) type KeptKey = (KeyProps, u64, u64);
+
+pub(super) fn key(p: PageProps) -> KeyProps {
+    (p.shareable, p.rdma)
+}
+
+/// The end of `[va, va+size)`, saturated: a range that wraps (the driver refuses it) must not
+/// make the books panic.
+pub(super) fn end(va: u64, size: u64) -> u64 {
+    va.saturating_add(size)
+}
+
+pub struct Coalescer<D: Driver> {
+    pub(super) drv: Timed<D>,
+    pub(super) cfg: CoalesceConfig,
+    pub(super) next_phys: u64,
+    pub(super) pages: HashMap<u64, Page>,
+    pub(super) phys: BTreeMap<u64, Phys>,
+    /// program mapping address -> page
+    pub(super) maps: BTreeMap<u64, u64>,
+    /// phys base address -> phys (mapped phys only)
+    pub(super) bases: BTreeMap<u64, u64>,
+    /// Reservations the program made through expseg: start -> size.
+    pub(super) reservations: BTreeMap<u64, u64>,
+    pub(super) pending_bytes: u64,
+    pub(super) free_est: u64,
+    /// Phys with dead bytes.
+    pub(super) dirty: BTreeSet<u64>,
+    /// Temporary mappings whose teardown failed, retried at the next settle.
+    pub(super) stray: Vec<(u64, u64)>,
+    /// Handles the driver would not take back (cuMemRelease failed): (handle, size), still
+    /// counted as held and retried at the next settle.
+    pub(super) unreleased: Vec<(ChunkHandle, u64)>,
+    /// Fully released handles kept for reuse: (properties, size, sequence) -> handle.
+    pub(super) kept: BTreeMap<KeptKey, Kept>,
+    /// Kept handles still mapped: base -> key.
+    pub(super) parked: BTreeMap<u64, KeptKey>,
+    pub(super) kept_bytes: u64,
+    /// Whether `free_est` was read from the driver in this batch.
+    pub(super) free_known: bool,
+    pub(super) kept_seq: u64,
+    /// The program's last call.
+    pub(super) last_call: Instant,
+    pub(super) stats: CoalesceStats,
+}
+
+impl<D: Driver> Coalescer<D> {
+    pub fn new(drv: D, cfg: CoalesceConfig) -> Self {
+        Coalescer {
+            drv: Timed {
+                inner: drv,
+                calls: Default::default(),
+            },
+            cfg,
+            next_phys: 1,
+            pages: HashMap::new(),
+            phys: BTreeMap::new(),
+            maps: BTreeMap::new(),
+            bases: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            pending_bytes: 0,
+            free_est: 0,
+            dirty: BTreeSet::new(),
+            stray: Vec::new(),
+            unreleased: Vec::new(),
+            kept: BTreeMap::new(),
+            parked: BTreeMap::new(),
+            free_known: false,
+            kept_bytes: 0,
+            kept_seq: 0,
+            last_call: Instant::now(),
+            stats: CoalesceStats::default(),
+        }
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.drv.inner
+    }
+
+    pub fn driver_mut(&mut self) -> &mut D {
+        &mut self.drv.inner
+    }
+
+    /// Driver calls and nanoseconds per operation (`Op::ALL` order, then `cuMemGetInfo`).
+    pub fn driver_calls(&self) -> &[(u64, u64)] {
+        &self.drv.calls
+    }
+
+    pub fn stats(&self) -> &CoalesceStats {
+        &self.stats
+    }
+
+    pub fn owns(&self, vh: u64) -> bool {
+        self.pages.contains_key(&vh)
+    }
+
+    /// Pages the program holds, and physical handles behind them.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.pages.len(), self.phys.len())
+    }
+
+    /// Bytes of released handles kept for reuse.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_bytes
+    }
+
+    /// How long the program has made no call.
+    pub fn idle_for(&self) -> std::time::Duration {
+        self.last_call.elapsed()
+    }
+
+    pub(super) fn parking(&self) -> bool {
+        !self.cfg.release_delay.is_zero()
+    }
+
+    /// Whether a parked handle overlaps `[va, va+size)`.
+    pub fn parked_in_range(&self, va: u64, size: u64) -> bool {
+        !self.parked_in(va, size).is_empty()
+    }
+
+    /// Parked handles overlapping `[va, va+size)`: base addresses.
+    pub(super) fn parked_in(&self, va: u64, size: u64) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .parked
+            .range(..end(va, size))
+            .rev()
+            .take_while(|(b, k)| **b + k.1 > va)
+            .map(|(b, _)| *b)
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// Dead bytes still held in partly released handles.
+    pub fn stranded(&self) -> u64 {
+        self.dirty.iter().map(|p| self.dead(*p)).sum()
+    }
+
+    /// Physical bytes held: handles behind pages and handles kept for reuse.
+    pub fn physical_bytes(&self) -> u64 {
+        self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
+    }
+
+    /// Bytes of handles the driver would not take back yet.
+    pub(super) fn unreleased_bytes(&self) -> u64 {
+        self.unreleased.iter().map(|(_, s)| s).sum()
+    }
+
+    pub(super) fn dead(&self, pid: u64) -> u64 {
+        let p = &self.phys[&pid];
+        let live: u64 = p.slots.values().map(|vh| self.pages[vh].size).sum();
+        p.size - live
+    }
+
+    /// Whether the program has a page of ours mapped in `[va, va+size)`.
+    /// (or a handle of ours is parked there: the driver's mapping is ours, not the program's).
+    pub fn maps_in(&self, va: u64, size: u64) -> bool {
+        self.maps.range(va..end(va, size)).next().is_some() || self.ours_in_range(va, size)
+    }
+
+    /// Whether a handle of ours is mapped in `[va, va+size)`: a parked one, or one behind
+    /// pages (some perhaps already unmapped by the program, not yet released).
+    pub(super) fn ours_in_range(&self, va: u64, size: u64) -> bool {
+        self.parked_in_range(va, size) || !self.phys_in(va, size).is_empty()
+    }
+
+    /// Mapped phys overlapping `[va, va+size)`, by address (mappings never overlap).
+    pub(super) fn phys_in(&self, va: u64, size: u64) -> Vec<u64> {
+        let mut out: Vec<u64> = self
+            .bases
+            .range(..end(va, size))
+            .rev()
+            .take_while(|(b, p)| **b + self.phys[p].size > va)
+            .map(|(_, p)| *p)
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// A program call on `[va, va+size)` where it has no page of ours: Ok(false), pass it
+    /// through; or, where a handle of ours is mapped (parked, or behind pages the program
+    /// unmapped), the program has nothing mapped there (the driver's answer without expseg,
+    /// and the driver must not touch our mapping).
+    pub(super) fn none_of_the_programs(&self, va: u64, size: u64) -> DrvResult<bool> {
+        match self.ours_in_range(va, size) {
+            false => Ok(false),
+            true => Err(INVALID),
+        }
+    }
+
+    /// Whether this device has anything of ours: pages, handles, kept handles, or temporary
+    /// mappings to take down. A coalescer that holds nothing has no driver call to make.
+    pub fn holds_anything(&self) -> bool {
+        !self.pages.is_empty()
+            || !self.phys.is_empty()
+            || self.kept_bytes > 0
+            || !self.stray.is_empty()
+            || !self.unreleased.is_empty()
+    }
+
+    /// The page mapping containing `ptr`: (start, size).
+    pub fn range_of(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (va, vh) = self.maps.range(..=ptr).next_back()?;
+        let size = self.pages[vh].size;
+        (ptr < va + size).then_some((*va, size))
+    }
+
+    pub fn props_of(&self, vh: u64) -> Option<(u64, PageProps)> {
+        self.pages.get(&vh).map(|p| (p.size, p.props))
+    }
+
+    /// The pages the program mapped in `[va, va+size)`: (address, page), in address order.
+    pub(super) fn mapped_in(&self, va: u64, size: u64) -> Vec<(u64, u64)> {
+        self.maps
+            .range(va..end(va, size))
+            .map(|(a, v)| (*a, *v))
+            .collect()
+    }
+
+    pub(super) fn add_phys(
+        &mut self,
+        handle: ChunkHandle,
+        size: u64,
+        base: Option<u64>,
+        access: Vec<(i32, u32)>,
+    ) -> u64 {
+        let pid = self.next_phys;
+        self.next_phys += 1;
+        if let Some(b) = base {
+            self.bases.insert(b, pid);
+        }
+        // A mapped new phys has the access it is given (compaction sets it before).
+        let granted = match base {
+            Some(_) => access.clone(),
+            None => Vec::new(),
+        };
+        self.phys.insert(
+            pid,
+            Phys {
+                handle,
+                size,
+                base,
+                slots: BTreeMap::new(),
+                access,
+                granted,
+            },
+        );
+        self.stats.phys_created += 1;
+        pid
+    }
+
+    pub(super) fn attach(&mut self, vh: u64, pid: u64, off: u64) {
+        let p = self.pages.get_mut(&vh).unwrap();
+        if p.slot.is_none() && p.refs > 0 {
+            self.pending_bytes -= p.size;
+        }
+        p.slot = Some((pid, off));
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+    }
+
+    pub(super) fn same_reservation(&self, a: u64, end: u64) -> bool {
+        self.reservations
+            .range(..=a)
+            .next_back()
+            .is_some_and(|(s, l)| end <= s + l)
+    }
+
+    /// A page moves from one phys to another (no pending accounting involved).
+    pub(super) fn attach_moved(&mut self, vh: u64, pid: u64, off: u64) {
+        self.pages.get_mut(&vh).unwrap().slot = Some((pid, off));
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+    }
+}

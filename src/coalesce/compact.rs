@@ -1,0 +1,439 @@
+//! Compaction: the live pages of a partly released handle move into new handles at the same
+//! addresses (through device memory, else host memory), the old handle goes back; every step
+//! before that has a way back. `settle` decides when.
+
+use super::books::{Coalescer, INVALID};
+use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
+
+/// A run of a phys's live pages that moves to one new handle.
+#[derive(Debug, Clone)]
+pub(super) struct Group {
+    pub(super) off: u64,
+    pub(super) len: u64,
+    /// Where the new handle is mapped (the pages' address), or none for unmapped pages.
+    pub(super) target: Option<u64>,
+}
+
+/// What a compaction holds while it is not yet committed.
+#[derive(Default)]
+pub(super) struct Work {
+    /// New handles, and whether each was created (false: no room, host path).
+    pub(super) new: Vec<(ChunkHandle, bool)>,
+    /// Temporary mappings: (address, size) of a reservation with one handle mapped whole.
+    pub(super) tmp: Vec<(u64, u64)>,
+    /// The old handle's temporary mapping, when it was not mapped.
+    pub(super) src_tmp: Option<(u64, u64)>,
+    pub(super) host: Vec<Option<Vec<u8>>>,
+}
+
+impl<D: Driver> Coalescer<D> {
+    /// Compact partly released handles: all of them if `force`, else until the stranded bytes
+    /// are within the bound. Failures leave memory stranded (and are counted), never lost.
+    pub fn settle(&mut self, force: bool) {
+        for (va, size) in std::mem::take(&mut self.stray) {
+            self.drop_tmp(va, size);
+        }
+        for (h, size) in std::mem::take(&mut self.unreleased) {
+            self.release_or_hold(h, size);
+        }
+        if self.dirty.is_empty() {
+            return;
+        }
+        let mut stranded = self.stranded();
+        self.stats.peak_stranded = self.stats.peak_stranded.max(stranded);
+        if !force && stranded <= self.cfg.strand_max {
+            return;
+        }
+        let mut order: Vec<(u64, u64)> = self.dirty.iter().map(|p| (self.dead(*p), *p)).collect();
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        for (dead, pid) in order {
+            if !force && stranded <= self.cfg.strand_max {
+                break;
+            }
+            match self.compact(pid, false) {
+                Ok(()) => stranded -= dead,
+                Err(e) => {
+                    self.stats.compaction_failures += 1;
+                    log::warn!("compaction of a partly released handle failed ({e}); its free pages stay held");
+                }
+            }
+        }
+    }
+
+    /// The groups a phys's live pages move to.
+    pub(super) fn groups(&self, pid: u64, singles: bool) -> Vec<Group> {
+        let ph = &self.phys[&pid];
+        let mut out: Vec<Group> = Vec::new();
+        for (off, vh) in &ph.slots {
+            let p = &self.pages[vh];
+            let target = p.va;
+            let join = !singles && !p.single;
+            if let Some(g) = out.last_mut() {
+                let adjacent = g.off + g.len == *off;
+                let continues = match (g.target, target) {
+                    (Some(t), Some(v)) => t + g.len == v,
+                    _ => false,
+                };
+                if join && adjacent && continues && g.len + p.size <= self.cfg.max_handle {
+                    g.len += p.size;
+                    continue;
+                }
+            }
+            out.push(Group {
+                off: *off,
+                len: p.size,
+                target,
+            });
+        }
+        out
+    }
+
+    /// Move the live pages of `pid` into new handles at the same addresses and release it.
+    /// Device path: every step before the release has a restore path, so a failure leaves
+    /// data and mappings as they were. Host path (no room for a copy on the device): the old
+    /// handle is released before the new one is created; if that create fails (another
+    /// process took the memory in between) it is retried, and otherwise the data is lost and
+    /// said so loudly: the one step without a way back.
+    pub(super) fn compact(&mut self, pid: u64, singles: bool) -> DrvResult<()> {
+        let mut groups = self.groups(pid, singles);
+        if groups.is_empty() {
+            return self.release_idle(pid);
+        }
+        let (handle, size, base) = {
+            let ph = &self.phys[&pid];
+            (ph.handle, ph.size, ph.base)
+        };
+        if base.is_none() {
+            // Not mapped yet: the new handles are mapped when access is set.
+            for g in &mut groups {
+                g.target = None;
+            }
+        }
+        let own = vec![(self.drv.device(), 3u32)];
+        let acc = match &self.phys[&pid].access {
+            a if a.is_empty() => own.clone(),
+            a => a.clone(),
+        };
+        let props = self.phys[&pid]
+            .slots
+            .values()
+            .next()
+            .map(|v| self.pages[v].props)
+            .unwrap_or_default();
+        let me = self.drv.device();
+        log::debug!(
+            "device {me}: compacting handle {handle:#x} ({size:#x} bytes at {base:?}) into {} groups, access {acc:?}",
+            groups.len()
+        );
+        // Kernels of other devices given access (PyTorch's peers) may be reading the live
+        // pages: they finish before the pages move, as this device's do in copy_out.
+        for (d, _) in acc.iter().filter(|(d, _)| *d != me) {
+            self.drv.synchronize_peer(*d)?;
+        }
+        let mut w = Work::default();
+        if let Err(e) = self.copy_out(handle, size, base, &groups, props, &own, &mut w) {
+            self.undo(&mut w);
+            return Err(e);
+        }
+        // Commit point: the old handle leaves its address; the device copies take its place.
+        if let Some(b) = base {
+            if let Err(e) = self.drv.unmap(b, size) {
+                self.undo(&mut w);
+                return Err(e);
+            }
+        }
+        let mut placed = Vec::new();
+        let mut failure = None;
+        for (i, g) in groups.iter().enumerate() {
+            let (h, on_device) = w.new[i];
+            let Some(t) = g.target.filter(|_| on_device) else {
+                continue;
+            };
+            if let Err(e) = self.drv.map(t, g.len, h) {
+                failure = Some(e);
+                break;
+            }
+            placed.push((t, g.len));
+            if let Err(e) = self.drv.set_access_flags(t, g.len, &acc) {
+                failure = Some(e);
+                break;
+            }
+        }
+        // The old handle goes back to the driver (off its temporary mapping first). The host
+        // path's new handles are made of its memory: if it will not go, nothing has been
+        // lost yet, and the compaction is undone instead.
+        let mut held = None;
+        if failure.is_none() {
+            if let Some((t, sz)) = w.src_tmp.take() {
+                self.drop_tmp(t, sz);
+            }
+            if let Err(e) = self.drv.release(handle) {
+                match w.new.iter().any(|(_, on_device)| !on_device) {
+                    true => failure = Some(e),
+                    false => held = Some(e),
+                }
+            }
+        }
+        if let Some(e) = failure {
+            for (t, len) in placed {
+                self.drop_mapping(t, len);
+            }
+            if let Some(b) = base {
+                let remapped = self.drv.map(b, size, handle);
+                let mapped = remapped.is_ok();
+                let back = remapped.and_then(|_| self.drv.set_access_flags(b, size, &acc));
+                let ph = self.phys.get_mut(&pid).unwrap();
+                match back {
+                    Ok(()) => ph.granted = acc.clone(),
+                    Err(e2) => {
+                        // Not granted (access is set again with the pages'); not mapped, the
+                        // books say so: the next cuMemSetAccess of its pages maps it again.
+                        ph.granted.clear();
+                        if !mapped {
+                            ph.base = None;
+                            self.bases.remove(&b);
+                        }
+                        log::error!("restoring a handle after a failed compaction failed ({e2}); its data is intact in the handle, {} until access is set again", if mapped { "without access" } else { "unmapped" });
+                    }
+                }
+            }
+            self.undo(&mut w);
+            return Err(e);
+        }
+        // Committed.
+        if let Some(b) = base {
+            self.bases.remove(&b);
+        }
+        if let Some(e) = held {
+            self.hold(handle, size, e);
+        }
+        let members: Vec<(u64, u64)> = self.phys[&pid]
+            .slots
+            .iter()
+            .map(|(o, v)| (*o, *v))
+            .collect();
+        self.phys.remove(&pid);
+        self.dirty.remove(&pid);
+        self.stats.phys_released += 1;
+        self.stats.compactions += 1;
+        let mut result = Ok(());
+        for (i, g) in groups.iter().enumerate() {
+            let (mut h, on_device) = w.new[i];
+            if !on_device {
+                match self.fill_from_host(g, props, &acc, &own, w.host[i].as_deref().unwrap_or(&[]))
+                {
+                    Ok(nh) => h = nh,
+                    Err(e) => {
+                        log::error!(
+                            "compaction through host memory: no device memory came back for {} bytes at {:#x} ({e}); their contents are lost",
+                            g.len,
+                            g.target.unwrap_or(0)
+                        );
+                        self.stats.compaction_failures += 1;
+                        for (o, v) in &members {
+                            if *o >= g.off && *o < g.off + g.len {
+                                let p = self.pages.get_mut(v).unwrap();
+                                p.slot = None;
+                                if p.refs > 0 {
+                                    self.pending_bytes += p.size;
+                                }
+                            }
+                        }
+                        result = Err(e);
+                        continue;
+                    }
+                }
+            }
+            let npid = self.add_phys(h, g.len, g.target, acc.clone());
+            self.stats.compacted_bytes += g.len;
+            for (o, v) in &members {
+                if *o >= g.off && *o < g.off + g.len {
+                    self.pages.get_mut(v).unwrap().slot = None;
+                    self.attach_moved(*v, npid, o - g.off);
+                }
+            }
+        }
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).collect();
+        for (t, sz) in tmp {
+            self.drop_tmp(t, sz);
+        }
+        result
+    }
+
+    /// Take a temporary mapping down; one that will not go is retried at the next settle.
+    pub(super) fn drop_tmp(&mut self, va: u64, size: u64) {
+        let unmapped = self
+            .drv
+            .unmap(va, size)
+            .or_else(|_| self.drv.unmap(va, size));
+        let freed = unmapped.and_then(|_| {
+            self.drv
+                .free_va(va, size)
+                .or_else(|_| self.drv.free_va(va, size))
+        });
+        if freed.is_err() {
+            self.stray.push((va, size));
+        }
+    }
+
+    /// Steps of a compaction that change nothing the program sees: wait for the device,
+    /// create the new handles, and copy the live pages out (to device memory where the
+    /// driver had room, else to the host).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn copy_out(
+        &mut self,
+        handle: ChunkHandle,
+        size: u64,
+        base: Option<u64>,
+        groups: &[Group],
+        props: PageProps,
+        own: &[(i32, u32)],
+        w: &mut Work,
+    ) -> DrvResult<()> {
+        self.drv.synchronize()?;
+        for g in groups {
+            match self.create_room(g.len, props) {
+                Ok(h) => w.new.push((h, true)),
+                Err(e) if e.is_oom() => w.new.push((0, false)),
+                Err(e) => return Err(e),
+            }
+        }
+        let src = match base {
+            Some(b) => b,
+            None => {
+                let t = self.temp_map(handle, size, own, w)?;
+                w.src_tmp = w.tmp.pop();
+                t
+            }
+        };
+        for (i, g) in groups.iter().enumerate() {
+            let (h, on_device) = w.new[i];
+            if on_device {
+                let t = self.temp_map(h, g.len, own, w)?;
+                self.drv.copy(t, src + g.off, g.len)?;
+                w.host.push(None);
+            } else {
+                self.stats.host_copies += 1;
+                w.host.push(Some(self.drv.save(src + g.off, g.len)?));
+            }
+        }
+        Ok(())
+    }
+
+    /// Map `h` at a fresh reservation for copying; recorded in `w.tmp`.
+    pub(super) fn temp_map(
+        &mut self,
+        h: ChunkHandle,
+        size: u64,
+        own: &[(i32, u32)],
+        w: &mut Work,
+    ) -> DrvResult<u64> {
+        let t = self.drv.reserve(size)?;
+        if let Err(e) = self.drv.map(t, size, h) {
+            let _ = self.drv.free_va(t, size);
+            return Err(e);
+        }
+        w.tmp.push((t, size));
+        self.drv.set_access_flags(t, size, own)?;
+        Ok(t)
+    }
+
+    /// Host path, after the old handle's release: a new handle, mapped, filled. Nothing can
+    /// restore the old handle from here, so the whole step is tried three times.
+    pub(super) fn fill_from_host(
+        &mut self,
+        g: &Group,
+        props: PageProps,
+        acc: &[(i32, u32)],
+        own: &[(i32, u32)],
+        data: &[u8],
+    ) -> DrvResult<ChunkHandle> {
+        let mut last = INVALID;
+        for attempt in 0..3 {
+            if attempt > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            match self.fill_once(g, props, acc, own, data) {
+                Ok(h) => return Ok(h),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    pub(super) fn fill_once(
+        &mut self,
+        g: &Group,
+        props: PageProps,
+        acc: &[(i32, u32)],
+        own: &[(i32, u32)],
+        data: &[u8],
+    ) -> DrvResult<ChunkHandle> {
+        let h = self.create_room(g.len, props)?;
+        let mut w = Work::default();
+        let r = match g.target {
+            Some(t) => self.drv.map(t, g.len, h).and_then(|_| {
+                self.drv
+                    .set_access_flags(t, g.len, acc)
+                    .and_then(|_| self.drv.load(t, data))
+                    .inspect_err(|_| self.drop_mapping(t, g.len))
+            }),
+            None => self
+                .temp_map(h, g.len, own, &mut w)
+                .and_then(|t| self.drv.load(t, data)),
+        };
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).collect();
+        for (t, sz) in tmp {
+            self.drop_tmp(t, sz);
+        }
+        match r {
+            Ok(()) => Ok(h),
+            Err(e) => {
+                let _ = self.drv.release(h);
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmap a mapping of ours, once more if the first try fails.
+    pub(super) fn drop_mapping(&mut self, va: u64, size: u64) {
+        if self.drv.unmap(va, size).is_err() {
+            let _ = self.drv.unmap(va, size);
+        }
+    }
+
+    /// Release a phys none of whose pages is live.
+    pub(super) fn release_idle(&mut self, pid: u64) -> DrvResult<()> {
+        let ph = &self.phys[&pid];
+        log::debug!(
+            "device {}: handle {:#x} released ({:#x} bytes, was at {:?})",
+            self.drv.device(),
+            ph.handle,
+            ph.size,
+            ph.base
+        );
+        if let Some(b) = ph.base {
+            self.drv.unmap(b, ph.size)?;
+            self.bases.remove(&b);
+            self.phys.get_mut(&pid).unwrap().base = None;
+        }
+        self.drv.release(self.phys[&pid].handle)?;
+        self.phys.remove(&pid);
+        self.dirty.remove(&pid);
+        self.stats.phys_released += 1;
+        Ok(())
+    }
+
+    /// Undo an uncommitted compaction: temporary mappings and new handles go away.
+    pub(super) fn undo(&mut self, w: &mut Work) {
+        let tmp: Vec<(u64, u64)> = w.tmp.drain(..).chain(w.src_tmp.take()).collect();
+        for (va, sz) in tmp {
+            self.drop_tmp(va, sz);
+        }
+        for (h, on_device) in w.new.drain(..) {
+            if on_device {
+                let _ = self.drv.release(h);
+            }
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! Backing pending pages: runs of pages mapped back to back get one handle each (parked
+//! handles taken back in place where that costs no more, then kept handles, then new ones),
+//! mapped where the pages are.
+
+use super::books::{key, Coalescer, KeptKey, INVALID};
+use crate::gpu::{ChunkHandle, Driver, DrvResult};
+
+impl<D: Driver> Coalescer<D> {
+    /// Give memory to the pages in `inside` (address, page) and map every phys behind them.
+    pub(super) fn materialize(&mut self, inside: &[(u64, u64)]) -> DrvResult<()> {
+        // Parked handles under whole chains of pending pages first (no driver call), then
+        // kept or new handles for the rest, in runs of at most `max_handle`.
+        let mut rest = Vec::new();
+        for chain in self.pending_runs(inside, u64::MAX) {
+            rest.extend(self.adopt_parked(&chain));
+        }
+        for piece in rest {
+            for run in self.pending_runs(&piece, self.cfg.max_handle) {
+                self.back_run(&run)?;
+            }
+        }
+        // Map every phys of the range that is not mapped where its pages are (a phys whose
+        // pages disagree is split first, so look again).
+        for &(_, vh) in inside {
+            for _ in 0..3 {
+                let (pid, _) = self.pages[&vh].slot.expect("backed");
+                if self.phys[&pid].base.is_some() {
+                    break;
+                }
+                self.map_phys(pid)?;
+            }
+            let (pid, _) = self.pages[&vh].slot.expect("backed");
+            if self.phys[&pid].base.is_none() {
+                return Err(INVALID);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs of the pending pages in `inside` mapped back to back, within one reservation, of
+    /// the same properties, each at most `limit` bytes (a longer page stands alone).
+    pub(super) fn pending_runs(&self, inside: &[(u64, u64)], limit: u64) -> Vec<Vec<(u64, u64)>> {
+        let mut runs: Vec<Vec<(u64, u64)>> = Vec::new();
+        let mut len = 0u64;
+        for &(va, vh) in inside {
+            let p = &self.pages[&vh];
+            if p.slot.is_some() {
+                continue;
+            }
+            let extend = runs.last().is_some_and(|r| {
+                let (lva, lvh) = *r.last().unwrap();
+                let lp = &self.pages[&lvh];
+                lva + lp.size == va
+                    && lp.props == p.props
+                    && !p.single
+                    && !lp.single
+                    && len.saturating_add(p.size) <= limit.max(p.size)
+                    && self.same_reservation(r[0].0, va + p.size)
+            });
+            if extend {
+                runs.last_mut().unwrap().push((va, vh));
+                len += p.size;
+            } else {
+                runs.push(vec![(va, vh)]);
+                len = p.size;
+            }
+        }
+        runs
+    }
+
+    /// What `back_run` would do for these pieces of uniform pages, given kept handles of
+    /// these sizes (largest that fits first, as `take_kept`): (new bytes, driver cost). The
+    /// cost counts, per handle mapped, a map, an access call and the unmap to come (≈ 130 µs,
+    /// H100), and per new handle its create and release (≈ 200 µs more).
+    pub(super) fn plan_cost(
+        &self,
+        pieces: &[Vec<(u64, u64)>],
+        mut sizes: Vec<u64>,
+        unit: u64,
+    ) -> (u64, u64) {
+        sizes.sort_unstable();
+        let (mut fresh, mut cost) = (0, 0);
+        for piece in pieces {
+            for run in self.pending_runs(piece, self.cfg.max_handle) {
+                let mut want = run.len() as u64 * unit;
+                while let Some(x) = sizes
+                    .iter()
+                    .rposition(|s| *s <= want && s.is_multiple_of(unit))
+                {
+                    want -= sizes.remove(x);
+                    cost += 130;
+                }
+                if want > 0 {
+                    fresh += want;
+                    cost += 330;
+                }
+            }
+        }
+        (fresh, cost)
+    }
+
+    /// Parked handles that lie wholly under a chain of pending pages of one size, page
+    /// aligned, become those pages' memory where they are mapped: no driver call. Returns
+    /// the pieces of the chain still without memory.
+    pub(super) fn adopt_parked(&mut self, chain: &[(u64, u64)]) -> Vec<Vec<(u64, u64)>> {
+        let (start, first) = chain[0];
+        let unit = self.pages[&first].size;
+        let props = self.pages[&first].props;
+        let end = start + chain.len() as u64 * unit;
+        let uniform = chain
+            .iter()
+            .enumerate()
+            .all(|(i, (va, v))| *va == start + i as u64 * unit && self.pages[v].size == unit);
+        if !uniform || self.parked.is_empty() {
+            return vec![chain.to_vec()];
+        }
+        let hits: Vec<(u64, KeptKey)> = self
+            .parked
+            .range(start..end)
+            .filter(|(b, k)| {
+                k.0 == key(props)
+                    && **b + k.1 <= end
+                    && (**b - start).is_multiple_of(unit)
+                    && k.1.is_multiple_of(unit)
+            })
+            .map(|(b, k)| (*b, *k))
+            .collect();
+        if hits.is_empty() {
+            return vec![chain.to_vec()];
+        }
+        // Taking them back saves an unmap, a map and an access call each, but splits the
+        // chain into more handles: only when the pieces need no more new memory, and no more
+        // driver time, than the whole chain would with kept handles. (Splitting whenever the
+        // new bytes were equal made churn 1.24x slower: more, smaller handles, H100.)
+        let kp = key(props);
+        let sizes: Vec<u64> = self
+            .kept
+            .keys()
+            .filter(|k| k.0 == kp)
+            .map(|k| k.1)
+            .collect();
+        let mut whole = self.plan_cost(&[chain.to_vec()], sizes.clone(), unit);
+        // Without them, each is unmapped before the chain is mapped (≈ 50 µs).
+        whole.1 += 50 * hits.len() as u64;
+        let mut pieces = Vec::new();
+        let mut left = sizes;
+        let mut i = 0usize;
+        for (b, k) in &hits {
+            let i0 = ((b - start) / unit) as usize;
+            if i0 > i {
+                pieces.push(chain[i..i0].to_vec());
+            }
+            i = i0 + (k.1 / unit) as usize;
+            if let Some(x) = left.iter().position(|s| *s == k.1) {
+                left.swap_remove(x);
+            }
+        }
+        if i < chain.len() {
+            pieces.push(chain[i..].to_vec());
+        }
+        let split = self.plan_cost(&pieces, left, unit);
+        if split.0 > whole.0 || split.1 > whole.1 {
+            return vec![chain.to_vec()];
+        }
+        for (b, k) in hits {
+            let i0 = ((b - start) / unit) as usize;
+            let n = (k.1 / unit) as usize;
+            let kh = self.kept.remove(&k).unwrap();
+            self.parked.remove(&b);
+            self.kept_bytes -= k.1;
+            self.stats.reused_bytes += k.1;
+            self.stats.reused_in_place += k.1;
+            log::debug!(
+                "device {}: kept handle {:#x} taken back in place at {b:#x}+{:#x}",
+                self.drv.device(),
+                kh.handle,
+                k.1
+            );
+            let pid = self.add_phys(kh.handle, k.1, Some(b), kh.granted);
+            for (j, (_, vh)) in chain[i0..i0 + n].iter().enumerate() {
+                self.attach(*vh, pid, j as u64 * unit);
+            }
+        }
+        pieces
+    }
+
+    /// Memory for a run of pending pages: kept handles first (largest that fits, several back
+    /// to back), the rest as one new handle; one per page if that cannot be had.
+    pub(super) fn back_run(&mut self, run: &[(u64, u64)]) -> DrvResult<()> {
+        let props = self.pages[&run[0].1].props;
+        let unit = self.pages[&run[0].1].size;
+        let uniform = run.iter().all(|(_, v)| self.pages[v].size == unit);
+        let mut rest = run;
+        while uniform && !rest.is_empty() && self.kept_bytes > 0 {
+            let want = rest.len() as u64 * unit;
+            let Some((h, size)) = self.take_kept(props, want, unit) else {
+                break;
+            };
+            let n = (size / unit) as usize;
+            self.adopt(h, size, &rest[..n]);
+            rest = &rest[n..];
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let total: u64 = rest.iter().map(|(_, v)| self.pages[v].size).sum();
+        match self.create_fresh(total, props) {
+            Ok(h) => {
+                self.adopt(h, total, rest);
+                Ok(())
+            }
+            Err(e) if e.is_oom() && rest.len() > 1 => {
+                self.stats.access_fallbacks += 1;
+                for (_, vh) in rest {
+                    self.back_run(&[(0, *vh)])?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if e.is_oom() {
+                    self.stats.access_fallbacks += 1;
+                    log::warn!("memory admitted for a page was taken before it was mapped (another process?); out of memory at cuMemSetAccess");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// A handle becomes the memory of pending pages, in order.
+    pub(super) fn adopt(&mut self, h: ChunkHandle, size: u64, pages: &[(u64, u64)]) {
+        let pid = self.add_phys(h, size, None, Vec::new());
+        let mut off = 0;
+        for (_, vh) in pages {
+            self.attach(*vh, pid, off);
+            off += self.pages[vh].size;
+        }
+    }
+
+    /// Map an unmapped phys where its pages are mapped; split it first if they disagree.
+    pub(super) fn map_phys(&mut self, pid: u64) -> DrvResult<()> {
+        let ph = &self.phys[&pid];
+        let mut base = None;
+        let mut consistent = true;
+        for (off, vh) in &ph.slots {
+            if let Some(va) = self.pages[vh].va {
+                match base {
+                    None => base = Some(va - off),
+                    Some(b) if b + off == va => {}
+                    Some(_) => consistent = false,
+                }
+            }
+        }
+        let Some(b) = base else { return Ok(()) };
+        if !consistent || ph.slots.values().any(|v| self.pages[v].va.is_none()) {
+            // Pages elsewhere or unmapped: one handle each, mapped one by one.
+            return self.compact(pid, true);
+        }
+        let size = ph.size;
+        let h = ph.handle;
+        self.clear_range(b, size, pid)?;
+        log::debug!(
+            "device {}: handle {h:#x} mapped at {b:#x}+{size:#x}",
+            self.drv.device()
+        );
+        self.drv.map(b, size, h)?;
+        let ph = self.phys.get_mut(&pid).unwrap();
+        ph.base = Some(b);
+        ph.granted.clear();
+        self.bases.insert(b, pid);
+        Ok(())
+    }
+
+    /// Compact every other phys whose mapping overlaps `[va, va+size)` (ghosts in the way).
+    pub(super) fn clear_range(&mut self, va: u64, size: u64, except: u64) -> DrvResult<()> {
+        for b in self.parked_in(va, size) {
+            self.unpark(b)?;
+        }
+        for pid in self.phys_in(va, size).into_iter().filter(|p| *p != except) {
+            self.compact(pid, false)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,288 @@
+//! The program's calls: one handle per batch, exact out-of-memory answers, export, foreign
+//! handles and ranges, answers as native for calls twice or out of range.
+
+use super::*;
+
+#[test]
+fn a_batch_of_pages_is_one_handle_and_goes_back_whole() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert_eq!(c.driver().calls_of(Op::Create), 1);
+    assert_eq!(c.driver().calls_of(Op::Map), 1);
+    assert_eq!(c.driver().chunk_count(), 1);
+    fill(&mut c, va, 8);
+    assert!(intact(&c, va, 8));
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().chunk_count(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+    assert_eq!(c.counts(), (0, 0));
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.stats().compactions, 0);
+}
+
+#[test]
+fn create_fails_with_out_of_memory_exactly_when_native_pages_would_not_fit() {
+    for margin in [0, 3 * PAGE, 50 * PAGE] {
+        let mut k = cfg();
+        k.margin = margin;
+        let (mut c, va) = setup(10 * PAGE, k);
+        // Native: 10 pages fit, the 11th does not.
+        let mut hs = Vec::new();
+        for i in 0..10 {
+            hs.push(
+                c.create(PAGE, PROPS)
+                    .unwrap_or_else(|e| panic!("page {i}: {e}")),
+            );
+        }
+        assert_eq!(c.create(PAGE, PROPS), Err(DrvError::OUT_OF_MEMORY));
+        for (i, h) in hs.iter().enumerate() {
+            c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+        }
+        c.set_access(va, 10 * PAGE, &[(0, RW)]).unwrap();
+        fill(&mut c, va, 10);
+        assert!(intact(&c, va, 10));
+        // Freeing part of it makes room again, through compaction, before create fails.
+        shrink(&mut c, va + 8 * PAGE, &hs[8..]);
+        let mut k2 = c.cfg;
+        k2.strand_max = u64::MAX;
+        c.cfg = k2;
+        let h = c
+            .create(PAGE, PROPS)
+            .expect("stranded pages are compacted first");
+        c.release(h).unwrap();
+        shrink(&mut c, va, &hs[..8]);
+        assert_eq!(c.driver().used(), 0, "margin {margin}");
+    }
+}
+
+#[test]
+fn pytorch_oom_path_releases_pending_pages() {
+    let (mut c, _va) = setup(10 * PAGE, cfg());
+    let mut hs = Vec::new();
+    for _ in 0..5 {
+        hs.push(c.create(PAGE, PROPS).unwrap());
+    }
+    for h in hs {
+        c.release(h).unwrap();
+    }
+    assert_eq!(c.counts(), (0, 0));
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.pending_bytes, 0);
+}
+
+#[test]
+fn an_exported_page_gets_its_own_handle_with_its_data() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    let h1 = c.export(hs[1]).unwrap();
+    assert!(!is_virtual(h1));
+    assert_eq!(c.driver().chunk_count(), 4);
+    assert!(intact(&c, va, 4));
+    // Exporting again costs nothing and gives the same handle.
+    let creates = c.driver().calls_of(Op::Create);
+    assert_eq!(c.export(hs[1]).unwrap(), h1);
+    assert_eq!(c.driver().calls_of(Op::Create), creates);
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn foreign_handles_and_ranges_are_not_ours() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    assert_eq!(c.unmap(va, PAGE), Ok(false));
+    assert_eq!(c.set_access(va, PAGE, &[(0, RW)]), Ok(false));
+    assert!(!c.owns(12345));
+    assert_eq!(c.release(12345), Err(INVALID));
+    let h = c.create(PAGE, PROPS).unwrap();
+    assert!(is_virtual(h));
+    assert_eq!(c.map(va, PAGE, G, h), Err(INVALID), "offset must be 0");
+    assert_eq!(c.map(va, 2 * PAGE, 0, h), Err(INVALID), "whole handle only");
+    c.map(va, PAGE, 0, h).unwrap();
+    assert_eq!(c.unmap(va, PAGE / 2), Err(INVALID));
+    assert_eq!(c.range_of(va + 5), Some((va, PAGE)));
+    let r = c.retain(va + 5).unwrap().unwrap();
+    assert_eq!(r, h);
+    c.release(r).unwrap();
+    assert!(c.unmap(va, PAGE).unwrap());
+    c.release(h).unwrap();
+    assert_eq!(c.counts(), (0, 0));
+}
+
+#[test]
+fn memory_shared_with_another_process_is_split_per_page_and_never_moves() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let a = grow(&mut c, va, 4).unwrap();
+    let b = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    fill(&mut c, va, 7);
+    c.isolate_run(va + PAGE + 7).unwrap();
+    assert_eq!(
+        c.driver().chunk_count(),
+        7,
+        "both batches of the run, page by page"
+    );
+    assert!(intact(&c, va, 7));
+    let creates = c.driver().calls_of(Op::Create);
+    shrink(&mut c, va + PAGE, &a[1..3]);
+    c.settle(true);
+    assert_eq!(c.driver().calls_of(Op::Create), creates, "no page moved");
+    assert_eq!(c.stranded(), 0);
+    assert!(intact(&c, va, 1) && intact(&c, va + 3 * PAGE, 4));
+    shrink(&mut c, va, &a[..1]);
+    shrink(&mut c, va + 3 * PAGE, &a[3..]);
+    shrink(&mut c, va + 4 * PAGE, &b);
+    assert_eq!(c.driver().used(), 0);
+}
+
+/// Not a test: the coalescer's own cost per page of PyTorch's pattern (fake driver), printed.
+#[test]
+#[ignore]
+fn bookkeeping_cost_per_page() {
+    let (mut c, va) = setup(1 << 44, cfg());
+    let t = std::time::Instant::now();
+    let mut pages = 0;
+    for _ in 0..20 {
+        let mut at = 0;
+        let mut batches = Vec::new();
+        for k in 0..150u64 {
+            let n = 3 + k % 28;
+            batches.push((at, grow(&mut c, va + at * PAGE, n).unwrap()));
+            at += n;
+            pages += n;
+        }
+        for (a, hs) in batches {
+            shrink(&mut c, va + a * PAGE, &hs);
+        }
+    }
+    eprintln!(
+        "{:.2} us per page",
+        t.elapsed().as_secs_f64() * 1e6 / pages as f64
+    );
+}
+
+#[test]
+fn handles_of_two_devices_never_collide() {
+    let (mut a, _) = setup(100 * PAGE, cfg());
+    let mut b = Coalescer::new(FakeDriver::new(1, G, 100 * PAGE), cfg());
+    let ha: Vec<u64> = (0..5).map(|_| a.create(PAGE, PROPS).unwrap()).collect();
+    let hb: Vec<u64> = (0..5).map(|_| b.create(PAGE, PROPS).unwrap()).collect();
+    for h in &hb {
+        assert!(!a.owns(*h), "device 0 must not own device 1's page");
+        assert!(b.owns(*h));
+    }
+    for h in ha {
+        a.release(h).unwrap();
+    }
+    for h in hb {
+        b.release(h).unwrap();
+    }
+}
+
+#[test]
+fn pages_released_before_they_were_mapped_never_cover_new_pages() {
+    // Near the limit the pages are created as one handle at once; PyTorch's out-of-memory path
+    // releases some before anything is mapped, and new pages take their addresses.
+    let mut k = cfg();
+    k.margin = 1 << 50; // always the exact path
+    let (mut c, va) = setup(100 * PAGE, k);
+    let hs: Vec<u64> = (0..4).map(|_| c.create(PAGE, PROPS).unwrap()).collect();
+    // Pages 2 and 3 go back unmapped; 0 and 1 are mapped and used.
+    c.release(hs[2]).unwrap();
+    c.release(hs[3]).unwrap();
+    c.map(va, PAGE, 0, hs[0]).unwrap();
+    c.map(va + PAGE, PAGE, 0, hs[1]).unwrap();
+    assert!(c.set_access(va, 2 * PAGE, &[(0, RW)]).unwrap());
+    fill(&mut c, va, 2);
+    let more = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    fill(&mut c, va + 2 * PAGE, 2);
+    assert!(intact(&c, va, 4));
+    assert_eq!(c.stranded(), 0);
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 2 * PAGE, &more);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn without_the_drivers_free_memory_pages_are_created_at_once_and_still_coalesced_by_batch() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    // A driver that cannot say how much is free: margin can never be checked.
+    c.cfg.margin = u64::MAX / 4;
+    let hs = grow(&mut c, va, 3).unwrap();
+    fill(&mut c, va, 3);
+    assert!(intact(&c, va, 3));
+    assert!(c.stats().exact_creates >= 1);
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn exporting_a_page_without_memory_counts_its_pending_bytes_once() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let a = c.create(PAGE, PROPS).unwrap();
+    let b = c.create(PAGE, PROPS).unwrap();
+    assert_eq!(c.pending_bytes, 2 * PAGE);
+    // Exported before any access was set: the page gets a handle of its own.
+    c.export(a).unwrap();
+    assert_eq!(c.pending_bytes, PAGE, "only b is pending now");
+    c.map(va, PAGE, 0, b).unwrap();
+    c.release(a).unwrap();
+    c.release(b).unwrap();
+    assert_eq!(c.pending_bytes, 0);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn unmapping_pages_twice_is_refused_and_never_reaches_our_mapping() {
+    // Parking leaves a handle mapped after its pages are unmapped (they are released next).
+    // A second cuMemUnmap of the range is the program's mistake: INVALID, as natively, and
+    // the driver must not take our mapping down behind the books.
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 2).unwrap();
+    assert!(c.unmap(va, 2 * PAGE).unwrap());
+    assert!(c.maps_in(va, 2 * PAGE), "ours: not passed through");
+    assert_eq!(c.unmap(va, 2 * PAGE), Err(INVALID));
+    assert_eq!(c.unmap(va + PAGE, PAGE), Err(INVALID));
+    assert_eq!(c.set_access(va, PAGE, &[(0, RW)]), Err(INVALID));
+    assert_eq!(
+        c.retain(va + 5),
+        Err(INVALID),
+        "our real handle is not the program's"
+    );
+    c.release(hs[0]).unwrap();
+    c.release(hs[1]).unwrap();
+    assert_eq!(c.retain(va + 5), Err(INVALID), "parked");
+    assert_eq!(
+        c.retain(va + 4 * PAGE),
+        Ok(None),
+        "nothing of ours: pass through"
+    );
+    let again = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    assert!(intact(&c, va, 2), "pages taken back in place have memory");
+    shrink(&mut c, va, &again);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn releasing_a_page_twice_is_refused() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 1).unwrap();
+    c.release(hs[0]).unwrap();
+    // Still mapped, but the handle is gone for the program: CUDA_ERROR_INVALID_VALUE.
+    assert_eq!(c.release(hs[0]), Err(INVALID));
+    assert!(c.unmap(va, PAGE).unwrap());
+    assert_eq!(c.release(hs[0]), Err(INVALID));
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn ranges_past_the_end_of_the_address_space_answer_without_panicking() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 2).unwrap();
+    assert!(!c.maps_in(va + 4 * PAGE, u64::MAX));
+    assert_eq!(c.unmap(va + 4 * PAGE, u64::MAX), Ok(false));
+    assert_eq!(c.unmap(va, u64::MAX), Err(INVALID));
+    assert!(c.address_free(va, u64::MAX).is_err(), "pages mapped there");
+    shrink(&mut c, va, &hs);
+    all_given_back(&mut c);
+}

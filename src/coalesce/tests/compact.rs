@@ -1,0 +1,229 @@
+//! Compaction: partial release with data intact, peers waited for, every failing step undone,
+//! the host path and its undo.
+
+use super::*;
+
+#[test]
+fn partial_release_is_compacted_with_data_intact() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    // Pages 2..6 go; 0-1 and 6-7 stay.
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    assert_eq!(c.stranded(), 4 * PAGE);
+    assert_eq!(c.driver().used(), 8 * PAGE);
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    assert_eq!(c.driver().chunk_count(), 2);
+    assert!(intact(&c, va, 2));
+    assert!(intact(&c, va + 6 * PAGE, 2));
+    // The freed range can be mapped again by a new batch.
+    let hs2 = grow(&mut c, va + 2 * PAGE, 4).unwrap();
+    fill(&mut c, va + 2 * PAGE, 4);
+    assert!(intact(&c, va, 8));
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 2 * PAGE, &hs2);
+    shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+#[test]
+fn a_compaction_waits_for_peer_devices_and_keeps_their_access() {
+    // PyTorch gives peers access to its pages (addPeer): their kernels may read the live
+    // pages, so they are waited for before the pages move, and keep access after.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert!(c.set_access(va, 8 * PAGE, &[(1, RW)]).unwrap());
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    assert!(c.driver().peers_synced.is_empty());
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().peers_synced, vec![1], "device 1 was waited for");
+    for at in [va, va + 6 * PAGE] {
+        assert!(c.driver().is_accessible(at, 2 * PAGE, 0));
+        assert!(
+            c.driver().is_accessible(at, 2 * PAGE, 1),
+            "the peer keeps access"
+        );
+    }
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    // A peer that cannot be waited for stops the compaction before anything moved.
+    let hs2 = grow(&mut c, va + 2 * PAGE, 4).unwrap();
+    assert!(c.set_access(va + 2 * PAGE, 4 * PAGE, &[(1, RW)]).unwrap());
+    fill(&mut c, va + 2 * PAGE, 4);
+    shrink(&mut c, va + 3 * PAGE, &hs2[1..3]);
+    let used = c.driver().used();
+    c.driver_mut().fail(Op::Sync, DrvError(700));
+    c.settle(false);
+    assert_eq!(c.driver().used(), used, "nothing moved");
+    assert!(intact(&c, va, 3) && intact(&c, va + 5 * PAGE, 3));
+}
+
+#[test]
+fn mapping_over_a_ghost_compacts_first() {
+    let mut k = cfg();
+    k.strand_max = u64::MAX; // never on its own
+    let (mut c, va) = setup(100 * PAGE, k);
+    let hs = grow(&mut c, va, 6).unwrap();
+    fill(&mut c, va, 6);
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    assert_eq!(c.stranded(), 2 * PAGE);
+    let hs2 = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    fill(&mut c, va + 4 * PAGE, 3);
+    assert!(intact(&c, va, 7));
+    assert_eq!(c.stranded(), 0);
+    shrink(&mut c, va, &hs[..4]);
+    shrink(&mut c, va + 4 * PAGE, &hs2);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn every_failing_step_of_a_compaction_leaves_data_and_mappings_as_they_were() {
+    let ops = [
+        Op::Sync,
+        Op::Create,
+        Op::Reserve,
+        Op::Map,
+        Op::SetAccess,
+        Op::Copy,
+        Op::Unmap,
+    ];
+    let mut tried = 0;
+    for op in ops {
+        for nth in 0..4 {
+            let (mut c, va) = setup(100 * PAGE, cfg());
+            let mut k = cfg();
+            k.strand_max = u64::MAX;
+            c.cfg = k;
+            let hs = grow(&mut c, va, 9).unwrap();
+            fill(&mut c, va, 9);
+            // Live: 0-2 and 6-8, two groups.
+            shrink(&mut c, va + 3 * PAGE, &hs[3..6]);
+            let before = c.driver().used();
+            c.driver_mut().fail_nth(op, nth, DrvError(999));
+            c.cfg.strand_max = 0;
+            c.settle(false);
+            c.driver_mut().clear_failures();
+            assert!(intact(&c, va, 3), "{op:?} #{nth}");
+            assert!(intact(&c, va + 6 * PAGE, 3), "{op:?} #{nth}");
+            if c.stats().compaction_failures > 0 {
+                tried += 1;
+                assert_eq!(c.driver().used(), before, "{op:?} #{nth}: nothing leaked");
+                assert_eq!(c.stranded(), 3 * PAGE);
+                // And it succeeds once the driver does.
+                c.settle(false);
+            }
+            assert_eq!(c.stranded(), 0, "{op:?} #{nth}");
+            assert_eq!(c.driver().used(), 6 * PAGE, "{op:?} #{nth}");
+            assert!(intact(&c, va, 3) && intact(&c, va + 6 * PAGE, 3));
+            shrink(&mut c, va, &hs[..3]);
+            shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+            assert_eq!(c.driver().used(), 0, "{op:?} #{nth}");
+            assert_eq!(
+                c.driver().reservation_count(),
+                1,
+                "{op:?} #{nth}: temporaries freed"
+            );
+        }
+    }
+    assert!(
+        tried >= 12,
+        "only {tried} injected failures hit a compaction"
+    );
+}
+
+#[test]
+fn without_room_on_the_device_the_copy_goes_through_the_host() {
+    // 10 pages of capacity, 8 in one handle, 4 of them live: no room for a 2-page copy
+    // beside the old handle... the device path needs 4 more pages; only 2 are free.
+    let mut k = cfg();
+    k.margin = 0;
+    let (mut c, va) = setup(10 * PAGE, k);
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    c.settle(false);
+    assert!(c.stats().host_copies >= 1);
+    assert!(intact(&c, va, 4));
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    shrink(&mut c, va, &hs[..4]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_host_copy_whose_old_handle_will_not_go_back_is_undone_with_data_intact() {
+    // The host path's new handles are made of the old handle's memory: if cuMemRelease of
+    // it fails, the compaction is undone (before anything was lost), and tried again later.
+    let mut k = cfg();
+    k.margin = 0;
+    let (mut c, va) = setup(10 * PAGE, k);
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    c.driver_mut().fail(Op::Release, DrvError(999));
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    c.settle(true);
+    assert_eq!(c.stats().compactions, 0);
+    assert!(c.stats().compaction_failures >= 1);
+    assert!(intact(&c, va, 4), "restored in place");
+    assert_eq!(c.driver().used(), 8 * PAGE);
+    c.driver_mut().clear_failures();
+    c.settle(true);
+    assert_eq!(c.stats().compactions, 1);
+    assert!(c.stats().host_copies >= 1);
+    assert!(intact(&c, va, 4));
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    shrink(&mut c, va, &hs[..4]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_compaction_whose_restore_fails_leaves_books_that_say_unmapped() {
+    // The new mapping fails, and mapping the old handle back fails too: the books must not
+    // say it is mapped, and the next access call maps it again, data intact.
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..]);
+    // maps: #0 the copy's temporary target, #1 the new handle in place, then the restore.
+    c.driver_mut().fail_nth(Op::Map, 1, DrvError(999));
+    c.driver_mut().fail(Op::Map, DrvError(999));
+    c.settle(true);
+    c.driver_mut().clear_failures();
+    assert_eq!(c.stats().compaction_failures, 1);
+    assert!(
+        !c.driver().is_accessible(va, 2 * PAGE, 0),
+        "the restore failed"
+    );
+    assert!(c.set_access(va, 2 * PAGE, &[(0, RW)]).unwrap());
+    assert!(intact(&c, va, 2), "mapped again with its data");
+    // Done with the pages; the same place mapped again gets memory.
+    shrink(&mut c, va, &hs[..2]);
+    let again = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &again);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn a_compaction_short_of_room_gives_kept_handles_back_and_copies_on_the_device() {
+    let mut k = delayed();
+    k.margin = 0;
+    let (mut c, va) = setup(12 * PAGE, k);
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    let other = grow(&mut c, va + 20 * PAGE, 4).unwrap();
+    shrink(&mut c, va + 20 * PAGE, &other);
+    assert_eq!(c.kept_bytes(), 4 * PAGE);
+    // Half the first handle goes; its live half needs 4 pages of room: the kept ones.
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    c.settle(true);
+    assert_eq!(c.stats().compactions, 1);
+    assert_eq!(c.stats().host_copies, 0, "room came from kept handles");
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs[..4]);
+    all_given_back(&mut c);
+}

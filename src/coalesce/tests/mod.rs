@@ -1,0 +1,102 @@
+//! The coalescer against the fake driver: PyTorch's page pattern, partial release and
+//! compaction (data checked granule by granule), its faults, exact out-of-memory answers,
+//! export, and randomized sequences with exact accounting.
+
+mod api;
+mod compact;
+mod plan;
+mod randomized;
+mod reuse;
+
+pub(super) use super::*;
+pub(super) use crate::gpu::fake::FakeDriver;
+pub(super) use crate::gpu::{DrvError, Op};
+pub(super) use std::collections::BTreeMap;
+
+pub(super) const G: u64 = 1 << 21; // granularity
+pub(super) const PAGE: u64 = 10 * G; // a 20 MiB page
+pub(super) const RW: u32 = 3;
+pub(super) const PROPS: PageProps = PageProps {
+    shareable: true,
+    rdma: false,
+};
+
+pub(super) fn setup(capacity: u64, cfg: CoalesceConfig) -> (Coalescer<FakeDriver>, u64) {
+    let mut c = Coalescer::new(FakeDriver::new(0, G, capacity), cfg);
+    let va = c.driver_mut().reserve(4000 * PAGE).unwrap();
+    c.reserved(va, 4000 * PAGE);
+    (c, va)
+}
+
+pub(super) fn cfg() -> CoalesceConfig {
+    CoalesceConfig {
+        max_handle: 64 * PAGE,
+        strand_max: 0,
+        margin: 4 * PAGE,
+        release_delay: std::time::Duration::ZERO,
+    }
+}
+
+/// PyTorch's `map()`: create each page, map each back to back, set access over the range.
+pub(super) fn grow(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) -> DrvResult<Vec<u64>> {
+    let mut hs = Vec::new();
+    for _ in 0..n {
+        match c.create(PAGE, PROPS) {
+            Ok(h) => hs.push(h),
+            Err(e) => {
+                for h in hs {
+                    c.release(h).unwrap();
+                }
+                return Err(e);
+            }
+        }
+    }
+    for (i, h) in hs.iter().enumerate() {
+        c.map(at + i as u64 * PAGE, PAGE, 0, *h)?;
+    }
+    assert!(c.set_access(at, n * PAGE, &[(0, RW)])?);
+    Ok(hs)
+}
+
+/// PyTorch's `unmapHandles()`: per page, unmap then release.
+pub(super) fn shrink(c: &mut Coalescer<FakeDriver>, at: u64, hs: &[u64]) {
+    for (i, h) in hs.iter().enumerate() {
+        assert!(c.unmap(at + i as u64 * PAGE, PAGE).unwrap());
+        c.release(*h).unwrap();
+    }
+}
+
+pub(super) fn tag(va: u64) -> u64 {
+    va ^ 0x5a5a
+}
+
+pub(super) fn fill(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) {
+    for i in 0..n * PAGE / G {
+        let a = at + i * G;
+        assert!(c.driver_mut().write(a, G, tag(a)));
+    }
+}
+
+pub(super) fn intact(c: &Coalescer<FakeDriver>, at: u64, n: u64) -> bool {
+    (0..n * PAGE / G).all(|i| {
+        let a = at + i * G;
+        c.driver().read(a) == Some(tag(a)) && c.driver().is_accessible(a, G, 0)
+    })
+}
+
+pub(super) fn delayed() -> CoalesceConfig {
+    let mut k = cfg();
+    k.release_delay = std::time::Duration::from_secs(3600);
+    k
+}
+
+/// Kept handles go back; then nothing may be held or mapped.
+pub(super) fn all_given_back(c: &mut Coalescer<FakeDriver>) {
+    c.release_kept();
+    assert_eq!(c.driver().used(), 0);
+    assert_eq!(c.driver().mapping_count(), 0);
+}
+
+pub(super) fn meminfo_calls(c: &Coalescer<FakeDriver>) -> u64 {
+    c.driver_calls()[Op::ALL.len()].0
+}

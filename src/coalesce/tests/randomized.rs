@@ -1,0 +1,354 @@
+//! Randomized sequences of the program's calls, with faults: data granule by granule and the
+//! books equal to the fake driver's mappings after every step.
+
+use super::*;
+
+/// A tiny deterministic generator (no dependency).
+pub(super) struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The lowest run of `n` free slots.
+pub(super) fn free_run(live: &BTreeMap<u64, u64>, n: u64) -> u64 {
+    (0..200u64)
+        .find(|s| (0..n).all(|i| !live.contains_key(&(s + i))))
+        .unwrap()
+}
+
+/// A random live slot.
+pub(super) fn pick(rng: &mut Rng, live: &BTreeMap<u64, u64>) -> Option<u64> {
+    live.keys()
+        .nth(rng.below(live.len().max(1) as u64) as usize)
+        .copied()
+}
+
+/// Release a random run of up to 4 live slots, PyTorch's way.
+pub(super) fn release_random_run(
+    c: &mut Coalescer<FakeDriver>,
+    va: u64,
+    rng: &mut Rng,
+    live: &mut BTreeMap<u64, u64>,
+) {
+    if let Some(s) = pick(rng, live) {
+        let n = 1 + rng.below(4);
+        let run: Vec<u64> = (s..s + n).take_while(|x| live.contains_key(x)).collect();
+        for x in run {
+            let h = live.remove(&x).unwrap();
+            shrink(c, va + x * PAGE, &[h]);
+        }
+    }
+}
+
+/// The program maps a handle of its own over two free slots at `at` (over parked handles,
+/// if any) and takes it down again.
+pub(super) fn program_maps_its_own(c: &mut Coalescer<FakeDriver>, at: u64) {
+    c.clear_for_program(at, 2 * PAGE);
+    if let Ok(own) = c.driver_mut().create(2 * PAGE) {
+        c.driver_mut().map(at, 2 * PAGE, own).unwrap();
+        c.driver_mut().unmap(at, 2 * PAGE).unwrap();
+        c.driver_mut().release(own).unwrap();
+    }
+}
+
+#[test]
+fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
+    for seed in 1..=12u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut k = cfg();
+        k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
+        k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
+        if seed % 2 == 0 {
+            k.release_delay = std::time::Duration::from_secs(3600);
+        }
+        let (mut c, va) = setup(60 * PAGE, k);
+        // slot index -> live page handle
+        let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+        for step in 0..300 {
+            let opn = rng.below(10);
+            match opn {
+                0..=3 => {
+                    // Grow: a batch at the lowest free run of slots.
+                    let n = 1 + rng.below(6);
+                    let start = free_run(&live, n);
+                    let at = va + start * PAGE;
+                    match grow(&mut c, at, n) {
+                        Ok(hs) => {
+                            fill(&mut c, at, n);
+                            for (i, h) in hs.into_iter().enumerate() {
+                                live.insert(start + i as u64, h);
+                            }
+                        }
+                        Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
+                    }
+                }
+                4..=6 => release_random_run(&mut c, va, &mut rng, &mut live),
+                7 => {
+                    // A fault somewhere in the next compaction.
+                    let op =
+                        [Op::Create, Op::Map, Op::Copy, Op::Unmap, Op::Sync][rng.below(5) as usize];
+                    c.driver_mut()
+                        .fail_nth(op, rng.below(3) as usize, DrvError(999));
+                    c.settle(true);
+                    c.driver_mut().clear_failures();
+                }
+                8 => c.settle(false),
+                _ => match rng.below(4) {
+                    0 | 1 => {
+                        if let Some(s) = pick(&mut rng, &live) {
+                            c.export(live[&s]).unwrap();
+                        }
+                    }
+                    2 => {
+                        // cudaIpcGetMemHandle on a live page: its run is split page by
+                        // page, and nothing parked may stay in the driver's mappings.
+                        if let Some(s) = pick(&mut rng, &live) {
+                            c.isolate_run(va + s * PAGE + 5).unwrap();
+                            assert!(!c.parked_in_range(va, 200 * PAGE));
+                        }
+                    }
+                    _ => program_maps_its_own(&mut c, va + free_run(&live, 2) * PAGE),
+                },
+            }
+            for &s in live.keys() {
+                assert!(
+                    intact(&c, va + s * PAGE, 1),
+                    "seed {seed} step {step} slot {s}"
+                );
+            }
+            assert_eq!(
+                c.driver().used(),
+                c.physical_bytes(),
+                "seed {seed} step {step}"
+            );
+            let live_bytes = live.len() as u64 * PAGE;
+            assert_eq!(
+                c.physical_bytes(),
+                live_bytes + c.stranded() + c.kept_bytes(),
+                "seed {seed} step {step}: every byte is live, stranded or kept"
+            );
+            if rng.below(20) == 0 {
+                c.release_kept();
+            }
+            // Stranded bytes are bounded at every settle (the start of the next call).
+            c.settle(false);
+            if c.stats().compaction_failures == 0 {
+                assert!(c.stranded() <= k.strand_max, "seed {seed} step {step}");
+            }
+        }
+        let rest: Vec<(u64, u64)> = live.into_iter().collect();
+        for (s, h) in rest {
+            shrink(&mut c, va + s * PAGE, &[h]);
+        }
+        c.settle(true);
+        if seed % 2 == 0 {
+            assert!(
+                c.stats().reused_in_place > 0,
+                "seed {seed}: handles taken back in place"
+            );
+        }
+        c.release_kept();
+        assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
+        assert_eq!(c.driver().mapping_count(), 0, "seed {seed}");
+        assert_eq!(c.counts(), (0, 0), "seed {seed}");
+        assert_eq!(c.driver().reservation_count(), 1, "seed {seed}");
+    }
+}
+
+/// Books against the driver: every mapping the books claim exists, with the access claimed,
+/// and no mapping of one of our handles is unknown to them.
+pub(super) fn books_match_driver(c: &Coalescer<FakeDriver>, ctx: &str) {
+    let maps = c.driver().mapping_list();
+    let find = |b: u64| maps.iter().find(|m| m.0 == b).cloned();
+    let granted_in = |g: &[(i32, u32)], m: &(u64, u64, ChunkHandle, Vec<i32>)| {
+        g.iter().all(|(d, f)| *f == 0 || m.3.contains(d))
+    };
+    for (b, k) in &c.parked {
+        let kh = &c.kept[k];
+        assert_eq!(kh.base, Some(*b), "{ctx}");
+        let m = find(*b).unwrap_or_else(|| panic!("{ctx}: parked at {b:#x} but not mapped"));
+        assert_eq!(
+            (m.1, m.2),
+            (k.1, kh.handle),
+            "{ctx}: parked mapping differs"
+        );
+        assert!(granted_in(&kh.granted, &m), "{ctx}: parked access missing");
+    }
+    for kh in c.kept.values().filter(|kh| kh.base.is_none()) {
+        assert!(
+            maps.iter().all(|m| m.2 != kh.handle),
+            "{ctx}: unmapped kept is mapped"
+        );
+    }
+    for (b, pid) in &c.bases {
+        let ph = &c.phys[pid];
+        let m = find(*b).unwrap_or_else(|| panic!("{ctx}: phys at {b:#x} not mapped"));
+        assert_eq!(
+            (m.1, m.2),
+            (ph.size, ph.handle),
+            "{ctx}: phys mapping differs"
+        );
+        assert!(granted_in(&ph.granted, &m), "{ctx}: phys access missing");
+    }
+    for m in &maps {
+        let known = c.bases.contains_key(&m.0) || c.parked.contains_key(&m.0);
+        let ours =
+            c.phys.values().any(|p| p.handle == m.2) || c.kept.values().any(|k| k.handle == m.2);
+        assert!(
+            !ours || known,
+            "{ctx}: our handle mapped at {:#x} unknown to the books",
+            m.0
+        );
+    }
+}
+
+/// Parking with everything a program may do out of PyTorch's order (unmap now, release
+/// later; access for another device; its own handles over free slots; exports and shared
+/// runs) and driver failures in compactions and in growing: after every step the books
+/// match the driver's mappings, live data is intact and every byte is accounted for.
+#[test]
+pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
+    for seed in 1..=40u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut k = delayed();
+        k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
+        k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
+        k.margin = [0, 2 * PAGE, 4 * PAGE][(seed / 3) as usize % 3];
+        let (mut c, va) = setup(60 * PAGE, k);
+        let mut live: BTreeMap<u64, u64> = BTreeMap::new(); // slot -> handle
+        let mut unmapped: Vec<u64> = Vec::new(); // unmapped, not yet released
+        for step in 0..300 {
+            let ctx = format!("seed {seed} step {step}");
+            match rng.below(12) {
+                0..=3 => {
+                    let n = 1 + rng.below(6);
+                    let start = free_run(&live, n);
+                    let at = va + start * PAGE;
+                    match grow(&mut c, at, n) {
+                        Ok(hs) => {
+                            if rng.below(3) == 0 {
+                                c.set_access(at, n * PAGE, &[(1, RW)]).unwrap();
+                            }
+                            fill(&mut c, at, n);
+                            for (i, h) in hs.into_iter().enumerate() {
+                                live.insert(start + i as u64, h);
+                            }
+                        }
+                        Err(e) => assert!(e.is_oom(), "{ctx}: {e}"),
+                    }
+                }
+                4..=5 => release_random_run(&mut c, va, &mut rng, &mut live),
+                6 => {
+                    if let Some(s) = pick(&mut rng, &live) {
+                        let h = live.remove(&s).unwrap();
+                        assert!(c.unmap(va + s * PAGE, PAGE).unwrap(), "{ctx}");
+                        assert_eq!(c.unmap(va + s * PAGE, PAGE), Err(INVALID), "{ctx}");
+                        unmapped.push(h);
+                    }
+                }
+                7 => {
+                    for h in std::mem::take(&mut unmapped) {
+                        c.release(h).unwrap();
+                        assert_eq!(c.release(h), Err(INVALID), "{ctx}");
+                    }
+                }
+                8 => {
+                    let op = [
+                        Op::Create,
+                        Op::Map,
+                        Op::Copy,
+                        Op::Unmap,
+                        Op::Sync,
+                        Op::Release,
+                    ];
+                    let op = op[rng.below(6) as usize];
+                    c.driver_mut()
+                        .fail_nth(op, rng.below(3) as usize, DrvError(999));
+                    c.settle(true);
+                    c.driver_mut().clear_failures();
+                }
+                9 => {
+                    if rng.below(2) == 0 {
+                        c.release_kept();
+                        continue;
+                    }
+                    // A grow whose driver calls fail somewhere (PyTorch gives the pages back).
+                    let op = [Op::Create, Op::Map, Op::SetAccess, Op::Unmap, Op::Release];
+                    let op = op[rng.below(5) as usize];
+                    c.driver_mut()
+                        .fail_nth(op, rng.below(3) as usize, DrvError(999));
+                    let n = 1 + rng.below(6);
+                    let start = free_run(&live, n);
+                    let at = va + start * PAGE;
+                    let hs: Vec<u64> = (0..n).filter_map(|_| c.create(PAGE, PROPS).ok()).collect();
+                    let got = hs.len() as u64;
+                    for (i, h) in hs.iter().enumerate() {
+                        c.map(at + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+                    }
+                    let r = match got {
+                        0 => Ok(true),
+                        _ => c.set_access(at, got * PAGE, &[(0, RW)]),
+                    };
+                    c.driver_mut().clear_failures();
+                    match r {
+                        Ok(_) => {
+                            fill(&mut c, at, got);
+                            for (i, h) in hs.into_iter().enumerate() {
+                                live.insert(start + i as u64, h);
+                            }
+                        }
+                        Err(_) => shrink(&mut c, at, &hs),
+                    }
+                }
+                10 => program_maps_its_own(&mut c, va + free_run(&live, 2) * PAGE),
+                _ => {
+                    if let Some(s) = pick(&mut rng, &live) {
+                        match rng.below(2) {
+                            0 => drop(c.export(live[&s]).unwrap()),
+                            _ => c.isolate_run(va + s * PAGE).unwrap(),
+                        }
+                    }
+                }
+            }
+            books_match_driver(&c, &ctx);
+            for &s in live.keys() {
+                assert!(intact(&c, va + s * PAGE, 1), "{ctx} slot {s}");
+            }
+            assert_eq!(c.driver().used(), c.physical_bytes(), "{ctx}");
+            let pages = (live.len() + unmapped.len()) as u64 * PAGE;
+            assert_eq!(
+                c.physical_bytes(),
+                pages + c.stranded() + c.kept_bytes() + c.unreleased_bytes(),
+                "{ctx}: books"
+            );
+            let pending: u64 = c
+                .pages
+                .values()
+                .filter(|p| p.slot.is_none() && p.refs > 0)
+                .map(|p| p.size)
+                .sum();
+            assert_eq!(c.pending_bytes, pending, "{ctx}: pending");
+        }
+        for h in std::mem::take(&mut unmapped) {
+            c.release(h).unwrap();
+        }
+        for (s, h) in std::mem::take(&mut live) {
+            shrink(&mut c, va + s * PAGE, &[h]);
+        }
+        c.settle(true);
+        c.address_free(va, 4000 * PAGE).unwrap();
+        assert_eq!(c.driver().mapping_count(), 0, "seed {seed}");
+        c.release_kept();
+        assert_eq!(c.driver().used(), 0, "seed {seed}");
+        assert_eq!(c.counts(), (0, 0), "seed {seed}");
+    }
+}
