@@ -25,7 +25,10 @@ pub struct Config {
     pub log: String,
     /// `EXPSEG_PASSTHROUGH_BELOW`: requests smaller than this go to the real `cudaMalloc`.
     pub passthrough_below: u64,
-    /// `EXPSEG_CACHE_MAX`: freed bytes kept per device for reuse.
+    /// `EXPSEG_CACHE_MAX`: freed bytes kept per device for reuse. 0 (the default): a
+    /// `cudaFree` of pool memory gives it back to the driver before it returns, as natively;
+    /// more is opt-in, for processes that share the GPU with no one or only with expseg
+    /// processes (which reclaim it when they find no memory).
     pub cache_max: u64,
     /// `EXPSEG_MAX_CHUNK`: largest physical chunk, 0 for no limit; larger allocations are made
     /// of several.
@@ -58,8 +61,9 @@ pub struct Config {
     /// being created; nearer the limit pages are created at once.
     pub coalesce_margin: u64,
     /// `EXPSEG_RELEASE_DELAY`: milliseconds of allocator quiet after which released coalesced
-    /// handles go back to the driver; until then the program's next pages reuse them. 0:
-    /// released at once.
+    /// handles go back to the driver; until then the program's next pages reuse them. 0 (the
+    /// default): released before the call that releases them returns. More is opt-in, as
+    /// `EXPSEG_CACHE_MAX`.
     pub release_delay_ms: u64,
     /// `EXPSEG_IPC_DIR`: where the per-user socket directory lives; an existing absolute
     /// directory.
@@ -89,7 +93,7 @@ impl Default for Config {
             passthrough_below: 2 * MIB,
             // About 1% of a large card: enough for churn between steps, too little to starve
             // a colocated process of memory the application has freed.
-            cache_max: GIB,
+            cache_max: 0,
             // One chunk per allocation: measured as fast as or faster than 2 GiB pieces at 4 and
             // 16 GiB (shim-tests/RESULTS.md, "cache0_onechunk" against "cache0").
             max_chunk: 0,
@@ -113,7 +117,7 @@ impl Default for Config {
             // A churn step re-acquires what empty_cache() released within well under a
             // millisecond; a colocated engine that is handed the memory starts allocating
             // after an inter-process signal. 2 ms separates the two (docs/design.md).
-            release_delay_ms: 2,
+            release_delay_ms: 0,
             ipc_dir: "/tmp".into(),
             report: None,
             test_panic: None,
@@ -325,6 +329,12 @@ const VARS: &[Var] = &[
 ];
 
 impl Config {
+    /// Whether memory the program gives back may be kept for reuse (opt-in: a cache bound or
+    /// a release delay): such a process serves reclaims of other expseg processes.
+    pub fn keeps(&self) -> bool {
+        self.cache_max > 0 || self.release_delay_ms > 0
+    }
+
     /// Whether the hook `name` must panic (tests of the panic boundary).
     pub fn test_panic(&self, name: &str) -> bool {
         self.test_panic.as_deref() == Some(name)
@@ -541,7 +551,7 @@ mod tests {
         assert!(
             bad[1].contains("EXPSEG_CACHE_MAX")
                 && bad[1].contains("\"lots\"")
-                && bad[1].contains("1G")
+                && bad[1].contains("default 0")
         );
         assert!(bad.iter().all(|l| !l.contains('\n')));
     }
@@ -565,7 +575,7 @@ mod tests {
             |n| (n == "EXPSEG_CACHE_MAX").then(|| Err("1\u{FFFD}G".to_string())),
             |l| bad.push(l),
         );
-        assert_eq!(c.cache_max, GIB);
+        assert_eq!(c.cache_max, 0);
         assert_eq!(bad.len(), 1);
         assert!(bad[0].contains("EXPSEG_CACHE_MAX") && bad[0].contains("not UTF-8"));
     }

@@ -160,6 +160,10 @@ pub struct Coalescer<D: Driver> {
     pub(super) kept_seq: u64,
     /// The program's last call.
     pub(super) last_call: Instant,
+    /// Released pages of a handle still stranded because the next page of the same handle
+    /// may be released next (the program's loop over a free range): (phys, offset of that
+    /// page). Settled at the next call that is not the loop's, or after a short quiet.
+    pub(super) deferred: Option<(u64, u64)>,
     pub(super) stats: CoalesceStats,
 }
 
@@ -188,6 +192,7 @@ impl<D: Driver> Coalescer<D> {
             kept_bytes: 0,
             kept_seq: 0,
             last_call: Instant::now(),
+            deferred: None,
             stats: CoalesceStats::default(),
         }
     }
@@ -258,6 +263,18 @@ impl<D: Driver> Coalescer<D> {
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
         self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
+    }
+
+    /// Physical bytes held beyond what the program's pages use: kept handles, released pages
+    /// still inside partly live handles, handles the driver would not take back yet.
+    pub fn held_beyond_live(&self) -> u64 {
+        self.kept_bytes + self.stranded() + self.unreleased_bytes()
+    }
+
+    /// Whether released pages wait for the end of the program's release loop (a settle at
+    /// its next call, or after a short quiet: [`Coalescer::settle`]).
+    pub fn settle_deferred(&self) -> bool {
+        self.deferred.is_some()
     }
 
     /// Bytes of handles the driver would not take back yet.

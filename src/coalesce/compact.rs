@@ -30,6 +30,7 @@ impl<D: Driver> Coalescer<D> {
     /// Compact partly released handles: all of them if `force`, else until the stranded bytes
     /// are within the bound. Failures leave memory stranded (and are counted), never lost.
     pub fn settle(&mut self, force: bool) {
+        self.deferred = None;
         for (va, size) in std::mem::take(&mut self.stray) {
             self.drop_tmp(va, size);
         }

@@ -54,6 +54,23 @@ use books::{end, Page, NEXT_VH, TAG};
 use std::time::Instant;
 
 impl<D: Driver> Coalescer<D> {
+    /// Give back now everything held beyond the program's pages (stranded pages compacted,
+    /// kept handles released): the bytes given back.
+    pub fn trim(&mut self) -> u64 {
+        let before = self.physical_bytes();
+        self.settle(true);
+        self.release_kept();
+        before.saturating_sub(self.physical_bytes())
+    }
+
+    /// A call that is not the next step of the program's release loop: the pages that loop
+    /// left stranded go back first.
+    fn loop_ended(&mut self) {
+        if self.deferred.is_some() {
+            self.settle(false);
+        }
+    }
+
     /// `cuMemAddressReserve` succeeded: remember the range (runs never cross reservations).
     pub fn reserved(&mut self, va: u64, size: u64) {
         self.reservations.insert(va, size);
@@ -62,6 +79,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemAddressFree` of `[va, va+size)`: make sure no phys is mapped there any more.
     /// Err if the program still has pages mapped in it (the driver's answer too).
     pub fn address_free(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        self.loop_ended();
         if self.maps.range(va..end(va, size)).next().is_some() {
             return Err(INVALID);
         }
@@ -210,6 +228,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemMap(va, size, offset, vh, flags)`.
     pub fn map(&mut self, va: u64, size: u64, offset: u64, vh: u64) -> DrvResult<()> {
+        self.loop_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         if offset != 0 || size != p.size || !va.is_multiple_of(self.drv.granularity()) {
             return Err(INVALID);
@@ -249,6 +268,9 @@ impl<D: Driver> Coalescer<D> {
         if inside[0].0 != va || covered != size {
             return Err(INVALID);
         }
+        if self.deferred.is_some() && self.pages[&inside[0].1].slot != self.deferred {
+            self.loop_ended();
+        }
         for (a, vh) in inside {
             self.maps.remove(&a);
             let p = self.pages.get_mut(&vh).unwrap();
@@ -264,6 +286,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemSetAccess(va, size, descs)`: give memory to the pending pages mapped in the range,
     /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
+        self.loop_ended();
         self.last_call = Instant::now();
         let inside = self.mapped_in(va, size);
         if inside.is_empty() {
@@ -319,6 +342,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer
     /// maps what it imports whole, page by page), and that real handle is returned.
     pub fn export(&mut self, vh: u64) -> DrvResult<ChunkHandle> {
+        self.loop_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         let size = p.size;
         match p.slot {
@@ -353,6 +377,7 @@ impl<D: Driver> Coalescer<D> {
     /// Parked handles leave their addresses first: the run is the driver's back-to-back
     /// mappings, and it must stop where the program's pages stop, as it does natively.
     pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
+        self.loop_ended();
         let parked: Vec<u64> = self.parked.keys().copied().collect();
         for b in parked {
             self.unpark(b)?;
@@ -425,6 +450,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let slot = p.slot;
         let props = p.props;
+        let size_of_page = p.size;
         // Memory another process may have imported is never kept for new pages: it goes
         // back to the driver, which keeps it for the importer.
         let shared = p.single;
@@ -434,6 +460,17 @@ impl<D: Driver> Coalescer<D> {
         ph.slots.remove(&off);
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);
+            if !self.parking() {
+                // Released memory goes back before the call returns (the contract without
+                // keeping): compact now, unless the program may be releasing the next page
+                // of this handle next (PyTorch frees a range page by page, in address order):
+                // then at the call that ends that loop.
+                let next = off + size_of_page;
+                match self.phys[&pid].slots.contains_key(&next) {
+                    true => self.deferred = Some((pid, next)),
+                    false => self.settle(false),
+                }
+            }
             return;
         }
         if shared {

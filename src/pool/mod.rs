@@ -12,10 +12,11 @@
 //! cover it.
 //!
 //! The cache is bounded by `cache_max`; the least recently freed memory above it goes back to
-//! the driver, where a colocated process may need it. One exception: after an allocation fails,
-//! frees are kept until the next allocation succeeds, so the release-and-retry sequence of
-//! caching allocators (fail, free cached segments, retry) reuses those chunks without a round
-//! trip to the driver.
+//! the driver, where a colocated process may need it (the library's default bound is 0: every
+//! free goes back before it returns). One exception where a bound is set: after an allocation
+//! fails, frees are kept until the next allocation succeeds, so the release-and-retry sequence
+//! of caching allocators (fail, free cached segments, retry) reuses those chunks without a
+//! round trip to the driver.
 
 mod export;
 mod export_types;
@@ -233,7 +234,9 @@ impl<D: Driver> Pool<D> {
 
     fn fail_oom(&mut self) -> Result<u64, AllocError> {
         self.stats.ooms += 1;
-        self.retry_window = true;
+        // Keeping frees for the retry is keeping memory: only where keeping is opted into (a
+        // cache bound); without it every free goes back before it returns.
+        self.retry_window = self.cfg.cache_max > 0;
         Err(AllocError::OutOfMemory)
     }
 
@@ -530,6 +533,15 @@ impl<D: Driver> Pool<D> {
             self.trim(self.cfg.cache_max);
         }
         Ok(user)
+    }
+
+    /// Give every cached byte back to the driver now (`expseg.trim()`, another expseg process
+    /// that found no memory), the retry window closed: the bytes given back.
+    pub fn give_back_cache(&mut self) -> u64 {
+        let before = self.cached_bytes();
+        self.retry_window = false;
+        self.trim(0);
+        before.saturating_sub(self.cached_bytes())
     }
 
     /// Give cached memory back to the driver until at most `limit` bytes are cached: loose

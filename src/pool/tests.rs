@@ -143,8 +143,10 @@ fn out_of_memory_is_reported_and_changes_nothing() {
 #[test]
 fn release_and_retry_reuses_freed_chunks_without_the_driver() {
     // PyTorch's sequence: a cudaMalloc fails, the caching allocator frees its cached segments,
-    // then retries. cache_max 0 would normally give those frees straight back.
-    let mut p = pool(16 * MIB, 0);
+    // then retries. A bound of 1 MiB would normally give those frees straight back; where
+    // keeping is opted into (any bound), the window keeps them for the retry. (With the
+    // default bound 0 nothing is kept: without_a_cache_bound_a_failed_allocation_keeps_nothing_back.)
+    let mut p = pool(16 * MIB, MIB);
     let a = p.alloc(8 * MIB).unwrap();
     let b = p.alloc(8 * MIB).unwrap();
     assert_eq!(p.alloc(12 * MIB), Err(AllocError::OutOfMemory));
@@ -366,4 +368,28 @@ fn large_allocations_are_built_of_max_chunk_pieces_all_or_nothing() {
     assert_eq!(p.driver().used(), 40 * MIB, "partial creation released");
     check(&p);
     drain(&mut p, &[a]);
+}
+
+#[test]
+fn without_a_cache_bound_a_failed_allocation_keeps_nothing_back() {
+    // The contract without keeping: frees after a failure go back at once too (no retry
+    // window holding them), and a bound that keeps can be given back whole on demand.
+    let mut p = pool(64 * MIB, 0);
+    let a = p.alloc(48 * MIB).unwrap();
+    assert_eq!(p.alloc(32 * MIB), Err(AllocError::OutOfMemory));
+    p.free(a).unwrap();
+    assert_eq!(p.cached_bytes(), 0);
+    assert_eq!(p.driver().used(), 0);
+    check(&p);
+    let mut k = pool(64 * MIB, 64 * MIB);
+    let b = k.alloc(16 * MIB).unwrap();
+    let c = k.alloc(16 * MIB).unwrap();
+    k.free(b).unwrap();
+    k.free(c).unwrap();
+    assert_eq!(k.cached_bytes(), 32 * MIB);
+    assert_eq!(k.give_back_cache(), 32 * MIB);
+    assert_eq!(k.cached_bytes(), 0);
+    assert_eq!(k.driver().used(), 0);
+    assert_eq!(k.give_back_cache(), 0);
+    check(&k);
 }

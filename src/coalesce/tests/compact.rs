@@ -163,8 +163,9 @@ fn a_host_copy_whose_old_handle_will_not_go_back_is_undone_with_data_intact() {
     let hs = grow(&mut c, va, 8).unwrap();
     fill(&mut c, va, 8);
     c.driver_mut().fail(Op::Release, DrvError(999));
+    // The last page of the handle released: its bytes go back at once, so the compaction
+    // runs inside that call (and meets the failure).
     shrink(&mut c, va + 4 * PAGE, &hs[4..]);
-    c.settle(true);
     assert_eq!(c.stats().compactions, 0);
     assert!(c.stats().compaction_failures >= 1);
     assert!(intact(&c, va, 4), "restored in place");
@@ -225,5 +226,82 @@ fn a_compaction_short_of_room_gives_kept_handles_back_and_copies_on_the_device()
     assert_eq!(c.stats().host_copies, 0, "room came from kept handles");
     assert!(intact(&c, va, 4));
     shrink(&mut c, va, &hs[..4]);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn released_pages_go_back_before_the_release_returns() {
+    // Release at once (no keeping): the tail of a handle released page by page, as PyTorch's
+    // empty_cache() does; when the last page's cuMemRelease returns, its bytes are back.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    for (i, h) in hs.iter().enumerate().skip(3) {
+        assert!(c.unmap(va + i as u64 * PAGE, PAGE).unwrap());
+        c.release(*h).unwrap();
+        if i < 7 {
+            // The loop goes on over the same handle: nothing is copied yet.
+            assert_eq!(c.stats().compactions, 0, "page {i}");
+            assert!(c.settle_deferred());
+        }
+    }
+    assert_eq!(c.stats().compactions, 1, "once for the whole loop");
+    assert!(!c.settle_deferred());
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.held_beyond_live(), 0);
+    assert_eq!(c.driver().used(), 3 * PAGE);
+    assert!(intact(&c, va, 3));
+    shrink(&mut c, va, &hs[..3]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_release_loop_that_ends_inside_a_handle_settles_at_the_next_other_call() {
+    // Pages 2..5 of 8 go, 5..8 stay live: after the loop the handle's next page is live, so
+    // expseg cannot tell the loop ended; any call that is not the loop's next step settles
+    // first (and a quiet process is settled by the releaser thread: api::state).
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..5]);
+    assert!(c.settle_deferred());
+    assert_eq!(c.held_beyond_live(), 3 * PAGE);
+    // Another call (here: the unmap of a page that is not the loop's next one).
+    let other = grow(&mut c, va + 100 * PAGE, 1).unwrap();
+    assert!(!c.settle_deferred());
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), 6 * PAGE);
+    assert!(intact(&c, va, 2) && intact(&c, va + 5 * PAGE, 3));
+    // The same through an unmap elsewhere.
+    shrink(&mut c, va + 6 * PAGE, &hs[6..7]);
+    assert!(c.settle_deferred());
+    assert!(c.unmap(va + 100 * PAGE, PAGE).unwrap());
+    assert!(!c.settle_deferred());
+    assert_eq!(c.stranded(), 0);
+    c.release(other[0]).unwrap();
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 5 * PAGE, &hs[5..6]);
+    shrink(&mut c, va + 7 * PAGE, &hs[7..]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn trim_gives_back_kept_handles_and_stranded_pages() {
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let hs = grow(&mut c, va, 8).unwrap();
+    let hs2 = grow(&mut c, va + 8 * PAGE, 4).unwrap();
+    fill(&mut c, va, 8);
+    // With keeping on, released pages stay: 4 kept (a whole handle), 3 stranded.
+    shrink(&mut c, va + 8 * PAGE, &hs2);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..5]);
+    assert_eq!(c.held_beyond_live(), 7 * PAGE);
+    assert_eq!(c.driver().used(), 12 * PAGE);
+    assert_eq!(c.trim(), 7 * PAGE);
+    assert_eq!(c.held_beyond_live(), 0);
+    assert_eq!(c.driver().used(), 5 * PAGE);
+    assert!(intact(&c, va, 2) && intact(&c, va + 5 * PAGE, 3));
+    assert_eq!(c.trim(), 0, "nothing left to give");
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 5 * PAGE, &hs[5..]);
     all_given_back(&mut c);
 }
