@@ -113,6 +113,27 @@ r=$?; msg=$("$py" compare.py "$work/off.out" /dev/null off 2>&1) || r=1
 check "without expseg: active() is False and stats() says why" $r "$msg"
 EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c 'import expseg, sys; s = expseg.stats(); sys.exit(0 if not expseg.active() and "EXPSEG_DISABLE" in s["why"] else 1)' 2>/dev/null
 check "EXPSEG_DISABLE=1: active() is False, stats() names the variable" $?
+cat >"$work/trim.py" <<'PY'
+import ctypes, sys
+import expseg
+rt = ctypes.CDLL("libcudart.so.13")
+p = ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(p), 64 << 20) == 0
+assert rt.cudaFree(p) == 0
+held = expseg.stats()["process"]["held_beyond_live_bytes"]
+given = expseg.trim()
+after = expseg.stats()["process"]["held_beyond_live_bytes"]
+want = int(sys.argv[1])
+ok = (held, given, after) == (want, want, 0)
+print(f"held {held}, trim() {given}, then held {after}; want {want}, {want}, 0")
+sys.exit(0 if ok else 1)
+PY
+msg=$(LD_PRELOAD=$lib "$py" "$work/trim.py" 0 2>&1)
+check "defaults: a freed allocation is not held (held_beyond_live_bytes 0, trim() 0)" $? "$msg"
+msg=$(EXPSEG_CACHE_MAX=1G LD_PRELOAD=$lib "$py" "$work/trim.py" $((64 << 20)) 2>&1)
+check "EXPSEG_CACHE_MAX=1G: stats() shows the cached 64 MiB, trim() gives them back" $? "$msg"
+"$py" -c 'import expseg, sys; sys.exit(0 if expseg.trim() == 0 else 1)' 2>/dev/null
+check "without expseg: trim() returns 0" $?
 "$bin/expseg-report-merge" "$work/r-preload.txt.json" "$work/r-run.txt.json" >"$work/merge.out" 2>&1
 grep -q '| all |' "$work/merge.out"
 check "expseg-report-merge merges the reports" $? "$(head -3 "$work/merge.out")"

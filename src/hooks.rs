@@ -63,8 +63,9 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> 
         Answer::PassThrough => next::cudaMalloc(dev_ptr, size),
     };
     boundary("cudaMalloc", || match once() {
-        // Handles kept for PyTorch's next pages must not cost this allocation its memory.
-        OUT_OF_MEMORY if api::vmm::release_kept_for_others() => {
+        // Memory held for reuse, here or in other expseg processes, must not cost this
+        // allocation its memory.
+        OUT_OF_MEMORY if api::make_room_runtime() => {
             next::cudaGetLastError();
             once()
         }
@@ -90,7 +91,8 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
 }
 
 /// `cuMemCreate` of programs that link the driver (vLLM's CuMemAllocator): the driver's own,
-/// asked again after kept handles went back if it found no memory. (PyTorch's pages get
+/// asked again after memory held for reuse (here, or in other expseg processes) went back if
+/// it found no memory. (PyTorch's pages get
 /// `crate::vmm_hooks::cuMemCreate` through the entry point API instead.)
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemCreate(
@@ -103,7 +105,13 @@ pub unsafe extern "C" fn cuMemCreate(
         return NO_DRIVER;
     };
     let r = (t.cuMemCreate)(h, size, prop.cast(), flags);
-    if r == OUT_OF_MEMORY as u32 && catch_unwind(api::vmm::release_kept_for_others).unwrap_or(false)
+    let on_device = || {
+        let p = prop.cast::<cudarc::driver::sys::CUmemAllocationProp>();
+        let device = cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        (!p.is_null() && (*p).location.type_ == device).then(|| (*p).location.id)
+    };
+    if r == OUT_OF_MEMORY as u32
+        && catch_unwind(|| api::make_room_driver(on_device())).unwrap_or(false)
     {
         return (t.cuMemCreate)(h, size, prop.cast(), flags);
     }
@@ -276,8 +284,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
         Answer::PassThrough => next_driver::cuMemAlloc_v2(dptr, size),
     };
     driver_boundary("cuMemAlloc_v2", || match once() {
-        // Handles kept for PyTorch's next pages must not cost this allocation its memory.
-        api::DRV_OUT_OF_MEMORY if api::vmm::release_kept_for_others() => once(),
+        // Memory held for reuse, here or in other expseg processes, must not cost this
+        // allocation its memory.
+        api::DRV_OUT_OF_MEMORY if api::make_room_driver(None) => once(),
         e => e,
     })
 }

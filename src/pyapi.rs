@@ -1,5 +1,5 @@
 //! C functions for the Python module (`python/expseg`, through ctypes): live figures while
-//! the program runs. Exported under `expseg_` names that no CUDA library uses.
+//! the program runs, and giving held memory back. Exported under `expseg_` names that no CUDA library uses.
 
 use crate::api;
 use libc::{c_char, size_t};
@@ -33,6 +33,14 @@ pub unsafe extern "C" fn expseg_stats_json(buf: *mut c_char, len: size_t) -> siz
         *buf.add(n) = 0;
     }
     json.len()
+}
+
+/// `expseg.trim()`: give back to the driver now everything held beyond the program's live
+/// memory on every device (kept handles, cached blocks, stranded pages): the bytes given
+/// back; 0 on an internal error.
+#[no_mangle]
+pub extern "C" fn expseg_trim() -> u64 {
+    catch_unwind(api::trim::trim_all).unwrap_or(0)
 }
 
 /// The library's version (Cargo.toml's), NUL-terminated, static.

@@ -46,6 +46,11 @@ pub struct Global {
     pub ipc_tickets_refused: Counter,
     /// Other processes' memory this process opened through their tickets.
     pub ipc_tickets_opened: Counter,
+    /// Reclaims: asks of other expseg processes after an allocation found no memory, the
+    /// bytes they gave back, and the bytes this process gave back when asked or trimmed.
+    pub reclaim_asks: Counter,
+    pub reclaimed_bytes: Counter,
+    pub given_back_bytes: Counter,
 }
 
 pub static GLOBAL: Global = Global {
@@ -62,6 +67,9 @@ pub static GLOBAL: Global = Global {
     ipc_tickets_granted: Counter::new(),
     ipc_tickets_refused: Counter::new(),
     ipc_tickets_opened: Counter::new(),
+    reclaim_asks: Counter::new(),
+    reclaimed_bytes: Counter::new(),
+    given_back_bytes: Counter::new(),
 };
 
 impl Global {
@@ -83,6 +91,9 @@ impl Global {
             ("ipc_tickets_granted", self.ipc_tickets_granted.get()),
             ("ipc_tickets_refused", self.ipc_tickets_refused.get()),
             ("ipc_tickets_opened", self.ipc_tickets_opened.get()),
+            ("reclaim_asks", self.reclaim_asks.get()),
+            ("reclaimed_bytes", self.reclaimed_bytes.get()),
+            ("given_back_bytes", self.given_back_bytes.get()),
         ]
     }
 }

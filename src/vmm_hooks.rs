@@ -90,7 +90,10 @@ pub unsafe extern "C" fn cuMemCreate(
     let Some((dev, props)) = coalescable(&*(prop as *const RawProp), flags) else {
         return f(h, size, prop.cast(), flags);
     };
-    let r = catch_unwind(|| vmm::create(dev, size as u64, props));
+    let r = catch_unwind(|| {
+        crate::api::serve_reclaims();
+        vmm::create(dev, size as u64, props)
+    });
     match r {
         Ok(Some(Ok(vh))) => {
             *h = vh;

@@ -235,6 +235,9 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
     }
 }
 
+/// Keeping opted in (the defaults give freed memory back at once): for the tests of the cache.
+const KEEP: &[(&str, &str)] = &[("EXPSEG_CACHE_MAX", "1G")];
+
 fn run(scenario: &str, env: &[(&str, &str)]) -> Run {
     run_in(&fixture().dir, "prog", &[scenario], env)
 }
@@ -256,7 +259,18 @@ fn references_are_versioned_like_the_real_runtime() {
 
 #[test]
 fn pool_serves_and_mimics_the_runtime() {
-    let r = run("basic", &[]).ok();
+    // The defaults give freed memory back at once: the same size again is a new create, and
+    // the free memory reported is the driver's alone.
+    let d = run("basic", &[]).ok();
+    assert_eq!(d.get("same_ptr"), "1");
+    assert_eq!(
+        d.get("creates_after_reuse"),
+        "2",
+        "released at cudaFree, created again"
+    );
+    assert_eq!(d.get("meminfo_free_mib"), "100");
+    // Keeping opted in: the cache serves the same size with no driver call.
+    let r = run("basic", KEEP).ok();
     assert_eq!(r.get("malloc_rc"), "0");
     assert_eq!(r.get("creates"), "1", "4 MiB came from cuMemCreate");
     assert_eq!(r.get("free_rc"), "0");
@@ -304,7 +318,9 @@ fn pool_serves_and_mimics_the_runtime() {
 fn release_and_retry_reuses_freed_memory_without_the_driver() {
     let r = run(
         "retry",
-        &[("FAKE_CAPACITY", "16777216"), ("EXPSEG_CACHE_MAX", "0")],
+        // A bound, however small, opts into keeping: frees after a failure are kept for the
+        // retry (without one, nothing is kept: pool::tests).
+        &[("FAKE_CAPACITY", "16777216"), ("EXPSEG_CACHE_MAX", "1M")],
     )
     .ok();
     assert_eq!(r.get("first_try_rc"), "2");
@@ -1720,13 +1736,13 @@ fn driver_calls_are_served_like_runtime_calls(r: &Run) {
 
 #[test]
 fn a_program_linking_the_driver_is_served_by_the_pool() {
-    let r = run_in(&fixture().dir, "drv", &["direct"], &[]).ok();
+    let r = run_in(&fixture().dir, "drv", &["direct"], KEEP).ok();
     driver_calls_are_served_like_runtime_calls(&r);
 }
 
 #[test]
 fn dlsym_on_the_driver_gives_the_allocation_hooks() {
-    let r = run_in(&fixture().dir, "drv", &["dlsym"], &[]).ok();
+    let r = run_in(&fixture().dir, "drv", &["dlsym"], KEEP).ok();
     assert_eq!(r.get("dlsym_is_hook"), "1");
     assert_eq!(
         r.get("dlsym_v1_is_driver"),
@@ -1739,7 +1755,7 @@ fn dlsym_on_the_driver_gives_the_allocation_hooks() {
 
 #[test]
 fn cu_get_proc_address_gives_the_hooks_for_every_version_and_flag() {
-    let r = run_in(&fixture().dir, "drv", &["getproc"], &[]).ok();
+    let r = run_in(&fixture().dir, "drv", &["getproc"], KEEP).ok();
     assert_eq!(
         (r.get("getproc_all_hooks"), r.get("lookups")),
         ("1".into(), "144".into()),
@@ -1771,7 +1787,7 @@ fn a_statically_linked_runtime_is_served_through_cu_get_proc_address() {
         &f.dir,
         "static_prog",
         &[],
-        &[("EXPSEG_REPORT", report.to_str().unwrap())],
+        &[KEEP[0], ("EXPSEG_REPORT", report.to_str().unwrap())],
     )
     .ok();
     assert_eq!(r.get("malloc_rc"), "0");
@@ -1820,7 +1836,7 @@ fn a_statically_linked_runtime_is_served_through_cu_get_proc_address() {
 
 #[test]
 fn a_shared_runtime_is_served_once_and_keeps_the_drivers_own_functions() {
-    let r = run("layers", &[]).ok();
+    let r = run("layers", KEEP).ok();
     assert_eq!(
         r.get("runtime_got_driver"),
         "1",
@@ -1974,4 +1990,94 @@ fn the_plural_pointer_query_describes_the_allocation() {
     assert_eq!(r.get("start_ok"), "1", "{}", r.stderr());
     assert_eq!(r.get("size_mib"), "4");
     assert_eq!(r.get("dev"), "0");
+}
+
+/// Two processes on one fake GPU (FAKE_SHARED_USED: one memory counter, 96 MiB): one takes
+/// and frees 64 MiB and holds on, then another asks for 48 MiB at once. Returns the second's
+/// `need_rc` and both reports' JSON.
+fn handoff(holder_env: &[(&str, &str)], second_preloaded: bool) -> (String, String, String) {
+    use std::io::{BufRead as _, Write as _};
+    let f = fixture();
+    let dir = std::env::temp_dir().join(format!(
+        "expseg-handoff-{}-{}",
+        std::process::id(),
+        holder_env.len()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let shared = dir.join("used");
+    let common = |c: &mut Command| {
+        c.env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("LD_LIBRARY_PATH", &f.dir)
+            .env("FAKE_CAPACITY", (96u64 << 20).to_string())
+            .env("FAKE_MEMINFO_REAL", "1")
+            .env("FAKE_SHARED_USED", &shared)
+            .env("EXPSEG_IPC_DIR", &dir);
+    };
+    let mut h = Command::new(f.dir.join("prog"));
+    common(&mut h);
+    h.args(["hold", "64"])
+        .env("LD_PRELOAD", &f.shim)
+        .env("EXPSEG_REPORT", dir.join("holder.txt"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in holder_env {
+        h.env(k, v);
+    }
+    let mut holder = h.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "held=1");
+    let mut s = Command::new(f.dir.join("prog"));
+    common(&mut s);
+    s.args(["need", "48"])
+        .env("EXPSEG_REPORT", dir.join("second.txt"));
+    if second_preloaded {
+        s.env("LD_PRELOAD", &f.shim);
+    }
+    let out = s.output().unwrap();
+    let _ = holder.stdin.take().unwrap().write_all(b"done\n");
+    assert!(holder.wait().unwrap().success());
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let rc = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("need_rc="))
+        .unwrap_or_else(|| {
+            panic!(
+                "no need_rc in {stdout:?} / {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+        .to_string();
+    let read = |n: &str| std::fs::read_to_string(dir.join(n)).unwrap_or_default();
+    let r = (rc, read("holder.txt.json"), read("second.txt.json"));
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+#[test]
+fn freed_memory_goes_back_at_once_and_kept_memory_is_reclaimed_by_expseg_processes() {
+    // Defaults: the holder's cudaFree gave the 64 MiB back before it returned, so a plain
+    // second process gets its 48 MiB (as natively).
+    let (rc, holder, _) = handoff(&[], false);
+    assert_eq!(rc, "0", "plain second process after a default holder");
+    assert!(holder.contains("\"cached_bytes\":0"), "{holder}");
+    // Keeping opted in: a plain process cannot get memory the holder keeps...
+    let keep = [("EXPSEG_CACHE_MAX", "1G")];
+    let (rc, _, _) = handoff(&keep, false);
+    assert_eq!(rc, "2", "a plain process cannot reclaim");
+    // ...but an expseg process asks the holder, which gives it back, and gets its memory.
+    let (rc, holder, second) = handoff(&keep, true);
+    assert_eq!(rc, "0", "reclaimed: {second}");
+    assert!(
+        second.contains(&format!("\"reclaimed_bytes\":{}", 64u64 << 20)),
+        "{second}"
+    );
+    assert!(
+        holder.contains(&format!("\"given_back_bytes\":{}", 64u64 << 20)),
+        "{holder}"
+    );
 }

@@ -3,17 +3,18 @@
     import expseg
     expseg.active()        # True when libexpseg.so serves this process
     expseg.stats()         # the exit report's figures, now (a dict)
+    expseg.trim()          # give back now what is held beyond live memory; bytes given back
     expseg.library_path()  # the installed libexpseg.so, for LD_PRELOAD
 
-No torch import, no CUDA call: the figures come from the loaded library through one C
-function it exports (``expseg_stats_json``), read with ctypes.
+No torch import: the figures come from the loaded library through C functions it exports
+(``expseg_stats_json``, ``expseg_trim``), called with ctypes.
 """
 
 import ctypes
 import json
 import os
 
-__all__ = ["active", "stats", "library_path", "__version__"]
+__all__ = ["active", "stats", "trim", "library_path", "__version__"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIB_DIR = os.path.join(_HERE, "_lib")
@@ -81,6 +82,21 @@ def stats():
             return json.loads(buf.value.decode("utf-8", "replace"))
         size = need + 1
     return {"active": False, "why": "libexpseg.so's figures kept growing while being read"}
+
+
+def trim():
+    """Give back to the driver, now, everything this process's expseg holds beyond its
+    program's live memory on every device: handles kept for reuse (``EXPSEG_RELEASE_DELAY``),
+    cached blocks (``EXPSEG_CACHE_MAX``), and released pages still inside a partly live handle
+    (compacted). Returns the bytes given back (0 with the defaults, which keep nothing, and
+    outside expseg). ``stats()["process"]["held_beyond_live_bytes"]`` shows what is held."""
+    try:
+        f = ctypes.CDLL(None).expseg_trim
+    except (AttributeError, OSError):
+        return 0
+    f.argtypes = []
+    f.restype = ctypes.c_uint64
+    return int(f())
 
 
 def active():

@@ -16,6 +16,7 @@ pub mod fdshare;
 mod ipc;
 pub mod reads;
 mod state;
+pub mod trim;
 pub mod vmm;
 
 pub use crate::real::is_shared_runtime_file;
@@ -77,6 +78,30 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     }
 }
 
+/// Where keeping is opted into (`Config::keeps`), this process may hold memory beyond its
+/// live allocations: from its first allocation on, its socket serves other expseg processes'
+/// reclaims (`trim::trim_gpu`). Without keeping there is nothing to give and no socket.
+pub fn serve_reclaims() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if config().keeps() && !bypass() {
+        ONCE.call_once(|| {
+            ipc::tickets::ensure_server();
+        });
+    }
+}
+
+/// A runtime allocation of the calling thread's device found no memory: make room for one
+/// more try (`trim::make_room`: this process's held memory, then other expseg processes').
+pub fn make_room_runtime() -> bool {
+    trim::make_room(runtime::get_device().ok())
+}
+
+/// The same for a driver allocation on `dev`, or where unknown, on the device of the current
+/// primary context.
+pub fn make_room_driver(dev: Option<i32>) -> bool {
+    trim::make_room(dev.or_else(|| real::driver().ok().and_then(cuda::primary_device)))
+}
+
 /// What the pool made of one allocation request.
 enum Served {
     Ptr(u64),
@@ -88,6 +113,7 @@ enum Served {
 /// An allocation of `size` bytes from `dev`'s pool: the part `cudaMalloc` and `cuMemAlloc`
 /// share once they know the device.
 fn serve(dev: i32, size: usize) -> Served {
+    serve_reclaims();
     // One lock for the allocation (it also starts the state on first use).
     let mut st = ensure_state();
     let Some(pool) = st.pool(dev) else {
@@ -386,5 +412,7 @@ pub fn live_report_json(library: &str) -> String {
     };
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(vmm::report_rows());
+    snap.global
+        .push(("held_beyond_live_bytes", trim::held_beyond_live()));
     stats::render_live_json(&snap, why.as_deref(), library)
 }

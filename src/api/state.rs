@@ -106,7 +106,7 @@ pub(super) struct State {
     pub(super) ipc: IpcState,
 }
 
-static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
+pub(super) static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
 
 impl State {
     fn start() -> State {
@@ -468,6 +468,11 @@ pub(super) mod coalescers {
     /// thread of its own checks every millisecond while any are kept and sleeps while none are
     /// (woken by the call that keeps one; started at the first coalescer; never in a forked
     /// child). False if there is none (no delay, or no thread).
+    ///
+    /// It never compacts: a compaction briefly unmaps live pages, which is safe only inside
+    /// one of the program's allocator calls (outside them its threads launch work on those
+    /// pages; tried on the fake driver: the program faulted, issue 21). Pages a release loop
+    /// left stranded wait for the program's next call.
     fn start_releaser() -> bool {
         let delay = Duration::from_millis(config().release_delay_ms);
         if delay.is_zero() {

@@ -57,10 +57,21 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
         }
         return None;
     }
-    let mut v = lock();
-    let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
-    Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
+    let once = || {
+        let mut v = lock();
+        let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
+        Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
+    };
+    match once() {
+        // Memory held for reuse elsewhere (other devices' caches here, other expseg
+        // processes) must not cost this page its memory: one more try after making room.
+        Some(Err(OUT_OF_MEMORY)) if super::trim::make_room(Some(dev)) => once(),
+        r => r,
+    }
 }
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+const OUT_OF_MEMORY: u32 = 2;
 
 pub fn release(vh: u64) -> Option<u32> {
     if !is_virtual(vh) || !started() {
@@ -119,15 +130,24 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
     if !started() || wraps(va, size) {
         return None;
     }
-    let mut v = lock();
-    for c in v.all().filter(|c| c.maps_in(va, size)) {
-        match in_context(c, |c| c.set_access(va, size, descs)) {
-            Ok(false) => continue,
-            Ok(true) => return Some(0),
-            Err(e) => return Some(e.0),
+    let once = || {
+        let mut v = lock();
+        for c in v.all().filter(|c| c.maps_in(va, size)) {
+            let dev = crate::gpu::Driver::device(c.driver());
+            match in_context(c, |c| c.set_access(va, size, descs)) {
+                Ok(false) => continue,
+                Ok(true) => return Some((0, dev)),
+                Err(e) => return Some((e.0, dev)),
+            }
         }
+        None
+    };
+    match once() {
+        // Admitted pages whose memory another process took meanwhile: room made, once more
+        // (pages already backed keep their memory).
+        Some((OUT_OF_MEMORY, dev)) if super::trim::make_room(Some(dev)) => once().map(|r| r.0),
+        r => r.map(|r| r.0),
     }
-    None
 }
 
 /// Whether a handle expseg parked (released pages' memory, kept mapped for reuse) lies in
@@ -216,20 +236,4 @@ pub fn settle() {
             c.release_kept();
         });
     }
-}
-
-/// Another allocation of this process (a direct `cuMemCreate`, `cudaMalloc`) found no memory:
-/// give kept handles back. True if there were any (worth asking the driver again).
-pub fn release_kept_for_others() -> bool {
-    if !started() {
-        return false;
-    }
-    let mut any = false;
-    for c in lock().all() {
-        if c.kept_bytes() > 0 {
-            in_context(c, |c| c.release_kept());
-            any = true;
-        }
-    }
-    any
 }

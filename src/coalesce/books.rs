@@ -162,7 +162,8 @@ pub struct Coalescer<D: Driver> {
     pub(super) last_call: Instant,
     /// Released pages of a handle still stranded because the next page of the same handle
     /// may be released next (the program's loop over a free range): (phys, offset of that
-    /// page). Settled at the next call that is not the loop's, or after a short quiet.
+    /// page). Settled at the program's next call that is not the loop's (only inside the
+    /// program's own calls is moving live pages safe).
     pub(super) deferred: Option<(u64, u64)>,
     pub(super) stats: CoalesceStats,
 }
@@ -272,7 +273,7 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Whether released pages wait for the end of the program's release loop (a settle at
-    /// its next call, or after a short quiet: [`Coalescer::settle`]).
+    /// its next call: [`Coalescer::settle`]).
     pub fn settle_deferred(&self) -> bool {
         self.deferred.is_some()
     }

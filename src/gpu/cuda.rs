@@ -129,6 +129,20 @@ pub fn device_count(t: &DriverTable) -> DrvResult<i32> {
     Ok(n)
 }
 
+/// The 16-byte UUID of device `dev` (the same GPU under any `CUDA_VISIBLE_DEVICES`); None
+/// where the driver has no `cuDeviceGetUuid_v2`.
+pub fn device_uuid(t: &DriverTable, dev: i32) -> Option<[u8; 16]> {
+    let f = t.cuDeviceGetUuid_v2?;
+    let mut d: cudarc::driver::sys::CUdevice = 0;
+    let mut uuid = [0u8; 16];
+    // SAFETY: valid out-pointers; a CUuuid is 16 bytes.
+    unsafe {
+        check((t.cuDeviceGet)(&mut d, dev)).ok()?;
+        check(f(uuid.as_mut_ptr().cast(), d)).ok()?;
+    }
+    Some(uuid)
+}
+
 /// Whether the calling thread has a current context (after the driver is initialised).
 pub fn has_context(t: &DriverTable) -> bool {
     let mut c: CUcontext = std::ptr::null_mut();

@@ -9,8 +9,8 @@
 //! served by the process its name says, of its own uid; the server admits only its own uid
 //! (or `EXPSEG_IPC_ALLOW_UIDS`). A peer that does not answer within the bound is skipped.
 
-use super::transport::{self, AskError};
 use super::ticket::Refusal;
+use super::transport::{self, AskError};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;

@@ -536,10 +536,10 @@ impl<D: Driver> Pool<D> {
     }
 
     /// Give every cached byte back to the driver now (`expseg.trim()`, another expseg process
-    /// that found no memory), the retry window closed: the bytes given back.
+    /// that found no memory): the bytes given back. An open retry window stays open (the
+    /// program's own retry after a failure is what it keeps frees for).
     pub fn give_back_cache(&mut self) -> u64 {
         let before = self.cached_bytes();
-        self.retry_window = false;
         self.trim(0);
         before.saturating_sub(self.cached_bytes())
     }

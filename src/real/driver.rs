@@ -65,6 +65,7 @@ driver_table! {
         cuMemGetAddressRange_v2(*mut CUdeviceptr, *mut size_t, CUdeviceptr);
         cuDriverGetVersion(*mut c_int);
         cuDeviceGetName(*mut c_char, c_int, CUdevice);
+        cuDeviceGetUuid_v2(*mut c_void, CUdevice);
         cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_void);
         cuPointerGetAttribute(*mut c_void, c_int, CUdeviceptr);
         cuMemExportToShareableHandle(*mut c_void, CUmemGenericAllocationHandle, u32, u64);

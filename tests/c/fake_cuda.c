@@ -109,7 +109,27 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
 /* Legacy memory (cuMemAlloc): memfd mappings. */
 #define MAXA 65536
 static struct { void* p; size_t n; int fd; } allocs[MAXA];
-static size_t used;
+/* Device memory in use. FAKE_SHARED_USED=PATH: one counter in that file for every process
+ * that names it (processes sharing one fake GPU, for reclaim tests); legacy allocations then
+ * count too and fail beyond FAKE_CAPACITY, as VMM handles do. */
+static size_t used_here;
+static size_t* used_at(void) {
+  static size_t* p;
+  if (p) return p;
+  const char* path = getenv("FAKE_SHARED_USED");
+  if (path) {
+    int fd = open(path, O_RDWR | O_CREAT, 0600);
+    if (fd >= 0 && ftruncate(fd, sizeof(size_t)) == 0) {
+      void* m = mmap(0, sizeof(size_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (m != MAP_FAILED) p = m;
+    }
+    if (fd >= 0) close(fd);
+  }
+  if (!p) p = &used_here;
+  return p;
+}
+#define used (*used_at())
+static int shared_used(void) { return getenv("FAKE_SHARED_USED") != 0; }
 uint64_t fakecu_take_freed(size_t size);
 static CUresult mem_alloc(CUdeviceptr* out, size_t n) {
   if (!current()) return 201;
@@ -117,6 +137,7 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t n) {
   if (n >= ((size_t)1 << 48)) return 2;
   /* FAKE_RT_MALLOC_MAX: larger requests run out of memory. */
   if (getenv("FAKE_RT_MALLOC_MAX") && n > (size_t)atol(getenv("FAKE_RT_MALLOC_MAX"))) return 2;
+  if (shared_used() && used + n > (size_t)envl("FAKE_CAPACITY", 1L << 30)) return 2;
   int fd = memfd_create("fakert", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, (off_t)n)) return 2;
   void* m = MAP_FAILED;
@@ -137,6 +158,7 @@ static CUresult mem_alloc(CUdeviceptr* out, size_t n) {
   int i = 0; while (i < MAXA && allocs[i].p) i++;
   if (i == MAXA) { pthread_mutex_unlock(&mu); munmap(m, n); close(fd); return 2; }
   allocs[i].p = m; allocs[i].n = n; allocs[i].fd = fd;
+  if (shared_used()) used += n;
   pthread_mutex_unlock(&mu);
   *out = (CUdeviceptr)(uintptr_t)m; return 0;
 }
@@ -159,7 +181,9 @@ CUresult cuMemFree_v2(CUdeviceptr dp) {
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXA; i++) if (allocs[i].p == p) {
     size_t n = allocs[i].n; int fd = allocs[i].fd;
-    allocs[i].p = 0; pthread_mutex_unlock(&mu);
+    allocs[i].p = 0;
+    if (shared_used()) used -= n;
+    pthread_mutex_unlock(&mu);
     munmap(p, n); close(fd);
     return 0;
   }

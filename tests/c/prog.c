@@ -480,6 +480,28 @@ static int wait_for_term(void) {
   return 0;
 }
 
+/* Reclaim: "hold N" takes N MiB, frees it and holds on (its memory kept where keeping is
+ * opted into) until its stdin closes; "need N" takes N MiB at once and says whether it got it. */
+static int hold(size_t mib) {
+  void* p = 0; CHECK(cudaMalloc(&p, mib * MIB) == 0);
+  fill(p, mib * MIB, 7);
+  CHECK(cudaFree(p) == 0);
+  printf("held=1\n"); fflush(stdout);
+  char buf[64];
+  while (fread(buf, 1, sizeof buf, stdin) > 0) {}
+  return 0;
+}
+
+static int need(size_t mib) {
+  void* p = 0;
+  int rc = cudaMalloc(&p, mib * MIB);
+  printf("need_rc=%d\n", rc);
+  if (rc) return 0;
+  fill(p, mib * MIB, 9); CHECK(holds(p, mib * MIB, 9));
+  CHECK(cudaFree(p) == 0);
+  return 0;
+}
+
 static int simple(void) {
   void* p; long rt = fakert_count("cudaMalloc");
   int rc = cudaMalloc(&p, 4 * MIB);
@@ -528,6 +550,8 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
   if (!strcmp(s, "share") && argc > 2) return share(argv[0], argv[2]);
   if (!strcmp(s, "share_foreign") && argc > 2) return share_foreign(argv[0], argv[2]);
+  if (!strcmp(s, "hold") && argc > 2) return hold((size_t)atol(argv[2]));
+  if (!strcmp(s, "need") && argc > 2) return need((size_t)atol(argv[2]));
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "threads")) return threads();

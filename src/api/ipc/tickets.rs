@@ -137,8 +137,25 @@ fn admitted(uid: u32) -> bool {
     ok
 }
 
-/// The producer's answer to a ticket: runs on a thread of the socket server.
+/// The producer's answer to a ticket: runs on a thread of the socket server. A reclaim
+/// (another expseg process of the user found no memory on the GPU the nonce names) is no
+/// ticket: what this process holds beyond live memory there goes back, and the answer is a
+/// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+    if id == crate::ipc::reclaim::RECLAIM_ID {
+        if !admitted(peer) {
+            return Err(Refusal::Forbidden);
+        }
+        let size = crate::api::trim::trim_gpu(nonce);
+        let none = transport::fds_of(Vec::new());
+        return Ok((
+            Grant {
+                size,
+                chunks: Vec::new(),
+            },
+            none,
+        ));
+    }
     let d = decide_once(id, nonce, peer);
     match &d {
         Ok(_) => GLOBAL.ipc_tickets_granted.add(1),

@@ -259,7 +259,8 @@ fn released_pages_go_back_before_the_release_returns() {
 fn a_release_loop_that_ends_inside_a_handle_settles_at_the_next_other_call() {
     // Pages 2..5 of 8 go, 5..8 stay live: after the loop the handle's next page is live, so
     // expseg cannot tell the loop ended; any call that is not the loop's next step settles
-    // first (and a quiet process is settled by the releaser thread: api::state).
+    // first (never a thread of expseg's: moving live pages is safe only inside the program's
+    // own calls).
     let (mut c, va) = setup(100 * PAGE, cfg());
     let hs = grow(&mut c, va, 8).unwrap();
     fill(&mut c, va, 8);

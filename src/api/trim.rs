@@ -1,0 +1,143 @@
+//! Memory held beyond the program's live memory, given back: how much is held (the report,
+//! `expseg.stats()`), `trim` (`expseg.trim()`, and the reclaims other expseg processes send),
+//! and making room for an allocation that found none: this process's own held memory first,
+//! then what the other expseg processes of the user hold on the same GPU, each asked within a
+//! bound (`ipc::reclaim`).
+//!
+//! With the defaults nothing is held beyond live memory (released at once), so all of this
+//! matters where keeping is opted into (`EXPSEG_RELEASE_DELAY`, `EXPSEG_CACHE_MAX`).
+
+use super::state::coalescers::{self, in_context};
+use super::state::{self, STATE_STARTED};
+use crate::gpu::cuda;
+use crate::gpu::Driver as _;
+use crate::ipc::{reclaim, transport};
+use crate::real;
+use crate::stats::GLOBAL;
+use once_cell::sync::OnceCell;
+use std::sync::atomic::Ordering;
+
+/// Each device's key in reclaims: from its UUID; from its ordinal where the driver cannot say
+/// (then only processes that see the same ordering agree, which is all a fake driver has).
+fn key_of(dev: i32) -> u64 {
+    static KEYS: OnceCell<Vec<u64>> = OnceCell::new();
+    let keys = KEYS.get_or_init(|| {
+        let Ok(t) = real::driver() else {
+            return Vec::new();
+        };
+        let n = cuda::device_count(t).unwrap_or(0);
+        (0..n)
+            .map(|d| match cuda::device_uuid(t, d) {
+                Some(u) => reclaim::gpu_key(&u),
+                None => d as u64,
+            })
+            .collect()
+    });
+    usize::try_from(dev)
+        .ok()
+        .and_then(|i| keys.get(i).copied())
+        .unwrap_or(dev as u64)
+}
+
+/// Bytes held beyond live memory on every device: the pools' cached blocks, the coalescers'
+/// kept handles, stranded pages and handles the driver would not take back yet. Never starts
+/// anything; 0 while a lock is busy elsewhere.
+pub fn held_beyond_live() -> u64 {
+    let mut held = 0;
+    if STATE_STARTED.load(Ordering::Acquire) {
+        if let Ok(mut st) = state::STATE.try_lock() {
+            held += st.open_pools().map(|(_, p)| p.cached_bytes()).sum::<u64>();
+        }
+    }
+    if coalescers::started() {
+        if let Ok(mut v) = coalescers::VMM.try_lock() {
+            held += v.all().map(|c| c.held_beyond_live()).sum::<u64>();
+        }
+    }
+    held
+}
+
+/// Give back everything held beyond live memory on the devices `which` accepts: the bytes
+/// given back.
+fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
+    let mut freed = 0;
+    if state::forked() {
+        return 0; // a forked child's CUDA state is not its own
+    }
+    if STATE_STARTED.load(Ordering::Acquire) {
+        let mut st = state::lock();
+        if let Ok(t) = st.driver.as_ref().map(|t| *t) {
+            for (dev, p) in st.open_pools().filter(|(d, _)| which(*d)) {
+                freed += real::primary::with_primary(t, dev, || p.give_back_cache());
+            }
+        }
+    }
+    if coalescers::started() {
+        for c in coalescers::lock()
+            .all()
+            .filter(|c| which(c.driver().device()))
+        {
+            freed += in_context(c, |c| c.trim());
+        }
+    }
+    GLOBAL.given_back_bytes.add(freed);
+    freed
+}
+
+/// `expseg.trim()`: give back everything held beyond live memory, on every device.
+pub fn trim_all() -> u64 {
+    trim_devices(|_| true)
+}
+
+/// Another expseg process found no memory on the GPU of `key`: what this process holds beyond
+/// live memory there goes back.
+pub fn trim_gpu(key: u64) -> u64 {
+    let freed = trim_devices(|d| key_of(d) == key);
+    if freed > 0 {
+        log::info!("gave back {freed} bytes another expseg process asked for");
+    }
+    freed
+}
+
+/// An allocation on `dev` (None: the device is not known) found no memory: this process's
+/// own held memory goes back, then the other expseg processes of the user are asked for
+/// theirs on the same GPU. True if any bytes came back (worth asking the driver again).
+pub fn make_room(dev: Option<i32>) -> bool {
+    let own = match dev {
+        Some(d) => trim_devices(|x| x == d),
+        None => trim_all(),
+    };
+    own + reclaim_from_peers(dev) > 0
+}
+
+/// Ask the other expseg processes of the user to give back what they hold on `dev`'s GPU
+/// (every GPU of this process when `dev` is unknown): the bytes they gave.
+fn reclaim_from_peers(dev: Option<i32>) -> u64 {
+    let keys: Vec<u64> = match dev {
+        Some(d) => vec![key_of(d)],
+        None => match real::driver().map(|t| cuda::device_count(t).unwrap_or(0)) {
+            Ok(n) => (0..n).map(key_of).collect(),
+            Err(_) => Vec::new(),
+        },
+    };
+    let (uid, me) = (transport::current_uid(), std::process::id());
+    let mut freed = 0;
+    for key in keys {
+        for a in reclaim::ask_peers(uid, me, key, reclaim::PEER_TIMEOUT) {
+            GLOBAL.reclaim_asks.add(1);
+            match a.result {
+                Ok(0) => {}
+                Ok(n) => {
+                    log::info!(
+                        "expseg process {} gave back {n} bytes for an allocation here",
+                        a.pid
+                    );
+                    freed += n;
+                }
+                Err(e) => log::debug!("asking expseg process {} to give memory back: {e:?}", a.pid),
+            }
+        }
+    }
+    GLOBAL.reclaimed_bytes.add(freed);
+    freed
+}
