@@ -51,7 +51,15 @@ pub struct Global {
     pub reclaim_asks: Counter,
     pub reclaimed_bytes: Counter,
     pub given_back_bytes: Counter,
+    /// PyTorch's VMM calls on coalesced pages: calls and wall nanoseconds per call
+    /// ([`VMM_CALLS`] order), lock waits and driver calls included: the hooks' own cost is
+    /// this less the coalescer's driver time.
+    pub vmm_calls: [Counter; VMM_CALLS.len()],
+    pub vmm_ns: [Counter; VMM_CALLS.len()],
 }
+
+/// The VMM calls timed in [`Global::vmm_calls`].
+pub const VMM_CALLS: [&str; 5] = ["create", "map", "access", "unmap", "release"];
 
 pub static GLOBAL: Global = Global {
     passthrough_allocs: Counter::new(),
@@ -70,11 +78,22 @@ pub static GLOBAL: Global = Global {
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
+    vmm_calls: [const { Counter::new() }; VMM_CALLS.len()],
+    vmm_ns: [const { Counter::new() }; VMM_CALLS.len()],
 };
+
+/// Time `f` as one VMM call of kind `k` (an index into [`VMM_CALLS`]).
+pub fn time_vmm<T>(k: usize, f: impl FnOnce() -> T) -> T {
+    let t = std::time::Instant::now();
+    let r = f();
+    GLOBAL.vmm_calls[k].add(1);
+    GLOBAL.vmm_ns[k].add(t.elapsed().as_nanos() as u64);
+    r
+}
 
 impl Global {
     fn rows(&self) -> Vec<(&'static str, u64)> {
-        vec![
+        let mut rows = vec![
             ("passthrough_allocs", self.passthrough_allocs.get()),
             (
                 "passthrough_alloc_bytes",
@@ -94,7 +113,28 @@ impl Global {
             ("reclaim_asks", self.reclaim_asks.get()),
             ("reclaimed_bytes", self.reclaimed_bytes.get()),
             ("given_back_bytes", self.given_back_bytes.get()),
-        ]
+        ];
+        const CALLS: [&str; VMM_CALLS.len()] = [
+            "vmm_create_calls",
+            "vmm_map_calls",
+            "vmm_access_calls",
+            "vmm_unmap_calls",
+            "vmm_release_calls",
+        ];
+        const NS: [&str; VMM_CALLS.len()] = [
+            "vmm_create_ns",
+            "vmm_map_ns",
+            "vmm_access_ns",
+            "vmm_unmap_ns",
+            "vmm_release_ns",
+        ];
+        for k in 0..VMM_CALLS.len() {
+            if self.vmm_calls[k].get() > 0 {
+                rows.push((CALLS[k], self.vmm_calls[k].get()));
+                rows.push((NS[k], self.vmm_ns[k].get()));
+            }
+        }
+        rows
     }
 }
 

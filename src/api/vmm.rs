@@ -9,6 +9,7 @@ use super::state::coalescers::{in_context, lock, started, VMM};
 use super::state::config;
 use crate::coalesce::is_virtual;
 use crate::gpu::{ChunkHandle, DrvError, PageProps};
+use crate::stats::time_vmm;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Register a read of another allocator's memory (an IPC mirror refresh) while no coalescer
@@ -46,52 +47,59 @@ static FIRST_DEVICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32
 /// off and, on one GPU, with it on), cause not found yet: one process per GPU (torchrun, Ray
 /// workers) is what is served.
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
-    let first = match FIRST_DEVICE.compare_exchange(-1, dev, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => dev,
-        Err(d) => d,
-    };
-    if first != dev && !config().test_all_devices {
-        static SAID: AtomicBool = AtomicBool::new(false);
-        if !SAID.swap(true, Ordering::Relaxed) {
-            log::info!("device {dev}: pages pass through (only device {first}'s are coalesced in a process)");
+    time_vmm(0, || {
+        let first =
+            match FIRST_DEVICE.compare_exchange(-1, dev, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => dev,
+                Err(d) => d,
+            };
+        if first != dev && !config().test_all_devices {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                log::info!("device {dev}: pages pass through (only device {first}'s are coalesced in a process)");
+            }
+            return None;
         }
-        return None;
-    }
-    let once = || {
-        let mut v = lock();
-        let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
-        Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
-    };
-    match once() {
-        // Memory held for reuse elsewhere (other devices' caches here, other expseg
-        // processes) must not cost this page its memory: one more try after making room.
-        Some(Err(OUT_OF_MEMORY)) if super::trim::make_room(Some(dev)) => once(),
-        r => r,
-    }
+        let once = || {
+            let mut v = lock();
+            let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
+            Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
+        };
+        match once() {
+            // Memory held for reuse elsewhere (other devices' caches here, other expseg
+            // processes) must not cost this page its memory: one more try after making room.
+            Some(Err(OUT_OF_MEMORY)) if super::trim::make_room(Some(dev)) => once(),
+            r => r,
+        }
+    })
 }
 
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 const OUT_OF_MEMORY: u32 = 2;
 
 pub fn release(vh: u64) -> Option<u32> {
-    if !is_virtual(vh) || !started() {
-        return None;
-    }
-    let mut v = lock();
-    let c = v.owner(vh)?;
-    Some(code(in_context(c, |c| c.release(vh))))
+    time_vmm(4, || {
+        if !is_virtual(vh) || !started() {
+            return None;
+        }
+        let mut v = lock();
+        let c = v.owner(vh)?;
+        Some(code(in_context(c, |c| c.release(vh))))
+    })
 }
 
 pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> {
-    if !is_virtual(vh) || !started() {
-        return None;
-    }
-    let mut v = lock();
-    let c = v.owner(vh)?;
-    if flags != 0 || wraps(va, size) {
-        return Some(crate::coalesce::INVALID.0);
-    }
-    Some(code(in_context(c, |c| c.map(va, size, offset, vh))))
+    time_vmm(1, || {
+        if !is_virtual(vh) || !started() {
+            return None;
+        }
+        let mut v = lock();
+        let c = v.owner(vh)?;
+        if flags != 0 || wraps(va, size) {
+            return Some(crate::coalesce::INVALID.0);
+        }
+        Some(code(in_context(c, |c| c.map(va, size, offset, vh))))
+    })
 }
 
 /// Before the program maps a handle of its own at `[va, va+size)`: no ghost of ours there.
@@ -105,49 +113,53 @@ pub fn clear(va: u64, size: u64) {
 }
 
 pub fn unmap(va: u64, size: u64) -> Option<u32> {
-    if !started() || wraps(va, size) {
-        return None;
-    }
-    let mut v = lock();
-    let mut answer = None;
-    for c in v.all().filter(|c| c.maps_in(va, size)) {
-        match in_context(c, |c| c.unmap(va, size)) {
-            Ok(false) => continue,
-            Ok(true) => answer = Some(0),
-            Err(e) => answer = Some(e.0),
+    time_vmm(3, || {
+        if !started() || wraps(va, size) {
+            return None;
         }
-        break;
-    }
-    drop(v);
-    if answer == Some(0) {
-        // Handles given out for runs that started here stand for nothing any more.
-        super::state::forget_foreign_range(va, size);
-    }
-    answer
+        let mut v = lock();
+        let mut answer = None;
+        for c in v.all().filter(|c| c.maps_in(va, size)) {
+            match in_context(c, |c| c.unmap(va, size)) {
+                Ok(false) => continue,
+                Ok(true) => answer = Some(0),
+                Err(e) => answer = Some(e.0),
+            }
+            break;
+        }
+        drop(v);
+        if answer == Some(0) {
+            // Handles given out for runs that started here stand for nothing any more.
+            super::state::forget_foreign_range(va, size);
+        }
+        answer
+    })
 }
 
 pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
-    if !started() || wraps(va, size) {
-        return None;
-    }
-    let once = || {
-        let mut v = lock();
-        for c in v.all().filter(|c| c.maps_in(va, size)) {
-            let dev = crate::gpu::Driver::device(c.driver());
-            match in_context(c, |c| c.set_access(va, size, descs)) {
-                Ok(false) => continue,
-                Ok(true) => return Some((0, dev)),
-                Err(e) => return Some((e.0, dev)),
-            }
+    time_vmm(2, || {
+        if !started() || wraps(va, size) {
+            return None;
         }
-        None
-    };
-    match once() {
-        // Admitted pages whose memory another process took meanwhile: room made, once more
-        // (pages already backed keep their memory).
-        Some((OUT_OF_MEMORY, dev)) if super::trim::make_room(Some(dev)) => once().map(|r| r.0),
-        r => r.map(|r| r.0),
-    }
+        let once = || {
+            let mut v = lock();
+            for c in v.all().filter(|c| c.maps_in(va, size)) {
+                let dev = crate::gpu::Driver::device(c.driver());
+                match in_context(c, |c| c.set_access(va, size, descs)) {
+                    Ok(false) => continue,
+                    Ok(true) => return Some((0, dev)),
+                    Err(e) => return Some((e.0, dev)),
+                }
+            }
+            None
+        };
+        match once() {
+            // Admitted pages whose memory another process took meanwhile: room made, once more
+            // (pages already backed keep their memory).
+            Some((OUT_OF_MEMORY, dev)) if super::trim::make_room(Some(dev)) => once().map(|r| r.0),
+            r => r.map(|r| r.0),
+        }
+    })
 }
 
 /// Whether a handle expseg parked (released pages' memory, kept mapped for reuse) lies in
