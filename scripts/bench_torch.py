@@ -30,7 +30,9 @@ filler process that holds the rest of the card:
          trainer also as a plain CUDA program (shim-tests/handoff_fill.cu, the cudaMalloc
          path; built with nvcc when missing). Not in the default list (--workloads handoff).
 Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
-large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), expseg
+large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), noec (not
+run unless asked: the default allocator with torch.cuda.empty_cache() a no-op, the floor of
+the workloads that empty the cache), expseg
 (scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
 expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
 EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse); not run unless
@@ -87,6 +89,10 @@ def mode_env(mode, lib):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif mode == "expandable_256":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True,large_segment_size_mb:256"
+    elif mode == "noec":
+        # The floor: the default allocator with torch.cuda.empty_cache() a no-op, so nothing
+        # is given back and nothing made again; no allocator that gives memory back is faster.
+        env["BENCH_NO_EC"] = "1"
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
@@ -113,6 +119,10 @@ def mode_env(mode, lib):
     elif mode == "expseg-release0":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "0"
+    elif mode == "expseg-noahead":
+        # Without growing ahead (EXPSEG_GROW_AHEAD=0): a handle per batch of new pages.
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_GROW_AHEAD"] = "0"
     elif mode == "expseg":
         env["EXPSEG_LIB"] = lib
         env["EXPSEG_REPORT"] = "none"
@@ -139,6 +149,14 @@ def cpu_list(text):
     return out
 
 
+def no_ec():
+    """Mode noec: torch.cuda.empty_cache() does nothing in this process."""
+    if os.environ.get("BENCH_NO_EC"):
+        import torch
+
+        torch.cuda.empty_cache = lambda: None
+
+
 def worker(name):
     if os.environ.get("BENCH_CPUS"):
         os.sched_setaffinity(0, cpu_list(os.environ["BENCH_CPUS"]))
@@ -148,6 +166,7 @@ def worker(name):
     import torch
 
     pynvml.nvmlInit()
+    no_ec()
     budget, steps = WORKLOADS[name]
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
@@ -447,6 +466,7 @@ def rl_worker(q_in, q_out):
     the trainer's bucket, a rollout that takes and frees a KV-cache-sized block set."""
     import torch
 
+    no_ec()
     sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
     from gpt import gpt
 
@@ -536,7 +556,7 @@ def run_all(args):
                     env["BENCH_CPUS"] = args.cpus
                 if args.reports and m.startswith("expseg"):
                     os.makedirs(args.reports, exist_ok=True)
-                    env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}_{rep}.txt")
+                    env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}_{rep}_%p.txt")
                 t0 = time.time()
                 p = subprocess.run(pre + [sys.executable] + launch + [__file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
                 line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]

@@ -18,6 +18,12 @@
 //   pow2-pause     pow2 with 100 ms of quiet after each step
 //   pow2min64      power-of-two handles down to 64 MiB, the rest as one handle
 //   group2g        handles of up to 2 GiB covering several tensors back to back
+//   held           tensor-same, but the handles are created once and kept: each step maps,
+//                  sets access, writes, unmaps (what keeping released handles costs; not the
+//                  contract: nothing goes back to the driver)
+// FLOOR_BUDGET_GIB=N: hold all but N GiB of the device's free memory in this process first
+// (cudaMalloc), so that each step must take back the memory the step before gave back, as a
+// benchmark under a memory budget does (the bench's churn budget is 56).
 // Modes to run may be named after the two numbers (default: all).
 // Driver API only (no kernels): nvcc -O2 -o release_floor release_floor.cu -lcuda
 //   ./release_floor [TOTAL_GIB=48] [STEPS=9]
@@ -108,13 +114,22 @@ static std::vector<size_t> pieces(int chunking, size_t need) {
 }
 
 // write: 0 a third whole, 1 4 KiB each, 2 nothing; pause: ms of quiet after each step.
-struct Mode { const char* name; int chunking; bool same; int write; int pause; bool behind; bool malloc; bool batched; };
+struct Mode { const char* name; int chunking; bool same; int write; int pause; bool behind; bool malloc; bool batched; bool held; };
+static std::vector<CUmemGenericAllocationHandle> held_hs;
 
 int main(int argc, char** argv) {
   double total = argc > 1 ? atof(argv[1]) : 48.0;
   int steps = argc > 2 ? atoi(argv[2]) : 9;
   setvbuf(stdout, NULL, _IONBF, 0);
   cudaFree(0);
+  if (getenv("FLOOR_BUDGET_GIB")) {
+    size_t fr, tot;
+    cudaMemGetInfo(&fr, &tot);
+    size_t budget = (size_t)(atof(getenv("FLOOR_BUDGET_GIB")) * (1ull << 30));
+    void* fill;
+    if (fr > budget && cudaMalloc(&fill, fr - budget) == cudaSuccess)
+      printf("budget: %.1f GiB free of %.1f (held %.1f GiB)\n", budget / 1073741824.0, tot / 1073741824.0, (fr - budget) / 1073741824.0);
+  }
   CUcontext ctx;
   cuCtxGetCurrent(&ctx);
   CUmemAllocationProp P;
@@ -133,21 +148,22 @@ int main(int argc, char** argv) {
   CK(cuMemAddressReserve(&va, vasz, 0, 0, 0));
   std::thread th(releaser, ctx);
   const Mode modes[] = {
-      {"tensor", 0, false, 0, 0, false, false, false},
-      {"tensor-same", 0, true, 0, 0, false, false, false},
-      {"tensor-sparse", 0, false, 1, 0, false, false, false},
-      {"tensor-pause", 0, false, 0, 100, false, false, false},
-      {"chunks256", 1, false, 0, 0, false, false, false},
-      {"pow2", 2, false, 0, 0, false, false, false},
-      {"behind", 0, false, 0, 0, true, false, false},
+      {"tensor", 0, false, 0, 0, false, false, false, false},
+      {"tensor-same", 0, true, 0, 0, false, false, false, false},
+      {"tensor-sparse", 0, false, 1, 0, false, false, false, false},
+      {"tensor-pause", 0, false, 0, 100, false, false, false, false},
+      {"chunks256", 1, false, 0, 0, false, false, false, false},
+      {"pow2", 2, false, 0, 0, false, false, false, false},
+      {"behind", 0, false, 0, 0, true, false, false, false},
       {"cudaMalloc", 0, false, 0, 0, false, true, false},
-      {"tensor-batched", 0, false, 0, 0, false, false, true},
-      {"tensor-p20", 0, false, 0, 20, false, false, false},
-      {"tensor-p50", 0, false, 0, 50, false, false, false},
-      {"tensor-none", 0, false, 2, 0, false, false, false},
-      {"pow2-pause", 2, false, 0, 100, false, false, false},
-      {"pow2min64", 3, false, 0, 0, false, false, false},
-      {"group2g", 4, false, 0, 0, false, false, false},
+      {"tensor-batched", 0, false, 0, 0, false, false, true, false},
+      {"tensor-p20", 0, false, 0, 20, false, false, false, false},
+      {"tensor-p50", 0, false, 0, 50, false, false, false, false},
+      {"tensor-none", 0, false, 2, 0, false, false, false, false},
+      {"pow2-pause", 2, false, 0, 100, false, false, false, false},
+      {"pow2min64", 3, false, 0, 0, false, false, false, false},
+      {"group2g", 4, false, 0, 0, false, false, false, false},
+      {"held", 0, true, 0, 0, false, false, false, true},
   };
   const int M = sizeof modes / sizeof modes[0];
   bool run[M];
@@ -159,7 +175,7 @@ int main(int argc, char** argv) {
   std::vector<double> handles[M];
   // Modes in turn, each `steps` steps back to back (the first not counted), twice.
   for (int round = 0; round < 2; round++)
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < M; m++) {
       for (int s = 0; s < steps && run[m]; s++) {
         const Mode& md = modes[m];
         srand(md.same ? 7 : 1 + s + 100 * round);
@@ -209,7 +225,12 @@ int main(int argc, char** argv) {
             }
             for (size_t piece : pieces(md.chunking, need)) {
               CUmemGenericAllocationHandle h;
-              T(CREATE, cuMemCreate(&h, piece, &P, 0));
+              if (md.held && hs.size() < held_hs.size()) {
+                h = held_hs[hs.size()];
+              } else {
+                T(CREATE, cuMemCreate(&h, piece, &P, 0));
+                if (md.held) held_hs.push_back(h);
+              }
               T(MAP, cuMemMap(cur, piece, 0, h, 0));
               hs.push_back(h);
               maps.push_back({cur, piece});
@@ -231,7 +252,7 @@ int main(int argc, char** argv) {
               std::lock_guard<std::mutex> l(mu);
               q.push_back(hs[i]);
               cv.notify_all();
-            } else {
+            } else if (!md.held) {
               T(RELEASE, cuMemRelease(hs[i]));
             }
           }
@@ -270,6 +291,10 @@ int main(int argc, char** argv) {
           handles[m].push_back((double)nh);
         }
       }
+      // The kept handles of mode held go back once its steps are done.
+      for (auto h : held_hs) CK(cuMemRelease(h));
+      held_hs.clear();
+    }
   {
     std::lock_guard<std::mutex> l(mu);
     stop = true;
