@@ -65,6 +65,10 @@ pub struct Config {
     /// default): released before the call that releases them returns. More is opt-in, as
     /// `EXPSEG_CACHE_MAX`.
     pub release_delay_ms: u64,
+    /// `EXPSEG_GROW_AHEAD`: most bytes a new coalesced handle covers beyond the program's
+    /// last page (at most 1/64 of the most held), so that its next pages need no driver call;
+    /// they go back at the program's first unmap. 0: off.
+    pub grow_ahead: u64,
     /// `EXPSEG_IPC_DIR`: where the per-user socket directory lives; an existing absolute
     /// directory.
     pub ipc_dir: String,
@@ -118,6 +122,7 @@ impl Default for Config {
             // millisecond; a colocated engine that is handed the memory starts allocating
             // after an inter-process signal. 2 ms separates the two (docs/design.md).
             release_delay_ms: 0,
+            grow_ahead: GIB,
             ipc_dir: "/tmp".into(),
             report: None,
             test_panic: None,
@@ -220,6 +225,11 @@ const VARS: &[Var] = &[
             }
         },
         show: |c| format!("{}ms", c.release_delay_ms),
+    },
+    Var {
+        name: "EXPSEG_GROW_AHEAD",
+        set: |c, v| parse_size(v).map(|s| c.grow_ahead = s),
+        show: |c| fmt_size(c.grow_ahead),
     },
     Var {
         name: "EXPSEG_IPC_DIR",

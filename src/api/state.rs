@@ -388,6 +388,7 @@ pub(super) mod coalescers {
                         true => Duration::from_millis(c.release_delay_ms),
                         false => Duration::ZERO,
                     },
+                    ahead: c.grow_ahead,
                 };
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
@@ -565,6 +566,8 @@ pub(super) mod coalescers {
                 "coalesce_reused_in_place_bytes",
                 sum(&|s| s.reused_in_place),
             ),
+            ("coalesce_ahead_used_bytes", sum(&|s| s.ahead_used)),
+            ("coalesce_ahead_returned_bytes", sum(&|s| s.ahead_returned)),
             ("coalesce_access_skipped", sum(&|s| s.access_skipped)),
             ("coalesce_meminfo_skipped", sum(&|s| s.meminfo_skipped)),
             ("coalesce_pages_live", all.iter().map(|a| a.2 as u64).sum()),

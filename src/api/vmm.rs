@@ -244,6 +244,7 @@ pub fn settle() {
     }
     for c in lock().all() {
         in_context(c, |c| {
+            c.drop_ahead();
             c.settle(false);
             c.release_kept();
         });

@@ -36,7 +36,15 @@ pub struct CoalesceConfig {
     /// Keep fully released handles for reuse while the program keeps allocating; 0: release
     /// at once. The caller releases them after this much quiet ([`Coalescer::idle_for`]).
     pub release_delay: std::time::Duration,
+    /// Growing ahead: a new handle at the end of the program's pages covers up to this many
+    /// bytes more (and at most 1/[`AHEAD_SHARE`] of the most this coalescer has held), so
+    /// that the pages the program maps there next need no driver call; 0: off. The bytes
+    /// ahead go back at the program's first unmap, as released pages do.
+    pub ahead: u64,
 }
+
+/// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
+pub const AHEAD_SHARE: u64 = 64;
 
 impl Default for CoalesceConfig {
     fn default() -> Self {
@@ -45,6 +53,7 @@ impl Default for CoalesceConfig {
             strand_max: 0,
             margin: 1 << 30,
             release_delay: std::time::Duration::ZERO,
+            ahead: 1 << 30,
         }
     }
 }
@@ -70,6 +79,10 @@ pub struct CoalesceStats {
     /// Bytes of pages served by a kept handle still mapped where the pages were mapped: no
     /// driver call at all.
     pub reused_in_place: u64,
+    /// Bytes of pages served by memory grown ahead (no driver call), and the bytes grown
+    /// ahead that went back unused.
+    pub ahead_used: u64,
+    pub ahead_returned: u64,
     /// `cuMemSetAccess` calls answered without the driver: the mappings already had it.
     pub access_skipped: u64,
     /// Batches admitted without asking the driver for its free memory (kept handles cover them).
@@ -102,6 +115,9 @@ pub(super) struct Phys {
     pub(super) access: Vec<(i32, u32)>,
     /// Access set on the mapping at `base` since it was mapped (empty when unmapped).
     pub(super) granted: Vec<(i32, u32)>,
+    /// Bytes at the end grown ahead of the program's pages (never a page's): not stranded
+    /// while they wait for the next pages mapped there.
+    pub(super) ahead: u64,
 }
 
 /// A fully released handle kept for reuse. `base`: still mapped there (*parked*), with
@@ -165,6 +181,13 @@ pub struct Coalescer<D: Driver> {
     /// page). Settled at the program's next call that is not the loop's (only inside the
     /// program's own calls is moving live pages safe).
     pub(super) deferred: Option<(u64, u64)>,
+    /// The most physical bytes behind pages held at once (bounds growing ahead).
+    pub(super) peak_held: u64,
+    /// Whether some phys may have bytes grown ahead (cleared when they go back).
+    pub(super) grown: bool,
+    /// The program unmapped pages since its last other call (it is giving memory back):
+    /// memory grown ahead goes back when that ends, unless its own handle's pages go first.
+    pub(super) giving_back: bool,
     pub(super) stats: CoalesceStats,
 }
 
@@ -194,6 +217,9 @@ impl<D: Driver> Coalescer<D> {
             kept_seq: 0,
             last_call: Instant::now(),
             deferred: None,
+            peak_held: 0,
+            grown: false,
+            giving_back: false,
             stats: CoalesceStats::default(),
         }
     }
@@ -267,9 +293,21 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Physical bytes held beyond what the program's pages use: kept handles, released pages
-    /// still inside partly live handles, handles the driver would not take back yet.
+    /// still inside partly live handles, bytes grown ahead, handles the driver would not take
+    /// back yet.
     pub fn held_beyond_live(&self) -> u64 {
-        self.kept_bytes + self.stranded() + self.unreleased_bytes()
+        self.kept_bytes + self.stranded() + self.ahead_bytes() + self.unreleased_bytes()
+    }
+
+    /// Bytes grown ahead of the program's pages, not yet used.
+    pub fn ahead_bytes(&self) -> u64 {
+        self.phys.values().map(|p| p.ahead).sum()
+    }
+
+    /// Whether memory grown ahead waits for the end of the program's giving back (its next
+    /// call other than an unmap or a release: [`Coalescer::giving_back_ended`]).
+    pub fn giving_back(&self) -> bool {
+        self.giving_back && self.ahead_bytes() > 0
     }
 
     /// Whether released pages wait for the end of the program's release loop (a settle at
@@ -283,10 +321,11 @@ impl<D: Driver> Coalescer<D> {
         self.unreleased.iter().map(|(_, s)| s).sum()
     }
 
+    /// Bytes of a phys that are neither a page's nor grown ahead: released pages.
     pub(super) fn dead(&self, pid: u64) -> u64 {
         let p = &self.phys[&pid];
         let live: u64 = p.slots.values().map(|vh| self.pages[vh].size).sum();
-        p.size - live
+        p.size - live - p.ahead
     }
 
     /// Whether the program has a page of ours mapped in `[va, va+size)`.
@@ -380,6 +419,7 @@ impl<D: Driver> Coalescer<D> {
                 slots: BTreeMap::new(),
                 access,
                 granted,
+                ahead: 0,
             },
         );
         self.stats.phys_created += 1;

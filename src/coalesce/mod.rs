@@ -58,9 +58,44 @@ impl<D: Driver> Coalescer<D> {
     /// kept handles released): the bytes given back.
     pub fn trim(&mut self) -> u64 {
         let before = self.physical_bytes();
+        self.drop_ahead();
         self.settle(true);
         self.release_kept();
         before.saturating_sub(self.physical_bytes())
+    }
+
+    /// Memory grown ahead goes back with released pages: the program's pages did not grow
+    /// into it, and it is not the program's. Its phys are compacted as partly released ones.
+    pub fn drop_ahead(&mut self) {
+        if !std::mem::take(&mut self.grown) {
+            return;
+        }
+        let grown: Vec<u64> = self
+            .phys
+            .iter()
+            .filter(|(_, p)| p.ahead > 0)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in grown {
+            let ph = self.phys.get_mut(&pid).unwrap();
+            self.stats.ahead_returned += ph.ahead;
+            ph.ahead = 0;
+            self.dirty.insert(pid);
+        }
+    }
+
+    /// A call other than an unmap or a release: if the program was giving memory back, that
+    /// has ended, and memory grown ahead before it goes back now (its handles compacted with
+    /// the pages the release loops left stranded). Handles whose own pages the program
+    /// released took theirs back then, with no copy; waiting for the end spares a copy of
+    /// handles whose pages a later loop of the same `empty_cache()` releases.
+    pub fn giving_back_ended(&mut self) {
+        if std::mem::take(&mut self.giving_back) {
+            self.drop_ahead();
+            self.settle(false);
+        } else {
+            self.loop_ended();
+        }
     }
 
     /// A call that is not the next step of the program's release loop: the pages that loop
@@ -79,7 +114,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemAddressFree` of `[va, va+size)`: make sure no phys is mapped there any more.
     /// Err if the program still has pages mapped in it (the driver's answer too).
     pub fn address_free(&mut self, va: u64, size: u64) -> DrvResult<()> {
-        self.loop_ended();
+        self.giving_back_ended();
         if self.maps.range(va..end(va, size)).next().is_some() {
             return Err(INVALID);
         }
@@ -118,6 +153,7 @@ impl<D: Driver> Coalescer<D> {
         if size == 0 || !size.is_multiple_of(gran) {
             return Err(INVALID);
         }
+        self.giving_back_ended();
         self.settle(false);
         if self.pending_bytes == 0 {
             // A new batch. Kept handles are this process's own memory: while they cover it,
@@ -140,7 +176,8 @@ impl<D: Driver> Coalescer<D> {
             self.free_known = true;
         }
         if !admit(self, size) {
-            // Near the limit: stranded memory first, then a fresh look.
+            // Near the limit: stranded memory and memory grown ahead first, then a fresh look.
+            self.drop_ahead();
             self.settle(true);
             self.free_est = self.free_now();
             self.free_known = true;
@@ -228,7 +265,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemMap(va, size, offset, vh, flags)`.
     pub fn map(&mut self, va: u64, size: u64, offset: u64, vh: u64) -> DrvResult<()> {
-        self.loop_ended();
+        self.giving_back_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         if offset != 0 || size != p.size || !va.is_multiple_of(self.drv.granularity()) {
             return Err(INVALID);
@@ -271,6 +308,9 @@ impl<D: Driver> Coalescer<D> {
         if self.deferred.is_some() && self.pages[&inside[0].1].slot != self.deferred {
             self.loop_ended();
         }
+        // The program gives memory back: memory grown ahead goes with it (below, or when
+        // the giving back ends).
+        self.giving_back |= self.grown;
         for (a, vh) in inside {
             self.maps.remove(&a);
             let p = self.pages.get_mut(&vh).unwrap();
@@ -286,7 +326,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemSetAccess(va, size, descs)`: give memory to the pending pages mapped in the range,
     /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
-        self.loop_ended();
+        self.giving_back_ended();
         self.last_call = Instant::now();
         let inside = self.mapped_in(va, size);
         if inside.is_empty() {
@@ -342,7 +382,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer
     /// maps what it imports whole, page by page), and that real handle is returned.
     pub fn export(&mut self, vh: u64) -> DrvResult<ChunkHandle> {
-        self.loop_ended();
+        self.giving_back_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         let size = p.size;
         match p.slot {
@@ -377,7 +417,7 @@ impl<D: Driver> Coalescer<D> {
     /// Parked handles leave their addresses first: the run is the driver's back-to-back
     /// mappings, and it must stop where the program's pages stop, as it does natively.
     pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
-        self.loop_ended();
+        self.giving_back_ended();
         let parked: Vec<u64> = self.parked.keys().copied().collect();
         for b in parked {
             self.unpark(b)?;
@@ -441,6 +481,22 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
+    /// A handle went back whole: without keeping, what the program's giving back stranded
+    /// elsewhere (memory grown ahead) is back before the call returns, as in a partial
+    /// release.
+    fn settle_released(&mut self) {
+        // A loop over a handle that is gone whole has ended.
+        if self
+            .deferred
+            .is_some_and(|(pid, _)| !self.phys.contains_key(&pid))
+        {
+            self.deferred = None;
+        }
+        if !self.parking() && self.deferred.is_none() && !self.dirty.is_empty() {
+            self.settle(false);
+        }
+    }
+
     /// Forget a page the program neither holds nor maps; release its phys when it was the
     /// last, or count the phys as stranding.
     fn drop_if_dead(&mut self, vh: u64) {
@@ -458,6 +514,7 @@ impl<D: Driver> Coalescer<D> {
         let Some((pid, off)) = slot else { return };
         let ph = self.phys.get_mut(&pid).unwrap();
         ph.slots.remove(&off);
+        self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);
             if !self.parking() {
@@ -474,9 +531,12 @@ impl<D: Driver> Coalescer<D> {
             return;
         }
         if shared {
-            if let Err(e) = self.release_idle(pid) {
-                log::warn!("releasing a shared handle failed ({e})");
-                self.dirty.insert(pid);
+            match self.release_idle(pid) {
+                Ok(()) => self.settle_released(),
+                Err(e) => {
+                    log::warn!("releasing a shared handle failed ({e})");
+                    self.dirty.insert(pid);
+                }
             }
             return;
         }
@@ -496,6 +556,7 @@ impl<D: Driver> Coalescer<D> {
             Ok(()) => {
                 self.phys.remove(&pid);
                 self.dirty.remove(&pid);
+                self.settle_released();
             }
             Err(e) => {
                 log::warn!("releasing a coalesced handle failed ({e})");

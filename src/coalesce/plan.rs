@@ -1,8 +1,9 @@
-//! Backing pending pages: runs of pages mapped back to back get one handle each (parked
-//! handles taken back in place where that costs no more, then kept handles, then new ones),
+//! Backing pending pages: runs of pages mapped back to back get one handle each (memory
+//! grown ahead under them first, then parked handles taken back in place where that costs
+//! no more, then kept handles, then new ones, grown ahead where the program's pages end),
 //! mapped where the pages are.
 
-use super::books::{key, Coalescer, KeptKey, INVALID};
+use super::books::{key, Coalescer, KeptKey, AHEAD_SHARE, INVALID};
 use crate::gpu::{ChunkHandle, Driver, DrvResult};
 
 impl<D: Driver> Coalescer<D> {
@@ -12,7 +13,10 @@ impl<D: Driver> Coalescer<D> {
         // kept or new handles for the rest, in runs of at most `max_handle`.
         let mut rest = Vec::new();
         for chain in self.pending_runs(inside, u64::MAX) {
-            rest.extend(self.adopt_parked(&chain));
+            let chain = self.adopt_ahead(&chain);
+            if !chain.is_empty() {
+                rest.extend(self.adopt_parked(&chain));
+            }
         }
         for piece in rest {
             for run in self.pending_runs(&piece, self.cfg.max_handle) {
@@ -184,8 +188,78 @@ impl<D: Driver> Coalescer<D> {
         pieces
     }
 
+    /// Pending pages mapped where a phys has memory grown ahead (right after its last page)
+    /// take it, in order, with no driver call (the mapping has its access already). Returns
+    /// the pages of the chain left without memory.
+    pub(super) fn adopt_ahead(&mut self, chain: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        let (va, first) = chain[0];
+        let props = self.pages[&first].props;
+        let Some((&base, &pid)) = self.bases.range(..=va).next_back() else {
+            return chain.to_vec();
+        };
+        let ph = &self.phys[&pid];
+        let from = ph.size - ph.ahead;
+        let same = ph.slots.values().next().map(|v| self.pages[v].props) == Some(props);
+        if ph.ahead == 0 || base + from != va || !same {
+            return chain.to_vec();
+        }
+        let mut off = from;
+        let mut taken = 0;
+        for &(pva, vh) in chain {
+            let size = self.pages[&vh].size;
+            if pva != base + off || off + size > self.phys[&pid].size {
+                break;
+            }
+            self.attach(vh, pid, off);
+            self.phys.get_mut(&pid).unwrap().ahead -= size;
+            self.stats.ahead_used += size;
+            off += size;
+            taken += 1;
+        }
+        log::debug!(
+            "device {}: {taken} pages at {va:#x} served by memory grown ahead",
+            self.drv.device()
+        );
+        chain[taken..].to_vec()
+    }
+
+    /// How far to grow a new handle ahead of a run of `total` bytes of pages of `unit` bytes
+    /// ending at `end`: at most `ahead`, 1/AHEAD_SHARE of the most held so far (all handles'
+    /// bytes ahead together) and what the largest handle leaves, in whole pages, within the
+    /// program's reservation and short of anything mapped after the run (the program's pages
+    /// or handles, or ours); nothing for a run larger than that.
+    fn ahead_for(&self, end: u64, total: u64, unit: u64) -> u64 {
+        let mut cap = self
+            .cfg
+            .ahead
+            .min((self.peak_held / AHEAD_SHARE).saturating_sub(self.ahead_bytes()))
+            .min(self.cfg.max_handle.saturating_sub(total));
+        // Only small runs grow ahead: a run that outlives an empty_cache() keeps its handle's
+        // bytes ahead until it moves to a handle of its own (a copy), so the copy a large run
+        // would cost is not risked (train_ec with logits live across empty_cache() compacted
+        // 230 MB a step, H100).
+        if total > cap {
+            return 0;
+        }
+        let Some((s, l)) = self.reservations.range(..end).next_back() else {
+            return 0;
+        };
+        cap = cap.min((s + l).saturating_sub(end));
+        if let Some((m, _)) = self.maps.range(end..end.saturating_add(cap)).next() {
+            cap = cap.min(m - end);
+        }
+        if let Some((b, _)) = self.bases.range(end..end.saturating_add(cap)).next() {
+            cap = cap.min(b - end);
+        }
+        if let Some((b, _)) = self.parked.range(end..end.saturating_add(cap)).next() {
+            cap = cap.min(b - end);
+        }
+        cap / unit.max(1) * unit
+    }
+
     /// Memory for a run of pending pages: kept handles first (largest that fits, several back
-    /// to back), the rest as one new handle; one per page if that cannot be had.
+    /// to back), the rest as one new handle (grown ahead where the run ends the program's
+    /// pages); one per page if that cannot be had.
     pub(super) fn back_run(&mut self, run: &[(u64, u64)]) -> DrvResult<()> {
         let props = self.pages[&run[0].1].props;
         let unit = self.pages[&run[0].1].size;
@@ -204,6 +278,24 @@ impl<D: Driver> Coalescer<D> {
             return Ok(());
         }
         let total: u64 = rest.iter().map(|(_, v)| self.pages[v].size).sum();
+        let (last_va, last) = *rest.last().unwrap();
+        let ahead = match uniform && last_va != 0 {
+            true => self.ahead_for(last_va + self.pages[&last].size, total, unit),
+            false => 0,
+        };
+        if ahead > 0 {
+            // Memory short for the bytes ahead is no failure: without them, as before.
+            if let Ok(h) = self.create_fresh(total + ahead, props) {
+                let pid = self.adopt(h, total + ahead, rest);
+                self.phys.get_mut(&pid).unwrap().ahead = ahead;
+                self.grown = true;
+                log::debug!(
+                    "device {}: handle for {total:#x} bytes of pages grown {ahead:#x} ahead",
+                    self.drv.device()
+                );
+                return Ok(());
+            }
+        }
         match self.create_fresh(total, props) {
             Ok(h) => {
                 self.adopt(h, total, rest);
@@ -226,14 +318,17 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
-    /// A handle becomes the memory of pending pages, in order.
-    pub(super) fn adopt(&mut self, h: ChunkHandle, size: u64, pages: &[(u64, u64)]) {
+    /// A handle becomes the memory of pending pages, in order: its phys.
+    pub(super) fn adopt(&mut self, h: ChunkHandle, size: u64, pages: &[(u64, u64)]) -> u64 {
         let pid = self.add_phys(h, size, None, Vec::new());
         let mut off = 0;
         for (_, vh) in pages {
             self.attach(*vh, pid, off);
             off += self.pages[vh].size;
         }
+        let held: u64 = self.phys.values().map(|p| p.size).sum();
+        self.peak_held = self.peak_held.max(held);
+        pid
     }
 
     /// Map an unmapped phys where its pages are mapped; split it first if they disagree.

@@ -34,6 +34,7 @@ pub(super) fn cfg() -> CoalesceConfig {
         strand_max: 0,
         margin: 4 * PAGE,
         release_delay: std::time::Duration::ZERO,
+        ahead: 0,
     }
 }
 

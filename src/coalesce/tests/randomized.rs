@@ -32,21 +32,23 @@ pub(super) fn pick(rng: &mut Rng, live: &BTreeMap<u64, u64>) -> Option<u64> {
         .copied()
 }
 
-/// Release a random run of up to 4 live slots, PyTorch's way.
+/// Release a random run of up to 4 live slots, PyTorch's way: whether any was released.
 pub(super) fn release_random_run(
     c: &mut Coalescer<FakeDriver>,
     va: u64,
     rng: &mut Rng,
     live: &mut BTreeMap<u64, u64>,
-) {
-    if let Some(s) = pick(rng, live) {
-        let n = 1 + rng.below(4);
-        let run: Vec<u64> = (s..s + n).take_while(|x| live.contains_key(x)).collect();
-        for x in run {
-            let h = live.remove(&x).unwrap();
-            shrink(c, va + x * PAGE, &[h]);
-        }
+) -> bool {
+    let Some(s) = pick(rng, live) else {
+        return false;
+    };
+    let n = 1 + rng.below(4);
+    let run: Vec<u64> = (s..s + n).take_while(|x| live.contains_key(x)).collect();
+    for x in run {
+        let h = live.remove(&x).unwrap();
+        shrink(c, va + x * PAGE, &[h]);
     }
+    true
 }
 
 /// The program maps a handle of its own over two free slots at `at` (over parked handles,
@@ -70,11 +72,14 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
         if seed % 2 == 0 {
             k.release_delay = std::time::Duration::from_secs(3600);
         }
+        k.ahead = [0, 2 * PAGE, 0, 8 * PAGE][seed as usize % 4];
         let (mut c, va) = setup(60 * PAGE, k);
+        c.peak_held = u64::MAX;
         // slot index -> live page handle
         let mut live: BTreeMap<u64, u64> = BTreeMap::new();
         for step in 0..300 {
             let opn = rng.below(10);
+            let mut released = false;
             match opn {
                 0..=3 => {
                     // Grow: a batch at the lowest free run of slots.
@@ -91,7 +96,7 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                         Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
                     }
                 }
-                4..=6 => release_random_run(&mut c, va, &mut rng, &mut live),
+                4..=6 => released = release_random_run(&mut c, va, &mut rng, &mut live),
                 7 => {
                     // A fault somewhere in the next compaction.
                     let op =
@@ -133,11 +138,12 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             let live_bytes = live.len() as u64 * PAGE;
             assert_eq!(
                 c.physical_bytes(),
-                live_bytes + c.stranded() + c.kept_bytes(),
-                "seed {seed} step {step}: every byte is live, stranded or kept"
+                live_bytes + c.stranded() + c.kept_bytes() + c.ahead_bytes(),
+                "seed {seed} step {step}: every byte is live, stranded, kept or grown ahead"
             );
             // Without keeping, released bytes are back when the call returns, unless the
-            // release loop may go on over the same handle (then the next other call settles).
+            // release loop may go on over the same handle (then the next other call settles);
+            // memory grown ahead goes back with them.
             if k.release_delay.is_zero()
                 && c.stats().compaction_failures == 0
                 && !c.settle_deferred()
@@ -146,11 +152,23 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                     c.stranded() <= k.strand_max,
                     "seed {seed} step {step}: released bytes held after the call"
                 );
+                if released {
+                    assert!(
+                        c.ahead_bytes() == 0 || c.giving_back(),
+                        "seed {seed} step {step}: grown ahead"
+                    );
+                }
             }
             if rng.below(20) == 0 {
                 c.release_kept();
             }
-            // Stranded bytes are bounded at every settle (the start of the next call).
+            // The next call: the giving back has ended, and nothing grown ahead before it is
+            // held; stranded bytes are bounded at every settle.
+            let was = c.giving_back();
+            c.giving_back_ended();
+            if was && c.stats().compaction_failures == 0 {
+                assert_eq!(c.ahead_bytes(), 0, "seed {seed} step {step}: grown ahead");
+            }
             c.settle(false);
             if c.stats().compaction_failures == 0 {
                 assert!(c.stranded() <= k.strand_max, "seed {seed} step {step}");
@@ -166,6 +184,9 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                 c.stats().reused_in_place > 0,
                 "seed {seed}: handles taken back in place"
             );
+        }
+        if k.ahead > 0 {
+            assert!(c.stats().ahead_used > 0, "seed {seed}: pages grown into");
         }
         c.release_kept();
         assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
@@ -234,7 +255,9 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
         k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
         k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
         k.margin = [0, 2 * PAGE, 4 * PAGE][(seed / 3) as usize % 3];
+        k.ahead = [0, 3 * PAGE, 16 * PAGE][(seed / 9) as usize % 3];
         let (mut c, va) = setup(60 * PAGE, k);
+        c.peak_held = u64::MAX;
         let mut live: BTreeMap<u64, u64> = BTreeMap::new(); // slot -> handle
         let mut unmapped: Vec<u64> = Vec::new(); // unmapped, not yet released
         for step in 0..300 {
@@ -257,7 +280,9 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
                         Err(e) => assert!(e.is_oom(), "{ctx}: {e}"),
                     }
                 }
-                4..=5 => release_random_run(&mut c, va, &mut rng, &mut live),
+                4..=5 => {
+                    release_random_run(&mut c, va, &mut rng, &mut live);
+                }
                 6 => {
                     if let Some(s) = pick(&mut rng, &live) {
                         let h = live.remove(&s).unwrap();
@@ -338,7 +363,7 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
             let pages = (live.len() + unmapped.len()) as u64 * PAGE;
             assert_eq!(
                 c.physical_bytes(),
-                pages + c.stranded() + c.kept_bytes() + c.unreleased_bytes(),
+                pages + c.stranded() + c.kept_bytes() + c.unreleased_bytes() + c.ahead_bytes(),
                 "{ctx}: books"
             );
             let pending: u64 = c
