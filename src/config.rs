@@ -95,8 +95,8 @@ impl Default for Config {
             // VMM memory comes in 2 MiB pages: smaller requests would waste most of a page,
             // while cudaMalloc packs them. PyTorch's smallest segment is exactly 2 MiB.
             passthrough_below: 2 * MIB,
-            // About 1% of a large card: enough for churn between steps, too little to starve
-            // a colocated process of memory the application has freed.
+            // Freed memory goes back at once: any cache is held from a process without expseg
+            // (handoff 0/20 with 64G, H100, issue 21); keeping is opt-in.
             cache_max: 0,
             // One chunk per allocation: measured as fast as or faster than 2 GiB pieces at 4 and
             // 16 GiB (shim-tests/RESULTS.md, "cache0_onechunk" against "cache0").
@@ -115,13 +115,14 @@ impl Default for Config {
             // Bounds the temporary memory a compaction needs (the live part of one handle),
             // and holds a churn step's largest tensors (0.6 GiB) whole.
             coalesce_max: GIB,
-            // Released memory reaches the driver at the next allocator call.
+            // Released pages are compacted inside the release that strands them.
             strand_max: 0,
             coalesce_margin: GIB,
-            // A churn step re-acquires what empty_cache() released within well under a
-            // millisecond; a colocated engine that is handed the memory starts allocating
-            // after an inter-process signal. 2 ms separates the two (docs/design.md).
+            // Released handles go back before the release returns: a colocated engine handed
+            // the memory by empty_cache() gets it (kept 2 ms, it did 1 time in 20; churn
+            // is then 0.25x default instead of 1.0x, docs/design.md). Keeping is opt-in.
             release_delay_ms: 0,
+            // Bounded by 1/64 of the peak held and by EXPSEG_COALESCE_MAX in practice.
             grow_ahead: GIB,
             ipc_dir: "/tmp".into(),
             report: None,
