@@ -185,6 +185,8 @@ pub struct Coalescer<D: Driver> {
     pub(super) peak_held: u64,
     /// Whether some phys may have bytes grown ahead (cleared when they go back).
     pub(super) grown: bool,
+    /// Growing ahead is off: a handle grown ahead met a mapping the books did not know.
+    pub(super) no_ahead: bool,
     /// The program unmapped pages since its last other call (it is giving memory back):
     /// memory grown ahead goes back when that ends, unless its own handle's pages go first.
     pub(super) giving_back: bool,
@@ -219,6 +221,7 @@ impl<D: Driver> Coalescer<D> {
             deferred: None,
             peak_held: 0,
             grown: false,
+            no_ahead: false,
             giving_back: false,
             stats: CoalesceStats::default(),
         }

@@ -279,7 +279,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let total: u64 = rest.iter().map(|(_, v)| self.pages[v].size).sum();
         let (last_va, last) = *rest.last().unwrap();
-        let ahead = match uniform && last_va != 0 {
+        let ahead = match uniform && last_va != 0 && !self.no_ahead {
             true => self.ahead_for(last_va + self.pages[&last].size, total, unit),
             false => 0,
         };
@@ -357,12 +357,41 @@ impl<D: Driver> Coalescer<D> {
             "device {}: handle {h:#x} mapped at {b:#x}+{size:#x}",
             self.drv.device()
         );
-        self.drv.map(b, size, h)?;
+        if let Err(e) = self.drv.map(b, size, h) {
+            if self.phys[&pid].ahead == 0 {
+                return Err(e);
+            }
+            // A mapping the books do not know lies where the handle grew ahead (the program's
+            // own, in its reservation): its pages get a handle without, and nothing grows
+            // ahead any more.
+            log::warn!("a handle grown ahead could not be mapped at {b:#x}+{size:#x} ({e}); growing ahead is off from here");
+            self.no_ahead = true;
+            return self.back_again(pid);
+        }
         let ph = self.phys.get_mut(&pid).unwrap();
         ph.base = Some(b);
         ph.granted.clear();
         self.bases.insert(b, pid);
         Ok(())
+    }
+
+    /// An unmapped phys's pages get memory anew (its handle goes back): they are pending
+    /// again and backed as a run.
+    fn back_again(&mut self, pid: u64) -> DrvResult<()> {
+        let ph = self.phys.remove(&pid).expect("a phys");
+        self.dirty.remove(&pid);
+        let mut run = Vec::new();
+        for vh in ph.slots.values() {
+            let p = self.pages.get_mut(vh).unwrap();
+            p.slot = None;
+            if p.refs > 0 {
+                self.pending_bytes += p.size;
+            }
+            run.push((p.va.unwrap_or(0), *vh));
+        }
+        self.stats.phys_released += 1;
+        self.release_or_hold(ph.handle, ph.size);
+        self.back_run(&run)
     }
 
     /// Compact every other phys whose mapping overlaps `[va, va+size)` (ghosts in the way).

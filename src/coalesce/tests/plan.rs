@@ -205,3 +205,30 @@ fn growing_ahead_never_costs_a_page_its_memory() {
     shrink(&mut c, va + 3 * PAGE, &next);
     all_given_back(&mut c);
 }
+
+#[test]
+fn a_mapping_unknown_to_the_books_where_a_handle_grew_ahead_costs_nothing_but_the_growing() {
+    let (mut c, va) = setup(100 * PAGE, ahead(6));
+    c.peak_held = u64::MAX;
+    // The program maps a handle of its own two pages on, without telling the coalescer.
+    let own = c.driver_mut().create(PAGE).unwrap();
+    c.driver_mut().map(va + 3 * PAGE, PAGE, own).unwrap();
+    let hs = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    assert!(intact(&c, va, 2));
+    assert_eq!(c.ahead_bytes(), 0);
+    assert_eq!(
+        c.driver().used(),
+        3 * PAGE,
+        "the pages and the program's own"
+    );
+    assert_eq!(c.driver().used(), c.physical_bytes() + PAGE);
+    // Growing ahead is off from here.
+    let more = grow(&mut c, va + 4 * PAGE, 1).unwrap();
+    assert_eq!(c.ahead_bytes(), 0);
+    shrink(&mut c, va, &hs);
+    shrink(&mut c, va + 4 * PAGE, &more);
+    c.driver_mut().unmap(va + 3 * PAGE, PAGE).unwrap();
+    c.driver_mut().release(own).unwrap();
+    all_given_back(&mut c);
+}
