@@ -58,8 +58,13 @@ pub struct Global {
     pub vmm_ns: [Counter; VMM_CALLS.len()],
 }
 
-/// The VMM calls timed in [`Global::vmm_calls`].
+/// The VMM calls timed in [`Global::vmm_calls`], and their indices there.
 pub const VMM_CALLS: [&str; 5] = ["create", "map", "access", "unmap", "release"];
+pub const VMM_CREATE: usize = 0;
+pub const VMM_MAP: usize = 1;
+pub const VMM_ACCESS: usize = 2;
+pub const VMM_UNMAP: usize = 3;
+pub const VMM_RELEASE: usize = 4;
 
 pub static GLOBAL: Global = Global {
     passthrough_allocs: Counter::new(),

@@ -9,7 +9,7 @@ use super::state::coalescers::{in_context, lock, started, VMM};
 use super::state::config;
 use crate::coalesce::is_virtual;
 use crate::gpu::{ChunkHandle, DrvError, PageProps};
-use crate::stats::time_vmm;
+use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Register a read of another allocator's memory (an IPC mirror refresh) while no coalescer
@@ -47,7 +47,7 @@ static FIRST_DEVICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32
 /// off and, on one GPU, with it on), cause not found yet: one process per GPU (torchrun, Ray
 /// workers) is what is served.
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
-    time_vmm(0, || {
+    time_vmm(VMM_CREATE, || {
         let first =
             match FIRST_DEVICE.compare_exchange(-1, dev, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => dev,
@@ -78,7 +78,7 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
 const OUT_OF_MEMORY: u32 = 2;
 
 pub fn release(vh: u64) -> Option<u32> {
-    time_vmm(4, || {
+    time_vmm(VMM_RELEASE, || {
         if !is_virtual(vh) || !started() {
             return None;
         }
@@ -89,7 +89,7 @@ pub fn release(vh: u64) -> Option<u32> {
 }
 
 pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> {
-    time_vmm(1, || {
+    time_vmm(VMM_MAP, || {
         if !is_virtual(vh) || !started() {
             return None;
         }
@@ -113,7 +113,7 @@ pub fn clear(va: u64, size: u64) {
 }
 
 pub fn unmap(va: u64, size: u64) -> Option<u32> {
-    time_vmm(3, || {
+    time_vmm(VMM_UNMAP, || {
         if !started() || wraps(va, size) {
             return None;
         }
@@ -137,7 +137,7 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
 }
 
 pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
-    time_vmm(2, || {
+    time_vmm(VMM_ACCESS, || {
         if !started() || wraps(va, size) {
             return None;
         }
