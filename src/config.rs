@@ -41,6 +41,9 @@ pub struct Config {
     pub ipc_tickets: bool,
     /// `EXPSEG_IPC_PEERS=expseg`: every consumer runs expseg: no mirror, only the ticket.
     pub ipc_peers_expseg: bool,
+    /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
+    /// `expseg resume` of its own user on the per-user socket.
+    pub control: bool,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
     /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
@@ -108,6 +111,7 @@ impl Default for Config {
             // reservations, ../shared/notes/driver-facts.md).
             ipc_move_max: 0,
             ipc_tickets: true,
+            control: true,
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
@@ -250,6 +254,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_IPC_TICKETS",
         set: |c, v| parse_bool(v).map(|b| c.ipc_tickets = b),
         show: |c| c.ipc_tickets.to_string(),
+    },
+    Var {
+        name: "EXPSEG_CONTROL",
+        set: |c, v| parse_bool(v).map(|b| c.control = b),
+        show: |c| c.control.to_string(),
     },
     Var {
         name: "EXPSEG_IPC_PEERS",

@@ -43,6 +43,7 @@ pub mod elf;
 pub mod gpu;
 #[allow(unsafe_code)]
 pub mod hooks;
+pub mod hostcopy;
 pub mod ipc;
 pub mod pool;
 #[allow(unsafe_code)]

@@ -2,7 +2,7 @@
 //! the program runs, and giving held memory back. Exported under `expseg_` names that no CUDA library uses.
 
 use crate::api;
-use libc::{c_char, size_t};
+use libc::{c_char, c_int, size_t};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// The path this library was loaded from, with links resolved.
@@ -47,4 +47,111 @@ pub extern "C" fn expseg_trim() -> u64 {
 #[no_mangle]
 pub extern "C" fn expseg_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// A tag name from C: None for null; `Err` for a name that is not UTF-8 or empty.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+unsafe fn tag_arg(tag: *const c_char) -> Result<Option<u32>, ()> {
+    if tag.is_null() {
+        return Ok(None);
+    }
+    match std::ffi::CStr::from_ptr(tag).to_str() {
+        Ok(s) if !s.is_empty() => Ok(Some(api::sleep::tag_of(s))),
+        _ => Err(()),
+    }
+}
+
+/// `CUDA_ERROR_INVALID_VALUE`, and the code of an internal error.
+const INVALID_VALUE: c_int = 1;
+const UNKNOWN: c_int = 999;
+
+/// Write a pause or resume outcome and turn it into the C answer.
+///
+/// # Safety
+/// `bytes` and `seconds` are null or writable.
+unsafe fn outcome(
+    r: std::thread::Result<Result<api::sleep::Outcome, u32>>,
+    bytes: *mut u64,
+    seconds: *mut f64,
+) -> c_int {
+    match r {
+        Ok(Ok(o)) => {
+            if !bytes.is_null() {
+                *bytes = o.bytes;
+            }
+            if !seconds.is_null() {
+                *seconds = o.seconds;
+            }
+            0
+        }
+        Ok(Err(e)) => e as c_int,
+        Err(_) => UNKNOWN,
+    }
+}
+
+/// `expseg.pause()`: pause the memory of tag `tag` (null: every tag) on every device — wait
+/// for the device, copy the live bytes to page-locked host memory (`discard` = 0) or drop
+/// them, give the physical memory back; addresses stay reserved. Memory shared with other
+/// processes is left alone. 0, or a CUDA error code (2: no host memory). `bytes`/`seconds`
+/// (either may be null) get the bytes paused and the time taken.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string; `bytes`, `seconds` null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn expseg_pause(
+    tag: *const c_char,
+    discard: c_int,
+    bytes: *mut u64,
+    seconds: *mut f64,
+) -> c_int {
+    let Ok(tag) = tag_arg(tag) else {
+        return INVALID_VALUE;
+    };
+    outcome(
+        catch_unwind(|| api::sleep::pause(tag, discard != 0)),
+        bytes,
+        seconds,
+    )
+}
+
+/// `expseg.resume()`: make paused memory of tag `tag` (null: all) again at the same
+/// addresses, with its bytes. 0, or 2 when memory is short: what could be made is resumed,
+/// the rest stays paused with its host copy (call again).
+///
+/// # Safety
+/// As `expseg_pause`.
+#[no_mangle]
+pub unsafe extern "C" fn expseg_resume(
+    tag: *const c_char,
+    bytes: *mut u64,
+    seconds: *mut f64,
+) -> c_int {
+    let Ok(tag) = tag_arg(tag) else {
+        return INVALID_VALUE;
+    };
+    outcome(catch_unwind(|| api::sleep::resume(tag)), bytes, seconds)
+}
+
+/// Bytes paused now, every device.
+#[no_mangle]
+pub extern "C" fn expseg_paused_bytes() -> u64 {
+    catch_unwind(api::sleep::paused_bytes).unwrap_or(0)
+}
+
+/// Allocations from now on carry tag `tag` (null: none), in every thread. 0, or 1 for a
+/// name that is empty or not UTF-8.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn expseg_set_tag(tag: *const c_char) -> c_int {
+    match tag_arg(tag) {
+        Ok(t) => {
+            api::sleep::set_tag(t);
+            0
+        }
+        Err(()) => INVALID_VALUE,
+    }
 }

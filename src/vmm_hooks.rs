@@ -64,6 +64,7 @@ fn coalescable(p: &RawProp, flags: u64) -> Option<(i32, PageProps)> {
         PageProps {
             shareable: p.handle_types == POSIX_FD,
             rdma: p.rdma != 0,
+            tag: 0,
         },
     ))
 }

@@ -2081,3 +2081,122 @@ fn freed_memory_goes_back_at_once_and_kept_memory_is_reclaimed_by_expseg_process
         "{holder}"
     );
 }
+
+#[test]
+fn pause_and_resume_from_inside_keep_bytes_and_tags() {
+    // expseg_pause/expseg_resume as Python calls them: a tagged block paused alone and
+    // discarded, then everything offloaded and brought back at the same addresses.
+    let r = run("pause_self", &[]).ok();
+    assert_eq!(r.get("bad_tag_rc"), "1", "an empty tag name is refused");
+    assert_eq!(r.get("pause_kv_rc"), "0", "{}", r.stderr());
+    assert_eq!(r.get("pause_kv_mib"), "16");
+    assert_eq!(r.get("secs_set"), "1");
+    assert_eq!(r.get("paused_mib"), "16");
+    assert_eq!(r.get("w_intact"), "1", "the untagged block was not paused");
+    assert_eq!(r.get("pause_all_rc"), "0");
+    assert_eq!(
+        r.get("pause_all_mib"),
+        "8",
+        "paused twice: only what was awake"
+    );
+    assert_eq!(r.get("paused_all_mib"), "24");
+    assert_eq!(r.get("resume_rc"), "0");
+    assert_eq!(r.get("resume_mib"), "24");
+    assert_eq!(r.get("w_back"), "1", "offloaded bytes are back");
+    assert_eq!(r.get("kv_usable"), "1", "discarded memory is memory again");
+    assert_eq!(r.get("resume_again_rc"), "0");
+    assert_eq!(r.get("resume_again_mib"), "0");
+    assert_eq!(r.get("free_paused_rc"), "0");
+    assert_eq!(
+        r.get("paused_after_free_mib"),
+        "16",
+        "the freed block is not paused any more"
+    );
+    assert_eq!(r.get("kv_back"), "1");
+}
+
+#[test]
+fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
+    use std::io::{BufRead as _, Write as _};
+    use std::process::Stdio;
+    let f = fixture();
+    let dir = std::env::temp_dir().join(format!("expseg-sleeper-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let shared = dir.join("used");
+    // One fake GPU of 96 MiB for every process here.
+    let common = |c: &mut Command| {
+        c.env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("LD_LIBRARY_PATH", &f.dir)
+            .env("FAKE_CAPACITY", (96u64 << 20).to_string())
+            .env("FAKE_MEMINFO_REAL", "1")
+            .env("FAKE_SHARED_USED", &shared)
+            .env("EXPSEG_IPC_DIR", &dir);
+    };
+    let mut s = Command::new(f.dir.join("prog"));
+    common(&mut s);
+    s.arg("sleeper")
+        .env("LD_PRELOAD", &f.shim)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut sleeper = s.spawn().unwrap();
+    let pid = sleeper.id().to_string();
+    let mut out = std::io::BufReader::new(sleeper.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready=1");
+    let cli = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+        common(&mut c);
+        c.args(args).output().unwrap()
+    };
+    let text = |o: &Output| String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let need = |c: &mut Command| {
+        common(c);
+        let o = c.args(["need", "48"]).output().unwrap();
+        text(&o)
+    };
+    // While it holds its 64 MiB, a plain process cannot get 48.
+    assert!(need(&mut Command::new(f.dir.join("prog"))).starts_with("need_rc=2"));
+    let p = cli(&["pause", &pid]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    assert!(
+        text(&p).starts_with(&format!("pid {pid}: paused {} bytes in ", 64u64 << 20)),
+        "{}",
+        text(&p)
+    );
+    assert!(need(&mut Command::new(f.dir.join("prog"))).starts_with("need_rc=0"));
+    assert_eq!(
+        text(&cli(&["paused", &pid])),
+        format!("pid {pid}: {} bytes paused", 64u64 << 20)
+    );
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc_geteuid() } == 0 {
+        use std::os::unix::process::CommandExt as _;
+        let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+        common(&mut c);
+        let o = c
+            .args(["pause", &pid])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "another user is refused");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("belongs to uid"));
+    }
+    let r = cli(&["resume", &pid]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 64u64 << 20)));
+    let mut stdin = sleeper.stdin.take().unwrap();
+    stdin.write_all(b"check\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "intact=1", "the bytes came back");
+    // Not an expseg process: a clear failure.
+    let o = cli(&["pause", "999999999"]);
+    assert!(!o.status.success());
+    drop(stdin);
+    assert!(sleeper.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,16 +5,33 @@
     expseg.stats()         # the exit report's figures, now (a dict)
     expseg.trim()          # give back now what is held beyond live memory; bytes given back
     expseg.library_path()  # the installed libexpseg.so, for LD_PRELOAD
+    expseg.pause()         # give this process's GPU memory back, bytes kept on the host
+    expseg.resume()        # the same memory again, at the same addresses, bytes back
+    with expseg.tag("kv_cache"):   # allocations made inside carry the tag
+        ...                        # expseg.pause("kv_cache", offload=False) drops only them
 
 No torch import: the figures come from the loaded library through C functions it exports
-(``expseg_stats_json``, ``expseg_trim``), called with ctypes.
+(``expseg_stats_json``, ``expseg_trim``, ``expseg_pause``, ...), called with ctypes.
 """
 
+import contextlib
 import ctypes
 import json
 import os
+import sys
+import threading
 
-__all__ = ["active", "stats", "trim", "library_path", "__version__"]
+__all__ = [
+    "active",
+    "stats",
+    "trim",
+    "pause",
+    "resume",
+    "paused",
+    "tag",
+    "library_path",
+    "__version__",
+]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIB_DIR = os.path.join(_HERE, "_lib")
@@ -103,3 +120,130 @@ def active():
     """Whether libexpseg.so is loaded in this process and serves it (not disabled by
     ``EXPSEG_DISABLE``, not a forked child, VMM available)."""
     return stats().get("active") is True
+
+
+def _function(name, argtypes, restype):
+    """Function `name` of the libexpseg.so loaded in this process, or None."""
+    try:
+        f = getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+    f.argtypes = argtypes
+    f.restype = restype
+    return f
+
+
+def _tag_arg(tag):
+    if tag is None:
+        return None
+    if not isinstance(tag, str) or not tag:
+        raise ValueError("a tag is a non-empty string")
+    return tag.encode("utf-8")
+
+
+class PausedMemoryError(RuntimeError):
+    """A pause or resume failed; ``code`` is the CUDA error code. On resume nothing is lost:
+    what could not be made stays paused with its host copy, and resume() may be called
+    again (a MemoryError subclass, ``ResumeOutOfMemory``, when memory was short)."""
+
+    def __init__(self, what, code):
+        super().__init__(f"expseg.{what}() failed with CUDA error {code}")
+        self.code = code
+
+
+class ResumeOutOfMemory(PausedMemoryError, MemoryError):
+    """resume() found too little free GPU memory; what is still paused stays paused."""
+
+
+def _call(what, f, *args):
+    if f is None:
+        raise RuntimeError(NOT_LOADED)
+    nbytes = ctypes.c_uint64(0)
+    secs = ctypes.c_double(0.0)
+    code = f(*args, ctypes.byref(nbytes), ctypes.byref(secs))
+    if code == 2 and what == "resume":
+        raise ResumeOutOfMemory(what, code)
+    if code != 0:
+        raise PausedMemoryError(what, code)
+    return int(nbytes.value)
+
+
+def _empty_torch_cache():
+    """PyTorch's cached free blocks are mapped memory expseg cannot tell from live tensors:
+    give them back first, so they are neither copied nor held (only if torch is in use)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # a torch without CUDA, or a partly imported one
+        pass
+
+
+def pause(tag=None, offload=True, empty_cache=True):
+    """Pause this process's GPU memory (every device), or only what was allocated under
+    ``tag``: wait for the GPU, copy the live bytes to page-locked host memory
+    (``offload=True``) or drop them (``offload=False``), and give the physical memory back
+    to the driver, so another process can allocate it. Addresses stay reserved: tensors,
+    pointers and captured CUDA graphs stay valid for after ``resume()``.
+
+    No GPU work may touch paused memory until it is resumed (a kernel that does faults).
+    Memory shared with other processes by IPC is not paused (the log says how much).
+    With ``empty_cache`` (default), PyTorch's cached free blocks are given back first
+    (``torch.cuda.empty_cache()``, when torch is imported and its CUDA started), so only
+    live tensors are copied. Returns the bytes paused; pausing again pauses what is still
+    awake."""
+    f = _function(
+        "expseg_pause",
+        [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)],
+        ctypes.c_int,
+    )
+    arg = _tag_arg(tag)
+    if f is not None and empty_cache:
+        _empty_torch_cache()
+    return _call("pause", f, arg, 0 if offload else 1)
+
+
+def resume(tag=None):
+    """Make paused memory (all, or ``tag``'s) again at the same addresses and copy its bytes
+    back (discarded memory comes back with undefined contents). Returns the bytes resumed
+    (0 when nothing was paused). Raises ``ResumeOutOfMemory`` when the GPU has too little
+    free memory: nothing is lost, call again once it is free."""
+    f = _function(
+        "expseg_resume",
+        [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)],
+        ctypes.c_int,
+    )
+    return _call("resume", f, _tag_arg(tag))
+
+
+def paused():
+    """Bytes of GPU memory paused now (0: nothing is paused, or expseg is not loaded)."""
+    f = _function("expseg_paused_bytes", [], ctypes.c_uint64)
+    return int(f()) if f is not None else 0
+
+
+_tag_lock = threading.Lock()
+_tag_stack = []
+
+
+@contextlib.contextmanager
+def tag(name):
+    """Allocations made inside the block carry tag ``name`` (for ``pause(name)``). The tag is
+    the process's, not the thread's: allocations other threads make meanwhile carry it too.
+    Blocks nest; the outer tag comes back at the end of the inner one. Outside expseg this
+    does nothing."""
+    arg = _tag_arg(name)
+    f = _function("expseg_set_tag", [ctypes.c_char_p], ctypes.c_int)
+    if f is None:
+        yield
+        return
+    with _tag_lock:
+        _tag_stack.append(arg)
+        f(arg)
+    try:
+        yield
+    finally:
+        with _tag_lock:
+            last = len(_tag_stack) - 1 - _tag_stack[::-1].index(arg)
+            del _tag_stack[last]
+            f(_tag_stack[-1] if _tag_stack else None)

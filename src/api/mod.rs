@@ -15,6 +15,7 @@
 pub mod fdshare;
 mod ipc;
 pub mod reads;
+pub mod sleep;
 mod state;
 pub mod trim;
 pub mod vmm;
@@ -78,12 +79,12 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     }
 }
 
-/// Where keeping is opted into (`Config::keeps`), this process may hold memory beyond its
-/// live allocations: from its first allocation on, its socket serves other expseg processes'
-/// reclaims (`trim::trim_gpu`). Without keeping there is nothing to give and no socket.
+/// From its first allocation on, this process's socket serves its user's `expseg pause` and
+/// `expseg resume` (`EXPSEG_CONTROL`, on by default), and, where keeping is opted into
+/// (`Config::keeps`), other expseg processes' reclaims (`trim::trim_gpu`).
 pub fn serve_reclaims() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    if config().keeps() && !bypass() {
+    if (config().keeps() || config().control) && !bypass() {
         ONCE.call_once(|| {
             ipc::tickets::ensure_server();
         });
@@ -119,6 +120,7 @@ fn serve(dev: i32, size: usize) -> Served {
     let Some(pool) = st.pool(dev) else {
         return Served::Pass;
     };
+    pool.tag = sleep::current_tag();
     match pool.alloc(size as u64) {
         Ok(p) => Served::Ptr(p),
         Err(AllocError::OutOfMemory) => {
@@ -414,5 +416,6 @@ pub fn live_report_json(library: &str) -> String {
     snap.global.extend(vmm::report_rows());
     snap.global
         .push(("held_beyond_live_bytes", trim::held_beyond_live()));
+    snap.global.push(("paused_bytes", sleep::paused_bytes()));
     stats::render_live_json(&snap, why.as_deref(), library)
 }

@@ -47,6 +47,10 @@ static FIRST_DEVICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32
 /// off and, on one GPU, with it on), cause not found yet: one process per GPU (torchrun, Ray
 /// workers) is what is served.
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
+    let props = PageProps {
+        tag: super::sleep::current_tag(),
+        ..props
+    };
     time_vmm(VMM_CREATE, || {
         let first =
             match FIRST_DEVICE.compare_exchange(-1, dev, Ordering::AcqRel, Ordering::Acquire) {

@@ -2,6 +2,9 @@
 //! when it cannot (no driver, no VMM on any device, a library built for a newer glibc).
 //!
 //! `expseg glibc FILE`: the highest glibc version FILE requires (the portable-build check).
+//!
+//! `expseg pause|resume|paused PID...`: pause and resume the GPU memory of running expseg
+//! processes of the calling user, over their sockets (`expseg::ipc::control`).
 
 use expseg::config::Config;
 use expseg::real::{self, DriverTable};
@@ -383,6 +386,16 @@ usage:
                        process, PyTorch's libcudart, the effective EXPSEG_* configuration;
                        exits 1 when expseg cannot work (EXPSEG_LIB: the library to check)
   expseg glibc FILE    the highest GLIBC_ version FILE requires
+  expseg pause PID... [--discard] [--tag NAME]
+                       pause the GPU memory of running expseg processes of yours: their
+                       bytes go to host memory (--discard: dropped), the GPU memory goes
+                       back to the driver, addresses stay; the program must not run GPU
+                       work on it until resumed (pause between steps)
+  expseg resume PID... [--tag NAME]
+                       the paused memory again, at the same addresses, bytes back
+  expseg paused PID... bytes paused now
+                       PID... may be --all (every expseg process of yours) or --tree PID
+                       (PID and its descendants: a launcher and its workers)
   expseg --help        this text
 
 Run a program under expseg with scripts/expseg-run CMD (or LD_PRELOAD=libexpseg.so CMD);
@@ -413,6 +426,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Some("doctor") => doctor(),
+        Some(cmd @ ("pause" | "resume" | "paused")) => control(cmd, &args[2..]),
         Some("glibc") if args.len() == 3 => match std::fs::read(&args[2])
             .map_err(|e| e.to_string())
             .and_then(|b| expseg::elf::glibc_requirement(&b).map_err(str::to_string))
@@ -431,4 +445,117 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `expseg pause|resume|paused`: one request per process, one line per answer.
+fn control(cmd: &str, args: &[String]) -> ExitCode {
+    use expseg::ipc::control::{self, Control};
+    use expseg::ipc::transport::{current_uid, AskError};
+    let (mut pids, mut tag, mut discard, mut all) = (Vec::new(), None, false, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--discard" if cmd == "pause" => discard = true,
+            "--all" => all = true,
+            "--tag" if cmd != "paused" => match it.next() {
+                Some(t) if !t.is_empty() => tag = Some(expseg::api::sleep::tag_of(t)),
+                _ => return usage(cmd, "--tag needs a name"),
+            },
+            "--tree" => match it.next().and_then(|p| p.parse::<u32>().ok()) {
+                Some(p) => pids.extend(tree(p)),
+                None => return usage(cmd, "--tree needs a PID"),
+            },
+            p => match p.parse::<u32>() {
+                Ok(p) => pids.push(p),
+                Err(_) => return usage(cmd, &format!("unknown argument {p}")),
+            },
+        }
+    }
+    let uid = current_uid();
+    if all {
+        pids.extend(expseg::ipc::reclaim::peers(uid, std::process::id()));
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    if pids.is_empty() {
+        return usage(cmd, "no process named (PID..., --all or --tree PID)");
+    }
+    let c = match cmd {
+        "pause" => Control::Pause { tag, discard },
+        "resume" => Control::Resume { tag },
+        _ => Control::Query,
+    };
+    let mut ok = true;
+    for pid in pids {
+        if let Some(owner) = owner_of(pid).filter(|o| *o != uid) {
+            eprintln!("pid {pid}: belongs to uid {owner}; expseg pauses and resumes only processes of your own user ({uid})");
+            ok = false;
+            continue;
+        }
+        let t = std::time::Instant::now();
+        match control::ask(uid, pid, c, control::TIMEOUT) {
+            Ok(n) => {
+                let s = t.elapsed().as_secs_f64();
+                match c {
+                    Control::Pause { .. } => println!("pid {pid}: paused {n} bytes in {s:.3} s"),
+                    Control::Resume { .. } => println!("pid {pid}: resumed {n} bytes in {s:.3} s"),
+                    Control::Query => println!("pid {pid}: {n} bytes paused"),
+                }
+            }
+            Err(e) => {
+                ok = false;
+                let why = match e {
+                    AskError::Unreachable(e) => format!("no answer ({e}): not an expseg process of yours, or EXPSEG_CONTROL=0 there, or it made no GPU allocation yet"),
+                    AskError::Refused(expseg::ipc::Refusal::NoMemory) => "not enough free GPU memory to resume all of it; what is still paused stays paused with its bytes: resume again when memory is free".into(),
+                    AskError::Refused(r) => format!("refused ({r:?}): see that process's [expseg] log lines"),
+                    AskError::Untrusted(w) => format!("not asked: {w}"),
+                    AskError::Protocol(w) => format!("bad answer: {w}"),
+                };
+                eprintln!("pid {pid}: {cmd} failed: {why}");
+            }
+        }
+    }
+    match ok {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::FAILURE,
+    }
+}
+
+fn usage(cmd: &str, why: &str) -> ExitCode {
+    eprintln!("expseg {cmd}: {why}\n");
+    eprint!("{HELP}");
+    ExitCode::from(2)
+}
+
+/// The uid that owns process `pid` (None: no such process visible).
+fn owner_of(pid: u32) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}"))
+        .ok()
+        .map(|m| m.uid())
+}
+
+/// `root` and every process descended from it.
+fn tree(root: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // The name may hold spaces and parentheses: the fields follow the last ')'.
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let ppid: u32 = rest.split(' ').nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut out = vec![root];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        out.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    out
 }

@@ -4,6 +4,7 @@
 
 use super::timed::Timed;
 use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
+use crate::hostcopy::{HostCopies, Saved};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
@@ -118,6 +119,17 @@ pub(super) struct Phys {
     /// Bytes at the end grown ahead of the program's pages (never a page's): not stranded
     /// while they wait for the next pages mapped there.
     pub(super) ahead: u64,
+    /// Paused (`sleep`): the handle is given back, `base` and `granted` say where and how
+    /// it comes back.
+    pub(super) asleep: Option<Sleep>,
+}
+
+/// A paused phys: its live bytes on the host (None: discarded), and the properties of the
+/// handle it gets back.
+#[derive(Debug)]
+pub(super) struct Sleep {
+    pub(super) saved: Option<Saved>,
+    pub(super) props: PageProps,
 }
 
 /// A fully released handle kept for reuse. `base`: still mapped there (*parked*), with
@@ -190,6 +202,8 @@ pub struct Coalescer<D: Driver> {
     /// The program unmapped pages since its last other call (it is giving memory back):
     /// memory grown ahead goes back when that ends, unless its own handle's pages go first.
     pub(super) giving_back: bool,
+    /// Host buffers of paused handles.
+    pub(super) host: HostCopies,
     pub(super) stats: CoalesceStats,
 }
 
@@ -223,6 +237,7 @@ impl<D: Driver> Coalescer<D> {
             grown: false,
             no_ahead: false,
             giving_back: false,
+            host: HostCopies::default(),
             stats: CoalesceStats::default(),
         }
     }
@@ -292,7 +307,8 @@ impl<D: Driver> Coalescer<D> {
 
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
-        self.phys.values().map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
+        let awake = self.phys.values().filter(|p| p.asleep.is_none());
+        awake.map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
     }
 
     /// Physical bytes held beyond what the program's pages use: kept handles, released pages
@@ -423,6 +439,7 @@ impl<D: Driver> Coalescer<D> {
                 access,
                 granted,
                 ahead: 0,
+                asleep: None,
             },
         );
         self.stats.phys_created += 1;

@@ -35,7 +35,7 @@
 //!
 //! # Rooms
 //! This file is the API (the program's calls). Below it, each room uses only the rooms under
-//! it: `plan` backs pending pages, `compact` moves live pages out of partly released
+//! it: `sleep` pauses and resumes handles, `plan` backs pending pages, `compact` moves live pages out of partly released
 //! handles, `reuse` keeps and gives back released handles, `books` holds the state and
 //! its range queries, `timed` counts and times every driver call.
 
@@ -43,11 +43,13 @@ mod books;
 mod compact;
 mod plan;
 mod reuse;
+mod sleep;
 #[cfg(test)]
 mod tests;
 mod timed;
 
 pub use books::{is_virtual, CoalesceConfig, CoalesceStats, Coalescer, INVALID, NOT_SUPPORTED};
+pub use sleep::{Choose, Paused};
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
 use books::{end, Page, NEXT_VH, TAG};
@@ -62,6 +64,22 @@ impl<D: Driver> Coalescer<D> {
         self.settle(true);
         self.release_kept();
         before.saturating_sub(self.physical_bytes())
+    }
+
+    /// Pause the program's pages whose tag `choose` takes (`Some(discard)`): what is held
+    /// beyond them goes back first, the device's work is waited for, then each handle's live
+    /// bytes go to the host (or are dropped) and the handle goes back to the driver. Handles
+    /// with exported pages are left alone (counted). Pausing twice pauses what is still awake.
+    pub fn pause(&mut self, choose: Choose) -> DrvResult<Paused> {
+        self.trim();
+        self.drv.synchronize()?;
+        self.sleep(choose)
+    }
+
+    /// Resume paused pages whose tag `choose` takes: the bytes resumed. Out of memory: Err,
+    /// what could be made is resumed, the rest stays paused with its host copy (retry).
+    pub fn resume(&mut self, choose: &dyn Fn(u32) -> bool) -> DrvResult<u64> {
+        self.wake(choose)
     }
 
     /// Memory grown ahead goes back with released pages: the program's pages did not grow
@@ -114,6 +132,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemAddressFree` of `[va, va+size)`: make sure no phys is mapped there any more.
     /// Err if the program still has pages mapped in it (the driver's answer too).
     pub fn address_free(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        self.wake_in(va, size)?;
         self.giving_back_ended();
         if self.maps.range(va..end(va, size)).next().is_some() {
             return Err(INVALID);
@@ -135,6 +154,10 @@ impl<D: Driver> Coalescer<D> {
 
     /// The program maps a handle of its own at `[va, va+size)`: ghosts of ours must go first.
     pub fn clear_for_program(&mut self, va: u64, size: u64) {
+        if let Err(e) = self.wake_in(va, size) {
+            log::warn!("resuming paused pages under a new mapping failed ({e})");
+            return;
+        }
         if let Err(e) = self.clear_range(va, size, u64::MAX) {
             log::warn!("clearing released pages under a new mapping failed ({e})");
         }
@@ -265,6 +288,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemMap(va, size, offset, vh, flags)`.
     pub fn map(&mut self, va: u64, size: u64, offset: u64, vh: u64) -> DrvResult<()> {
+        self.wake_page(vh)?;
         self.giving_back_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         if offset != 0 || size != p.size || !va.is_multiple_of(self.drv.granularity()) {
@@ -332,6 +356,7 @@ impl<D: Driver> Coalescer<D> {
         if inside.is_empty() {
             return self.none_of_the_programs(va, size);
         }
+        self.wake_in(va, size)?;
         self.materialize(&inside)?;
         // The driver sets access on whole mappings: the phys behind the pages, those whose
         // mapping lacks some of it (a parked handle taken back in place has it already),
@@ -382,6 +407,7 @@ impl<D: Driver> Coalescer<D> {
     /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer
     /// maps what it imports whole, page by page), and that real handle is returned.
     pub fn export(&mut self, vh: u64) -> DrvResult<ChunkHandle> {
+        self.wake_page(vh)?;
         self.giving_back_ended();
         let p = self.pages.get(&vh).ok_or(INVALID)?;
         let size = p.size;
@@ -417,6 +443,9 @@ impl<D: Driver> Coalescer<D> {
     /// Parked handles leave their addresses first: the run is the driver's back-to-back
     /// mappings, and it must stop where the program's pages stop, as it does natively.
     pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
+        if self.any_asleep() {
+            self.wake(&|_| true)?;
+        }
         self.giving_back_ended();
         let parked: Vec<u64> = self.parked.keys().copied().collect();
         for b in parked {
@@ -456,7 +485,8 @@ impl<D: Driver> Coalescer<D> {
     /// mapped: its pages are about to be released (PyTorch unmaps and releases page by page),
     /// and the handle is then parked where it is. What is mapped there later moves it first.
     fn unmap_phys_if_idle(&mut self, pid: u64) {
-        if self.parking() {
+        // Paused: nothing is mapped; it comes back where it was, if any page is left then.
+        if self.parking() || self.phys[&pid].asleep.is_some() {
             return;
         }
         let ph = &self.phys[&pid];
@@ -514,6 +544,11 @@ impl<D: Driver> Coalescer<D> {
         let Some((pid, off)) = slot else { return };
         let ph = self.phys.get_mut(&pid).unwrap();
         ph.slots.remove(&off);
+        if ph.asleep.is_some() {
+            // Paused: the driver holds nothing of it; only the books and the host copy change.
+            self.forget_asleep(pid);
+            return;
+        }
         self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);

@@ -326,7 +326,12 @@ impl<D: Driver> Coalescer<D> {
             self.attach(*vh, pid, off);
             off += self.pages[vh].size;
         }
-        let held: u64 = self.phys.values().map(|p| p.size).sum();
+        let held: u64 = self
+            .phys
+            .values()
+            .filter(|p| p.asleep.is_none())
+            .map(|p| p.size)
+            .sum();
         self.peak_held = self.peak_held.max(held);
         pid
     }

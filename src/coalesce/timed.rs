@@ -94,4 +94,19 @@ impl<D: Driver> Driver for Timed<D> {
     fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()> {
         self.count(Op::Copy.index(), |d| d.load(dst, data))
     }
+    fn host_alloc(&mut self, sizes: &[u64]) -> DrvResult<Vec<u64>> {
+        self.inner.host_alloc(sizes)
+    }
+    fn host_free(&mut self, host: u64) {
+        self.inner.host_free(host)
+    }
+    fn copy_to_host(&mut self, host: u64, src: u64, size: u64) -> DrvResult<()> {
+        self.count(Op::Copy.index(), |d| d.copy_to_host(host, src, size))
+    }
+    fn copy_from_host(&mut self, dst: u64, host: u64, size: u64) -> DrvResult<()> {
+        self.count(Op::Copy.index(), |d| d.copy_from_host(dst, host, size))
+    }
+    fn wait_copies(&mut self) -> DrvResult<()> {
+        self.count(Op::Sync.index(), |d| d.wait_copies())
+    }
 }

@@ -12,8 +12,9 @@ use crate::real::{runtime, DriverTable};
 use cudarc::driver::sys::{
     CUcontext, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
-    CUmemAllocationType, CUmemLocationType,
+    CUmemAllocationType, CUmemLocationType, CUstream,
 };
+use libc::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as the table's functions take it.
@@ -42,6 +43,8 @@ pub struct CudaDriver {
     prop: CUmemAllocationProp,
     /// Chunks are exportable as POSIX file descriptors (for IPC).
     pub shareable: bool,
+    /// The stream host copies are queued on (made at the first one; 0: none yet).
+    copies: usize,
 }
 
 // SAFETY: the property struct's only pointer (win32HandleMetaData) is always null.
@@ -116,9 +119,41 @@ impl CudaDriver {
             gran: g as u64,
             prop,
             shareable,
+            copies: 0,
         })
     }
+
+    /// The stream host copies go on (a non-blocking one of the current context, made once).
+    fn copy_stream(&mut self) -> DrvResult<CUstream> {
+        if self.copies == 0 {
+            let make = self.t.cuStreamCreate.ok_or(DrvError(NOT_SUPPORTED))?;
+            let mut s: CUstream = std::ptr::null_mut();
+            const NON_BLOCKING: u32 = 1;
+            // SAFETY: valid out-pointer; the caller made the device's context current.
+            check(unsafe { make(&mut s, NON_BLOCKING) })?;
+            self.copies = s as usize;
+        }
+        Ok(self.copies as CUstream)
+    }
 }
+
+/// `CUDA_ERROR_NOT_SUPPORTED`: the driver lacks a call.
+const NOT_SUPPORTED: u32 = 801;
+
+/// One page-locked host buffer made on a thread with `dev`'s primary context current.
+fn pin_one(t: &DriverTable, dev: i32, size: u64) -> DrvResult<u64> {
+    let alloc = t.cuMemHostAlloc.ok_or(DrvError(NOT_SUPPORTED))?;
+    let _ = make_primary_current(t, dev);
+    let mut p: *mut c_void = std::ptr::null_mut();
+    const PORTABLE: u32 = 1;
+    // SAFETY: valid out-pointer; the size is the caller's.
+    check(unsafe { alloc(&mut p, size as usize, PORTABLE) })?;
+    Ok(p as u64)
+}
+
+/// Page-locking costs the host more than copying costs the GPU (the kernel clears and pins
+/// every page): buffers are made on this many threads at once.
+const PIN_THREADS: usize = 8;
 
 /// Number of devices the driver sees.
 pub fn device_count(t: &DriverTable) -> DrvResult<i32> {
@@ -418,6 +453,76 @@ impl Driver for CudaDriver {
 
     fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle> {
         runtime::ipc_get_mem_handle(ptr).map_err(rt)
+    }
+
+    fn host_alloc(&mut self, sizes: &[u64]) -> DrvResult<Vec<u64>> {
+        let (t, dev) = (self.t, self.dev);
+        let threads = PIN_THREADS.min(sizes.len()).max(1);
+        let got: Vec<DrvResult<u64>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|w| {
+                    scope.spawn(move || {
+                        sizes
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| i % threads == w)
+                            .map(|(i, s)| (i, pin_one(t, dev, *s)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            let mut all: Vec<(usize, DrvResult<u64>)> = workers
+                .into_iter()
+                .flat_map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| vec![(usize::MAX, Err(DrvError(NOT_SUPPORTED)))])
+                })
+                .collect();
+            all.sort_by_key(|(i, _)| *i);
+            all.into_iter().map(|(_, r)| r).collect()
+        });
+        if got.len() == sizes.len() && got.iter().all(Result::is_ok) {
+            return Ok(got.into_iter().map(Result::unwrap).collect());
+        }
+        let err = got
+            .iter()
+            .find_map(|r| r.err())
+            .unwrap_or(DrvError(NOT_SUPPORTED));
+        for p in got.into_iter().flatten() {
+            self.host_free(p);
+        }
+        Err(err)
+    }
+
+    fn host_free(&mut self, host: u64) {
+        if let Some(free) = self.t.cuMemFreeHost {
+            // SAFETY: `host` came from cuMemHostAlloc and is freed once.
+            unsafe { free(host as *mut c_void) };
+        }
+    }
+
+    fn copy_to_host(&mut self, host: u64, src: u64, size: u64) -> DrvResult<()> {
+        let copy = self.t.cuMemcpyDtoHAsync_v2.ok_or(DrvError(NOT_SUPPORTED))?;
+        let s = self.copy_stream()?;
+        // SAFETY: `host` lies in a page-locked buffer of at least `size` bytes (the caller's
+        // layout); `src` is device memory mapped for `size` bytes.
+        check(unsafe { copy(host as *mut c_void, src, size as usize, s) })
+    }
+
+    fn copy_from_host(&mut self, dst: u64, host: u64, size: u64) -> DrvResult<()> {
+        let copy = self.t.cuMemcpyHtoDAsync_v2.ok_or(DrvError(NOT_SUPPORTED))?;
+        let s = self.copy_stream()?;
+        // SAFETY: as in `copy_to_host`, the other way.
+        check(unsafe { copy(dst, host as *const c_void, size as usize, s) })
+    }
+
+    fn wait_copies(&mut self) -> DrvResult<()> {
+        if self.copies == 0 {
+            return Ok(());
+        }
+        let sync = self.t.cuStreamSynchronize.ok_or(DrvError(NOT_SUPPORTED))?;
+        // SAFETY: a stream this driver made.
+        check(unsafe { sync(self.copies as CUstream) })
     }
 
     fn synchronize(&mut self) -> DrvResult<()> {

@@ -63,8 +63,17 @@ pub struct FakeDriver {
     pub calls: [u64; Op::ALL.len()],
     /// Other devices waited for (`synchronize_peer`), in order.
     pub peers_synced: Vec<i32>,
+    /// Page-locked host buffers: start -> per-granule data (host addresses are a range of
+    /// their own, `HOST_BASE` up).
+    host: BTreeMap<u64, Vec<u64>>,
+    next_host: u64,
+    /// Host buffers that can still be made, in bytes.
+    pub host_capacity: u64,
     inject: Vec<(Op, DrvError)>,
 }
+
+/// Where fake host buffers live (far from device addresses).
+const HOST_BASE: u64 = 0x1000_0000_0000;
 
 impl FakeDriver {
     pub fn new(dev: i32, gran: u64, capacity: u64) -> Self {
@@ -83,6 +92,9 @@ impl FakeDriver {
             reserve_floor: VA_BASE,
             calls: [0; Op::ALL.len()],
             peers_synced: Vec::new(),
+            host: BTreeMap::new(),
+            next_host: HOST_BASE,
+            host_capacity: u64::MAX,
             inject: Vec::new(),
         }
     }
@@ -187,6 +199,23 @@ impl FakeDriver {
         let (start, data) = self.legacy.range(..=va).next_back()?;
         let i = ((va - start) / self.gran) as usize;
         (i < data.len()).then_some((false, *start, i))
+    }
+
+    /// Host buffers alive, and their bytes.
+    pub fn host_buffers(&self) -> (usize, u64) {
+        let bytes = self.host.values().map(|d| d.len() as u64 * self.gran).sum();
+        (self.host.len(), bytes)
+    }
+
+    /// The host buffer granule at `host`: (buffer start, index), if `[host, host+size)` lies
+    /// inside one buffer on granule bounds.
+    fn host_at(&self, host: u64, size: u64) -> DrvResult<(u64, usize)> {
+        let (start, data) = self.host.range(..=host).next_back().ok_or(INVALID)?;
+        let (off, len) = (host - start, data.len() as u64 * self.gran);
+        if !self.aligned(off) || !self.aligned(size) || off + size > len {
+            return Err(INVALID);
+        }
+        Ok((*start, (off / self.gran) as usize))
     }
 
     /// The data tag of the granule at `va`, through a mapping or a standard allocation.
@@ -547,6 +576,66 @@ impl Driver for FakeDriver {
             self.write(dst + i as u64 * self.gran, self.gran, tag);
         }
         Ok(())
+    }
+
+    fn host_alloc(&mut self, sizes: &[u64]) -> DrvResult<Vec<u64>> {
+        self.enter(Op::LegacyAlloc)?;
+        let total: u64 = sizes.iter().sum();
+        if sizes.iter().any(|s| *s == 0 || !self.aligned(*s)) {
+            return Err(INVALID);
+        }
+        if total > self.host_capacity {
+            return Err(DrvError::OUT_OF_MEMORY);
+        }
+        self.host_capacity -= total;
+        Ok(sizes
+            .iter()
+            .map(|s| {
+                let at = self.next_host;
+                self.next_host += s.next_multiple_of(1 << 30);
+                self.host.insert(at, vec![0; (s / self.gran) as usize]);
+                at
+            })
+            .collect())
+    }
+
+    fn host_free(&mut self, host: u64) {
+        if let Some(d) = self.host.remove(&host) {
+            self.host_capacity = self
+                .host_capacity
+                .saturating_add(d.len() as u64 * self.gran);
+        }
+    }
+
+    fn copy_to_host(&mut self, host: u64, src: u64, size: u64) -> DrvResult<()> {
+        self.enter(Op::Copy)?;
+        let (start, i) = self.host_at(host, size)?;
+        let data = self.read_range(src, size);
+        if data.iter().any(Option::is_none) {
+            return Err(INVALID);
+        }
+        let buf = self.host.get_mut(&start).unwrap();
+        for (k, t) in data.into_iter().enumerate() {
+            buf[i + k] = t.unwrap();
+        }
+        Ok(())
+    }
+
+    fn copy_from_host(&mut self, dst: u64, host: u64, size: u64) -> DrvResult<()> {
+        self.enter(Op::Copy)?;
+        let (start, i) = self.host_at(host, size)?;
+        if self.read_range(dst, size).iter().any(Option::is_none) {
+            return Err(INVALID);
+        }
+        let tags: Vec<u64> = self.host[&start][i..i + (size / self.gran) as usize].to_vec();
+        for (k, t) in tags.into_iter().enumerate() {
+            self.write(dst + k as u64 * self.gran, self.gran, t);
+        }
+        Ok(())
+    }
+
+    fn wait_copies(&mut self) -> DrvResult<()> {
+        self.enter(Op::Sync)
     }
 
     fn export_fd(&mut self, h: ChunkHandle) -> DrvResult<std::os::fd::OwnedFd> {

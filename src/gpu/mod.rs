@@ -99,6 +99,9 @@ pub struct PageProps {
     pub shareable: bool,
     /// `allocFlags.gpuDirectRDMACapable`.
     pub rdma: bool,
+    /// expseg's own: the tag that was set when the program created the page (0: none), so
+    /// that pages of different tags never share a handle (`crate::sleep`). Not the driver's.
+    pub tag: u32,
 }
 
 /// A legacy (`cudaIpcMemHandle_t`) IPC handle.
@@ -162,4 +165,19 @@ pub trait Driver {
     fn save(&mut self, src: u64, size: u64) -> DrvResult<Vec<u8>>;
     /// Copy host bytes to device memory at `dst` (and wait).
     fn load(&mut self, dst: u64, data: &[u8]) -> DrvResult<()>;
+
+    // What pausing a process's memory needs (`crate::sleep`): page-locked host buffers and
+    // copies queued to and from them. Host buffers are named by their address.
+
+    /// Page-locked host buffers of `sizes` bytes, all or none (a failure frees those made).
+    fn host_alloc(&mut self, sizes: &[u64]) -> DrvResult<Vec<u64>>;
+    /// Free a buffer `host_alloc` made.
+    fn host_free(&mut self, host: u64);
+    /// Queue a copy of `size` device bytes at `src` into host memory at `host` (inside a
+    /// buffer of `host_alloc`).
+    fn copy_to_host(&mut self, host: u64, src: u64, size: u64) -> DrvResult<()>;
+    /// Queue a copy of `size` host bytes at `host` to device memory at `dst`.
+    fn copy_from_host(&mut self, dst: u64, host: u64, size: u64) -> DrvResult<()>;
+    /// Wait until every queued copy is done: Err if one failed.
+    fn wait_copies(&mut self) -> DrvResult<()>;
 }

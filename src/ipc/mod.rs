@@ -12,6 +12,7 @@
 //! every ticket carries a random nonce the producer checks. A forged, stale (freed) or foreign
 //! ticket gets an error, never memory.
 
+pub mod control;
 pub mod reclaim;
 mod ticket;
 pub mod transport;

@@ -9,10 +9,7 @@
 //! served by the process its name says, of its own uid; the server admits only its own uid
 //! (or `EXPSEG_IPC_ALLOW_UIDS`). A peer that does not answer within the bound is skipped.
 
-use super::ticket::Refusal;
 use super::transport::{self, AskError};
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
@@ -62,34 +59,7 @@ pub fn ask_one(uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, A
 }
 
 fn ask_at(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
-    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
-    match transport::peer_cred(&s) {
-        Some(c) if c == (uid, pid) => {}
-        Some((u, p)) => {
-            return Err(AskError::Untrusted(format!(
-                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
-                path.display()
-            )))
-        }
-        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
-    }
-    s.set_read_timeout(Some(timeout))
-        .and_then(|_| s.set_write_timeout(Some(timeout)))
-        .map_err(AskError::Unreachable)?;
-    let mut req = [0u8; 16];
-    req[0..4].copy_from_slice(&RECLAIM_ID.to_le_bytes());
-    req[8..16].copy_from_slice(&key.to_le_bytes());
-    s.write_all(&req).map_err(AskError::Unreachable)?;
-    let mut head = [0u8; 16];
-    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
-    let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
-    if status != 0 {
-        return Err(AskError::Refused(Refusal::from_code(status)));
-    }
-    if head[4..8] != [0; 4] {
-        return Err(AskError::Protocol("a reclaim answer carries no chunks"));
-    }
-    Ok(u64::from_le_bytes(head[8..16].try_into().unwrap()))
+    transport::ask_plain(path, uid, pid, RECLAIM_ID, key, timeout)
 }
 
 /// What one peer answered.
@@ -133,7 +103,7 @@ fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> V
 mod tests {
     use super::*;
     use crate::ipc::transport::{current_uid, serve, FdSource};
-    use crate::ipc::Grant;
+    use crate::ipc::{Grant, Refusal};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixListener;
     use std::path::PathBuf;

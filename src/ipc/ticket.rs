@@ -51,8 +51,10 @@ pub enum Refusal {
     Stale = 2,
     /// The peer's user is not allowed.
     Forbidden = 3,
-    /// The chunks could not be exported.
+    /// The chunks could not be exported (or the control request failed).
     Failed = 4,
+    /// No device memory for it (a resume: what is still paused stays paused).
+    NoMemory = 5,
 }
 
 impl Refusal {
@@ -61,6 +63,7 @@ impl Refusal {
             1 => Refusal::Unknown,
             2 => Refusal::Stale,
             3 => Refusal::Forbidden,
+            5 => Refusal::NoMemory,
             _ => Refusal::Failed,
         }
     }

@@ -286,6 +286,47 @@ fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<()>
     Ok(())
 }
 
+/// Send request `id` with `nonce` to process `pid` of `uid` at `path` and read an answer
+/// that carries no chunks (reclaims, pause and resume): its size field. The socket must be
+/// served by that very process of that very user, and the answer come within `timeout`.
+pub fn ask_plain(
+    path: &Path,
+    uid: u32,
+    pid: u32,
+    id: u32,
+    nonce: u64,
+    timeout: Duration,
+) -> Result<u64, AskError> {
+    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
+    match peer_cred(&s) {
+        Some(c) if c == (uid, pid) => {}
+        Some((u, p)) => {
+            return Err(AskError::Untrusted(format!(
+                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
+                path.display()
+            )))
+        }
+        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
+    }
+    s.set_read_timeout(Some(timeout))
+        .and_then(|_| s.set_write_timeout(Some(timeout)))
+        .map_err(AskError::Unreachable)?;
+    let mut req = [0u8; 16];
+    req[0..4].copy_from_slice(&id.to_le_bytes());
+    req[8..16].copy_from_slice(&nonce.to_le_bytes());
+    s.write_all(&req).map_err(AskError::Unreachable)?;
+    let mut head = [0u8; 16];
+    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
+    let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
+    if status != 0 {
+        return Err(AskError::Refused(Refusal::from_code(status)));
+    }
+    if head[4..8] != [0; 4] {
+        return Err(AskError::Protocol("this answer carries no chunks"));
+    }
+    Ok(u64::from_le_bytes(head[8..16].try_into().unwrap()))
+}
+
 /// Why a request did not get memory.
 #[derive(Debug)]
 pub enum AskError {

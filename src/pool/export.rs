@@ -47,6 +47,10 @@ impl<D: Driver> Pool<D> {
     /// Make the allocation containing `ptr` exportable with a legacy handle.
     pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
         let (base, user) = self.find(ptr).ok_or(ExportError::NotOwned)?;
+        self.wake_block(base).map_err(|e| match e.is_oom() {
+            true => ExportError::OutOfMemory,
+            false => ExportError::Driver(e),
+        })?;
         let b = &self.blocks[&base];
         if movable(b, &policy) {
             match self.move_in_place(base, policy.fail_move_at) {

@@ -20,9 +20,11 @@
 
 mod export;
 mod export_types;
+mod sleep;
 mod stats;
 
 pub use export_types::{Export, ExportError, ExportPolicy, Exported, MoveStep};
+pub use crate::hostcopy::Paused;
 pub use stats::PoolStats;
 
 use crate::gpu::{ChunkHandle, Driver, DrvError, Op};
@@ -78,11 +80,23 @@ struct Block {
     cached_at: Option<u64>,
     /// Standard memory mirroring this allocation for IPC, once a handle was asked for.
     mirror: Option<export_types::Mirror>,
+    /// The tag set when it was allocated (`crate::sleep`; 0: none).
+    tag: u32,
+    /// Paused: its chunks are given back (`chunks` is empty), these sizes come back.
+    asleep: Option<BlockSleep>,
     /// Its chunks were given to other processes (IPC tickets): never reused after the free.
     shared: bool,
     /// The chunks as POSIX descriptors, exported once when the block is first shared, so a
     /// consumer's request costs a `dup`, not a driver call.
     fds: Vec<std::os::fd::OwnedFd>,
+}
+
+/// What a paused block needs to come back (`sleep`): its bytes on the host (None:
+/// discarded) and its chunks' sizes.
+#[derive(Debug)]
+struct BlockSleep {
+    saved: Option<crate::hostcopy::Saved>,
+    sizes: Vec<u64>,
 }
 
 /// Where a chunk chosen for a new allocation comes from.
@@ -119,6 +133,10 @@ pub struct Pool<D: Driver> {
     /// Descriptors kept in `Block::fds`, all blocks together.
     cached_fds: usize,
     tick: u64,
+    /// The tag new allocations get (`crate::sleep`), set by the caller.
+    pub tag: u32,
+    /// Host buffers of paused blocks.
+    host: crate::hostcopy::HostCopies,
     stats: PoolStats,
 }
 
@@ -139,6 +157,8 @@ impl<D: Driver> Pool<D> {
             retry_window: false,
             cached_fds: 0,
             tick: 0,
+            tag: 0,
+            host: Default::default(),
             stats: PoolStats::default(),
         }
     }
@@ -223,6 +243,7 @@ impl<D: Driver> Pool<D> {
             .get_mut(&base)
             .expect("allocated block is registered");
         b.user = size;
+        b.tag = self.tag;
         let held = b.size;
         self.stats.on_alloc(size, held);
         if self.retry_window {
@@ -428,6 +449,8 @@ impl<D: Driver> Pool<D> {
                         chunks,
                         cached_at: None,
                         mirror: None,
+                        tag: 0,
+                        asleep: None,
                         shared: false,
                         fds: Vec::new(),
                     },
@@ -517,6 +540,9 @@ impl<D: Driver> Pool<D> {
         if b.shared {
             return Ok(self.free_shared(ptr));
         }
+        if b.asleep.is_some() {
+            return Ok(self.free_asleep(ptr));
+        }
         self.tick += 1;
         let (user, size) = (b.user, b.size);
         let mirror = b.mirror.take();
@@ -588,7 +614,13 @@ impl<D: Driver> Pool<D> {
 
     fn apply_access(&mut self, revoked: &[i32]) -> Result<(), DrvError> {
         let readers = self.readers.clone();
-        let ranges: Vec<(u64, u64)> = self.blocks.iter().map(|(b, blk)| (*b, blk.size)).collect();
+        // Paused blocks get the readers of the moment when they are mapped again.
+        let ranges: Vec<(u64, u64)> = self
+            .blocks
+            .iter()
+            .filter(|(_, blk)| blk.asleep.is_none())
+            .map(|(b, blk)| (*b, blk.size))
+            .collect();
         let mut first_err = Ok(());
         for (base, size) in ranges {
             let r = self.timed(Op::SetAccess, |d| {
@@ -609,6 +641,7 @@ impl<D: Driver> Pool<D> {
         let mut end = 0;
         let mut handles: Vec<ChunkHandle> = self.loose.iter().map(|c| c.handle).collect();
         let mut mirrors = 0;
+        let mut paused = 0;
         for (base, b) in &self.blocks {
             handles.extend(b.chunks.iter().map(|c| c.handle));
             mirrors += b.mirror.map_or(0, |m| m.size);
@@ -619,7 +652,12 @@ impl<D: Driver> Pool<D> {
                 return Err(format!("block {base:#x} overlaps the previous one"));
             }
             end = base + b.size;
-            if b.chunks.iter().map(|c| c.size).sum::<u64>() != b.size {
+            if b.asleep.is_some() {
+                if !b.chunks.is_empty() || b.cached_at.is_some() {
+                    return Err(format!("paused block {base:#x} holds chunks or is cached"));
+                }
+                paused += b.size;
+            } else if b.chunks.iter().map(|c| c.size).sum::<u64>() != b.size {
                 return Err(format!("block {base:#x}: chunk sizes do not add up"));
             }
             match b.cached_at {
@@ -672,6 +710,12 @@ impl<D: Driver> Pool<D> {
                 s.live_user_bytes, s.live_bytes, s.cached_bytes
             ));
         }
+        if s.paused_bytes != paused {
+            return Err(format!(
+                "paused bytes {} counted as {paused}",
+                s.paused_bytes
+            ));
+        }
         if s.held_bytes() != s.created_bytes - s.released_bytes {
             return Err("held bytes differ from created minus released".into());
         }
@@ -681,5 +725,7 @@ impl<D: Driver> Pool<D> {
 
 #[cfg(test)]
 mod export_tests;
+#[cfg(test)]
+mod sleep_tests;
 #[cfg(test)]
 mod tests;

@@ -37,14 +37,17 @@ pub struct PoolStats {
     pub ipc_mirrored: u64,
     /// Bytes of standard memory held by mirrors now.
     pub mirror_bytes: u64,
+    /// Physical bytes of live allocations that are paused (given back to the driver).
+    pub paused_bytes: u64,
     /// Calls and nanoseconds per driver operation, in `Op::ALL` order.
     pub driver_calls: [u64; Op::ALL.len()],
     pub driver_ns: [u64; Op::ALL.len()],
 }
 
 impl PoolStats {
+    /// Physical bytes the driver has given this pool: live (less paused) and cached.
     pub fn held_bytes(&self) -> u64 {
-        self.live_bytes + self.cached_bytes
+        self.live_bytes + self.cached_bytes - self.paused_bytes
     }
 
     pub(super) fn count_driver(&mut self, op: Op, t: Duration) {

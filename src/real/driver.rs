@@ -42,7 +42,7 @@ macro_rules! driver_table {
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUmemAccessDesc,
-    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle,
+    CUmemAllocationGranularity_flags, CUmemAllocationProp, CUmemGenericAllocationHandle, CUstream,
 };
 
 driver_table! {
@@ -81,6 +81,12 @@ driver_table! {
         cuDevicePrimaryCtxRelease_v2(CUdevice);
         cuCtxPushCurrent_v2(CUcontext);
         cuCtxPopCurrent_v2(*mut CUcontext);
+        cuMemHostAlloc(*mut *mut c_void, size_t, c_uint);
+        cuMemFreeHost(*mut c_void);
+        cuStreamCreate(*mut CUstream, c_uint);
+        cuStreamSynchronize(CUstream);
+        cuMemcpyDtoHAsync_v2(*mut c_void, CUdeviceptr, size_t, CUstream);
+        cuMemcpyHtoDAsync_v2(CUdeviceptr, *const c_void, size_t, CUstream);
     }
 }
 

@@ -429,6 +429,13 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memmove((void*)(uintptr_t)d, s, n); return 0; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memmove(d, (void*)(uintptr_t)s, n); return 0; }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0; }
+/* Page-locked host memory and one stream for pausing: plain malloc, copies done at once. */
+CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
+CUresult cuMemFreeHost(void* p) { free(p); return 0; }
+CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(uintptr_t)0x5e; return 0; }
+CUresult cuStreamSynchronize(void* st) { (void)st; return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { (void)st; memmove((void*)(uintptr_t)d, s, n); return 0; }
 
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr);
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);

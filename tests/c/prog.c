@@ -545,6 +545,58 @@ static int layers(void) {
   return 0;
 }
 
+/* Pausing from inside: expseg's C functions (found with dlsym, as Python's ctypes does). */
+static int pause_self(void) {
+  int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
+  int (*resume_)(const char*, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_resume");
+  uint64_t (*paused_)(void) = dlsym(RTLD_DEFAULT, "expseg_paused_bytes");
+  int (*tag_)(const char*) = dlsym(RTLD_DEFAULT, "expseg_set_tag");
+  CHECK(pause_ && resume_ && paused_ && tag_);
+  void *kv = 0, *w = 0;
+  CHECK(tag_("kv_cache") == 0);
+  CHECK(cudaMalloc(&kv, 16 * MIB) == 0);
+  CHECK(tag_(0) == 0);
+  CHECK(cudaMalloc(&w, 8 * MIB) == 0);
+  fill(kv, 16 * MIB, 3); fill(w, 8 * MIB, 4);
+  uint64_t n = 0; double secs = -1;
+  printf("bad_tag_rc=%d\n", tag_(""));
+  printf("pause_kv_rc=%d\n", pause_("kv_cache", 1, &n, &secs));
+  printf("pause_kv_mib=%lu secs_set=%d\n", (unsigned long)(n >> 20), secs >= 0);
+  printf("paused_mib=%lu\n", (unsigned long)(paused_() >> 20));
+  printf("w_intact=%d\n", holds(w, 8 * MIB, 4));
+  printf("pause_all_rc=%d\n", pause_(0, 0, &n, 0));
+  printf("pause_all_mib=%lu\n", (unsigned long)(n >> 20));
+  printf("paused_all_mib=%lu\n", (unsigned long)(paused_() >> 20));
+  printf("resume_rc=%d\n", resume_(0, &n, 0));
+  printf("resume_mib=%lu\n", (unsigned long)(n >> 20));
+  printf("w_back=%d\n", holds(w, 8 * MIB, 4));
+  fill(kv, 16 * MIB, 5);
+  printf("kv_usable=%d\n", holds(kv, 16 * MIB, 5));
+  printf("resume_again_rc=%d\n", resume_(0, &n, 0));
+  printf("resume_again_mib=%lu\n", (unsigned long)(n >> 20));
+  /* Freeing paused memory: its host copy goes, nothing to resume. */
+  CHECK(pause_(0, 0, &n, 0) == 0);
+  printf("free_paused_rc=%d\n", cudaFree(w));
+  printf("paused_after_free_mib=%lu\n", (unsigned long)(paused_() >> 20));
+  CHECK(resume_(0, &n, 0) == 0);
+  printf("kv_back=%d\n", holds(kv, 16 * MIB, 5));
+  CHECK(cudaFree(kv) == 0);
+  return 0;
+}
+
+/* Paused from outside (expseg pause PID): takes and fills 64 MiB, then answers "check" lines
+ * on stdin with whether its bytes are intact, until stdin closes. */
+static int sleeper(void) {
+  void* p = 0; CHECK(cudaMalloc(&p, 64 * MIB) == 0);
+  fill(p, 64 * MIB, 7);
+  printf("ready=1\n"); fflush(stdout);
+  char line[64];
+  while (fgets(line, sizeof line, stdin)) {
+    if (!strncmp(line, "check", 5)) { printf("intact=%d\n", holds(p, 64 * MIB, 7)); fflush(stdout); }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
@@ -553,6 +605,8 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "hold") && argc > 2) return hold((size_t)atol(argv[2]));
   if (!strcmp(s, "need") && argc > 2) return need((size_t)atol(argv[2]));
   if (!strcmp(s, "basic")) return basic();
+  if (!strcmp(s, "pause_self")) return pause_self();
+  if (!strcmp(s, "sleeper")) return sleeper();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "threads")) return threads();
   if (!strcmp(s, "peer")) return peer();

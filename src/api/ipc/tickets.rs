@@ -142,6 +142,12 @@ fn admitted(uid: u32) -> bool {
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+    if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
+        if !admitted(peer) {
+            return Err(Refusal::Forbidden);
+        }
+        return control(c);
+    }
     if id == crate::ipc::reclaim::RECLAIM_ID {
         if !admitted(peer) {
             return Err(Refusal::Forbidden);
@@ -162,6 +168,31 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
         Err(_) => GLOBAL.ipc_tickets_refused.add(1),
     }
     d
+}
+
+/// `expseg pause|resume PID` from the user: done on this thread; the answer is a grant of no
+/// chunks whose size is the bytes paused or resumed, or a refusal of `Failed`.
+fn control(c: crate::ipc::control::Control) -> Decision {
+    use crate::ipc::control::Control;
+    let done = match c {
+        Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard),
+        Control::Resume { tag } => crate::api::sleep::resume(tag),
+        Control::Query => Ok(crate::api::sleep::Outcome {
+            bytes: crate::api::sleep::paused_bytes(),
+            ..Default::default()
+        }),
+    };
+    match done {
+        Ok(o) => Ok((
+            Grant {
+                size: o.bytes,
+                chunks: Vec::new(),
+            },
+            transport::fds_of(Vec::new()),
+        )),
+        Err(e) if e == crate::gpu::CUDA_ERROR_OUT_OF_MEMORY => Err(Refusal::NoMemory),
+        Err(_) => Err(Refusal::Failed),
+    }
 }
 
 fn decide_once(id: u32, nonce: u64, peer: u32) -> Decision {

@@ -7,6 +7,7 @@ mod compact;
 mod plan;
 mod randomized;
 mod reuse;
+mod sleep;
 
 pub(super) use super::*;
 pub(super) use crate::gpu::fake::FakeDriver;
@@ -19,6 +20,7 @@ pub(super) const RW: u32 = 3;
 pub(super) const PROPS: PageProps = PageProps {
     shareable: true,
     rdma: false,
+    tag: 0,
 };
 
 pub(super) fn setup(capacity: u64, cfg: CoalesceConfig) -> (Coalescer<FakeDriver>, u64) {

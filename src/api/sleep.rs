@@ -1,0 +1,179 @@
+//! Pausing and resuming the process's memory at fixed addresses (`expseg.pause()`,
+//! `expseg.resume()`, `expseg pause PID`): every device's pool blocks and coalesced pages,
+//! chosen by tag, offloaded to page-locked host memory or discarded, their physical memory
+//! given back to the driver; on resume made again at the same addresses with the bytes back.
+//!
+//! Tags: allocations made while a tag is set (`with expseg.tag("kv_cache"):`) carry it
+//! (process-wide: the tag of the moment, whichever thread allocates). A tag is named by the
+//! 32-bit FNV-1a hash of its name (never 0: 0 is "no tag"), so `expseg pause --tag NAME`
+//! from outside names the same tag without a table.
+//!
+//! The caller's duty: no work may run on paused memory. A kernel that touches it faults (the
+//! addresses are reserved but unmapped, as in torch_memory_saver); an allocator call that
+//! touches it (a free, an unmap, an IPC export) resumes that memory first.
+
+use super::state::coalescers::{self, in_context};
+use super::state::{self, STATE_STARTED};
+use crate::gpu::cuda;
+use crate::hostcopy::Paused;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+/// The tag allocations get now (0: none).
+static CURRENT: AtomicU32 = AtomicU32::new(0);
+
+/// A tag's number: its name's 32-bit FNV-1a hash, 0 avoided.
+pub fn tag_of(name: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= b as u32;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h.max(1)
+}
+
+/// Set the tag of allocations from now on (None: no tag). Returns the previous one.
+pub fn set_tag(tag: Option<u32>) -> u32 {
+    CURRENT.swap(tag.unwrap_or(0), Ordering::AcqRel)
+}
+
+/// The tag an allocation made now gets.
+pub fn current_tag() -> u32 {
+    CURRENT.load(Ordering::Acquire)
+}
+
+/// Bytes of physical memory paused now, every device. Never waits: 0 for a device whose
+/// lock is busy elsewhere.
+pub fn paused_bytes() -> u64 {
+    let mut n = 0;
+    if STATE_STARTED.load(Ordering::Acquire) {
+        if let Ok(mut st) = state::STATE.try_lock() {
+            n += st.open_pools().map(|(_, p)| p.paused_bytes()).sum::<u64>();
+        }
+    }
+    if coalescers::started() {
+        if let Ok(mut v) = coalescers::VMM.try_lock() {
+            n += v.all().map(|c| c.paused_bytes()).sum::<u64>();
+        }
+    }
+    n
+}
+
+/// What a pause or resume did: bytes, bytes copied, bytes left alone (shared), seconds.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    pub bytes: u64,
+    pub offloaded: u64,
+    pub shared: u64,
+    pub seconds: f64,
+}
+
+/// Pause the memory of tag `tag` (None: every tag), offloading it to host memory or
+/// discarding it. Err: the first device's failure code (what paused before it stays paused;
+/// an out-of-memory pause of host memory pauses nothing on that device).
+pub fn pause(tag: Option<u32>, discard: bool) -> Result<Outcome, u32> {
+    let t0 = Instant::now();
+    let choose = |t: u32| (tag.is_none() || tag == Some(t)).then_some(discard);
+    let mut total = Paused::default();
+    let mut first_err = None;
+    let mut add = |r: Result<Paused, crate::gpu::DrvError>| match r {
+        Ok(p) => {
+            total.bytes += p.bytes;
+            total.offloaded += p.offloaded;
+            total.shared += p.shared;
+        }
+        Err(e) => {
+            first_err.get_or_insert(e.0);
+        }
+    };
+    if state::forked() {
+        return Err(NOT_PERMITTED);
+    }
+    if STATE_STARTED.load(Ordering::Acquire) {
+        let mut st = state::lock();
+        if let Ok(t) = st.driver.as_ref().map(|t| *t) {
+            for (dev, p) in st.open_pools() {
+                add(cuda::with_primary(t, dev, || p.pause(&choose)));
+            }
+        }
+    }
+    if coalescers::started() {
+        for c in coalescers::lock().all() {
+            add(in_context(c, |c| c.pause(&choose)));
+        }
+    }
+    let out = Outcome {
+        bytes: total.bytes,
+        offloaded: total.offloaded,
+        shared: total.shared,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    log::info!(
+        "paused {} bytes ({} to host, {} shared left alone) in {:.3} s",
+        out.bytes,
+        out.offloaded,
+        out.shared,
+        out.seconds
+    );
+    if out.shared > 0 {
+        log::warn!(
+            "{} bytes shared with other processes (IPC) were not paused",
+            out.shared
+        );
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// Resume the paused memory of `tag` (None: all). Err (2: out of memory): what could be made
+/// is resumed, the rest stays paused with its host copy; call again.
+pub fn resume(tag: Option<u32>) -> Result<Outcome, u32> {
+    let t0 = Instant::now();
+    let choose = |t: u32| tag.is_none() || tag == Some(t);
+    let mut bytes = 0;
+    let mut first_err = None;
+    if STATE_STARTED.load(Ordering::Acquire) {
+        let mut st = state::lock();
+        if let Ok(t) = st.driver.as_ref().map(|t| *t) {
+            for (dev, p) in st.open_pools() {
+                let before = p.paused_bytes();
+                if let Err(e) = cuda::with_primary(t, dev, || p.resume(&choose)) {
+                    first_err.get_or_insert(e.0);
+                }
+                bytes += before - p.paused_bytes();
+            }
+        }
+    }
+    if coalescers::started() {
+        for c in coalescers::lock().all() {
+            let before = c.paused_bytes();
+            if let Err(e) = in_context(c, |c| c.resume(&choose)) {
+                first_err.get_or_insert(e.0);
+            }
+            bytes += before - c.paused_bytes();
+        }
+    }
+    let out = Outcome {
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+        ..Outcome::default()
+    };
+    match first_err {
+        Some(e) => {
+            log::error!(
+                "resume: {bytes} bytes resumed, {} still paused: CUresult {e} (nothing is lost; resume again when memory is free)",
+                paused_bytes()
+            );
+            Err(e)
+        }
+        None => {
+            log::info!("resumed {bytes} bytes in {:.3} s", out.seconds);
+            Ok(out)
+        }
+    }
+}
+
+/// `CUDA_ERROR_NOT_PERMITTED`: a forked child's CUDA state is not its own.
+const NOT_PERMITTED: u32 = 800;

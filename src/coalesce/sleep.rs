@@ -1,0 +1,230 @@
+//! Paused handles: a handle's live pages copied to the host (offload) or dropped (discard),
+//! the handle unmapped and released with its address kept in the books; on resume a new
+//! handle is made, mapped at the same address with the same access, and the bytes copied back.
+//!
+//! A paused phys keeps its place in `phys` and `bases` (the program still has its pages
+//! mapped there); only its handle is gone (`Phys::asleep`). Every program call that would
+//! make the driver touch it wakes it first ([`Coalescer::wake_in`], [`Coalescer::wake_page`]).
+
+use super::books::{Coalescer, Sleep};
+use crate::gpu::{Driver, DrvResult};
+pub use crate::hostcopy::{Choose, Paused};
+
+impl<D: Driver> Coalescer<D> {
+    /// Pause the mapped handles `choose` takes (the caller has given back what was held
+    /// beyond the program's pages, and waited for the device). Err: nothing was paused.
+    pub(super) fn sleep(&mut self, choose: Choose) -> DrvResult<Paused> {
+        let mut out = Paused::default();
+        let mut offload: Vec<(u64, Vec<(u64, u64)>)> = Vec::new();
+        let mut discard: Vec<u64> = Vec::new();
+        for (pid, ph) in &self.phys {
+            let (Some(base), None) = (ph.base, &ph.asleep) else {
+                continue;
+            };
+            let Some(first) = ph.slots.values().next() else {
+                continue;
+            };
+            let Some(drop) = choose(self.pages[first].props.tag) else {
+                continue;
+            };
+            if ph.slots.values().any(|v| self.pages[v].single) {
+                out.shared += ph.size;
+                continue;
+            }
+            if drop {
+                discard.push(*pid);
+                continue;
+            }
+            // The live pages' bytes, runs of adjacent pages as one range.
+            let mut ranges: Vec<(u64, u64)> = Vec::new();
+            for (off, vh) in &ph.slots {
+                let (a, n) = (base + off, self.pages[vh].size);
+                match ranges.last_mut() {
+                    Some(r) if r.0 + r.1 == a => r.1 += n,
+                    _ => ranges.push((a, n)),
+                }
+            }
+            offload.push((*pid, ranges));
+        }
+        let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
+        let saved = self.host.save(&mut self.drv, &items)?;
+        let chosen = offload
+            .into_iter()
+            .zip(saved.into_iter().map(Some))
+            .map(|((pid, _), s)| (pid, s))
+            .chain(discard.into_iter().map(|pid| (pid, None)));
+        for (pid, saved) in chosen {
+            let ph = &self.phys[&pid];
+            let (base, size, handle) = (ph.base.expect("mapped"), ph.size, ph.handle);
+            let props = self.pages[ph.slots.values().next().unwrap()].props;
+            if let Err(e) = self.drv.unmap(base, size) {
+                log::warn!("pausing {base:#x}+{size:#x}: unmapping failed ({e}); it stays");
+                if let Some(s) = saved {
+                    self.host.done(&mut self.drv, s);
+                }
+                continue;
+            }
+            if let Err(e) = self.drv.release(handle) {
+                self.hold(handle, size, e);
+            }
+            out.bytes += size;
+            out.offloaded += saved.as_ref().map_or(0, |s| s.bytes());
+            let ph = self.phys.get_mut(&pid).unwrap();
+            ph.handle = 0;
+            ph.asleep = Some(Sleep { saved, props });
+        }
+        Ok(out)
+    }
+
+    /// Resume the paused handles `choose` takes: new handles at the same addresses, access
+    /// as it was, bytes copied back. On failure (out of memory) what was made stays resumed
+    /// and the rest stays paused, host copies kept: a later resume goes on. The bytes resumed.
+    pub(super) fn wake(&mut self, choose: &dyn Fn(u32) -> bool) -> DrvResult<u64> {
+        let pids: Vec<u64> = self
+            .phys
+            .iter()
+            .filter(|(_, p)| p.asleep.as_ref().is_some_and(|s| choose(s.props.tag)))
+            .map(|(pid, _)| *pid)
+            .collect();
+        self.wake_pids(&pids)
+    }
+
+    fn wake_pids(&mut self, pids: &[u64]) -> DrvResult<u64> {
+        let mut made: Vec<(u64, u64)> = Vec::new();
+        let mut failed = None;
+        for &pid in pids {
+            match self.remake(pid) {
+                Ok(h) => made.push((pid, h)),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        // The bytes back, all copies queued at once.
+        let copied = made
+            .iter()
+            .filter_map(|(pid, _)| self.phys[pid].asleep.as_ref()?.saved.as_ref())
+            .try_for_each(|s| self.host.restore(&mut self.drv, s))
+            .and_then(|_| self.drv.wait_copies());
+        if let Err(e) = copied {
+            // The host copies stay; the handles made go back.
+            for (pid, h) in made {
+                let ph = &self.phys[&pid];
+                let (base, size) = (ph.base.expect("mapped"), ph.size);
+                let _ = self.drv.unmap(base, size);
+                if let Err(e) = self.drv.release(h) {
+                    self.hold(h, size, e);
+                }
+            }
+            return Err(e);
+        }
+        let mut bytes = 0;
+        for (pid, h) in made {
+            let ph = self.phys.get_mut(&pid).unwrap();
+            ph.handle = h;
+            bytes += ph.size;
+            if let Some(s) = ph.asleep.take().and_then(|s| s.saved) {
+                self.host.done(&mut self.drv, s);
+            }
+            // Pages the program released while it was paused: stranded now, compacted at
+            // the program's next call.
+            if self.dead(pid) > 0 {
+                self.dirty.insert(pid);
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(bytes),
+        }
+    }
+
+    /// A new handle for a paused phys, mapped where it was with the access it had.
+    fn remake(&mut self, pid: u64) -> DrvResult<u64> {
+        let ph = &self.phys[&pid];
+        let (base, size) = (ph.base.expect("paused while mapped"), ph.size);
+        let granted = ph.granted.clone();
+        let props = ph.asleep.as_ref().expect("paused").props;
+        let h = self.create_fresh(size, props)?;
+        let mapped = self.drv.map(base, size, h).and_then(|_| {
+            self.drv
+                .set_access_flags(base, size, &granted)
+                .inspect_err(|_| {
+                    let _ = self.drv.unmap(base, size);
+                })
+        });
+        if let Err(e) = mapped {
+            if let Err(e) = self.drv.release(h) {
+                self.hold(h, size, e);
+            }
+            return Err(e);
+        }
+        Ok(h)
+    }
+
+    /// The program released a page of paused phys `pid` (unmapped while paused: PyTorch's
+    /// `empty_cache()`): the last page gone, the phys and its host copy go, with no driver
+    /// call; otherwise it stays paused and comes back with that page's bytes stranded.
+    pub(super) fn forget_asleep(&mut self, pid: u64) {
+        if !self.phys[&pid].slots.is_empty() {
+            return;
+        }
+        let ph = self.phys.remove(&pid).unwrap();
+        if let Some(b) = ph.base {
+            self.bases.remove(&b);
+        }
+        self.dirty.remove(&pid);
+        if let Some(s) = ph.asleep.and_then(|s| s.saved) {
+            self.host.done(&mut self.drv, s);
+        }
+    }
+
+    /// A program call about to touch `[va, va+size)`: paused handles there wake first.
+    pub(super) fn wake_in(&mut self, va: u64, size: u64) -> DrvResult<()> {
+        if !self.any_asleep() {
+            return Ok(());
+        }
+        let pids: Vec<u64> = self
+            .phys_in(va, size)
+            .into_iter()
+            .filter(|p| self.phys[p].asleep.is_some())
+            .collect();
+        self.wake_some(pids)
+    }
+
+    /// A program call about to touch page `vh`'s memory: its handle wakes first if paused.
+    pub(super) fn wake_page(&mut self, vh: u64) -> DrvResult<()> {
+        let Some((pid, _)) = self.pages.get(&vh).and_then(|p| p.slot) else {
+            return Ok(());
+        };
+        match self.phys[&pid].asleep {
+            Some(_) => self.wake_some(vec![pid]),
+            None => Ok(()),
+        }
+    }
+
+    fn wake_some(&mut self, pids: Vec<u64>) -> DrvResult<()> {
+        if pids.is_empty() {
+            return Ok(());
+        }
+        log::info!(
+            "device {}: the program touched paused memory through the allocator: {} handle(s) resumed first",
+            self.drv.device(),
+            pids.len()
+        );
+        self.wake_pids(&pids).map(|_| ())
+    }
+
+    pub(super) fn any_asleep(&self) -> bool {
+        self.phys.values().any(|p| p.asleep.is_some())
+    }
+
+    /// Bytes paused on this device (given back to the driver; on the host where offloaded).
+    pub fn paused_bytes(&self) -> u64 {
+        self.phys
+            .values()
+            .filter(|p| p.asleep.is_some())
+            .map(|p| p.size)
+            .sum()
+    }
+}

@@ -1,0 +1,236 @@
+//! Paused memory's bytes on the host: laid out in page-locked buffers, copied there, copied
+//! back, and each buffer freed when the last bytes in it are back on the device.
+//!
+//! Used by the pool and the coalescer when a process is paused (`expseg.pause()`); the
+//! device addresses never change, so what is saved is a list of (device address, length)
+//! pieces and where each waits on the host.
+
+use crate::gpu::{Driver, DrvResult};
+use std::collections::BTreeMap;
+
+/// Largest host buffer: big enough that a copy runs at full speed, small enough that several
+/// threads can page-lock a large pause in parallel.
+pub const BUFFER: u64 = 256 << 20;
+
+/// What a pause did on one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Paused {
+    /// Physical bytes given back to the driver.
+    pub bytes: u64,
+    /// Of them, bytes copied to the host.
+    pub offloaded: u64,
+    /// Bytes left alone because another process may use them (exported pages, shared or
+    /// mirrored allocations).
+    pub shared: u64,
+}
+
+/// Which memory a pause takes, by tag: `Some(discard)` to pause it, `None` to leave it.
+pub type Choose<'a> = &'a dyn Fn(u32) -> Option<bool>;
+
+/// One piece of device memory waiting on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Piece {
+    dev: u64,
+    len: u64,
+    /// Host address inside buffer `buf`.
+    host: u64,
+    buf: u64,
+}
+
+/// What one item (a handle's live pages, a block) left on the host.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    pieces: Vec<Piece>,
+}
+
+impl Saved {
+    /// Bytes saved.
+    pub fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+}
+
+#[derive(Debug)]
+struct Buffer {
+    size: u64,
+    /// Items with pieces in it that are not back yet.
+    users: u32,
+}
+
+/// The host buffers of one driver's paused memory.
+#[derive(Debug, Default)]
+pub struct HostCopies {
+    /// host address -> buffer
+    bufs: BTreeMap<u64, Buffer>,
+}
+
+impl HostCopies {
+    /// Bytes waiting on the host (whole buffers).
+    pub fn held(&self) -> u64 {
+        self.bufs.values().map(|b| b.size).sum()
+    }
+
+    /// Copy every item's ranges `(device address, length)` to new host buffers and wait for
+    /// the copies: one `Saved` per item. On failure every buffer made is freed and nothing
+    /// else changed (the device memory is untouched). Lengths are multiples of the
+    /// driver's granularity.
+    pub fn save<D: Driver>(
+        &mut self,
+        drv: &mut D,
+        items: &[Vec<(u64, u64)>],
+    ) -> DrvResult<Vec<Saved>> {
+        let total: u64 = items.iter().flatten().map(|r| r.1).sum();
+        if total == 0 {
+            return Ok(items.iter().map(|_| Saved::default()).collect());
+        }
+        let sizes: Vec<u64> = (0..total.div_ceil(BUFFER))
+            .map(|i| (total - i * BUFFER).min(BUFFER))
+            .collect();
+        let bufs = drv.host_alloc(&sizes)?;
+        // Lay the ranges out back to back across the buffers, in order.
+        let mut out = Vec::with_capacity(items.len());
+        let (mut b, mut at) = (0usize, 0u64);
+        for item in items {
+            let mut s = Saved::default();
+            for &(dev, len) in item {
+                let mut done = 0;
+                while done < len {
+                    if at == sizes[b] {
+                        b += 1;
+                        at = 0;
+                    }
+                    let n = (len - done).min(sizes[b] - at);
+                    s.pieces.push(Piece {
+                        dev: dev + done,
+                        len: n,
+                        host: bufs[b] + at,
+                        buf: bufs[b],
+                    });
+                    at += n;
+                    done += n;
+                }
+            }
+            out.push(s);
+        }
+        let copied = out
+            .iter()
+            .flat_map(|s| &s.pieces)
+            .try_for_each(|p| drv.copy_to_host(p.host, p.dev, p.len))
+            .and_then(|_| drv.wait_copies());
+        if let Err(e) = copied {
+            for h in bufs {
+                drv.host_free(h);
+            }
+            return Err(e);
+        }
+        for (h, size) in bufs.iter().zip(&sizes) {
+            self.bufs.insert(
+                *h,
+                Buffer {
+                    size: *size,
+                    users: 0,
+                },
+            );
+        }
+        for s in &out {
+            let mut seen: Vec<u64> = s.pieces.iter().map(|p| p.buf).collect();
+            seen.dedup();
+            for h in seen {
+                self.bufs.get_mut(&h).unwrap().users += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Queue the copies that put `s` back where it was (the device memory is mapped there
+    /// again). The caller waits (`Driver::wait_copies`), then calls [`HostCopies::done`].
+    pub fn restore<D: Driver>(&self, drv: &mut D, s: &Saved) -> DrvResult<()> {
+        s.pieces
+            .iter()
+            .try_for_each(|p| drv.copy_from_host(p.dev, p.host, p.len))
+    }
+
+    /// `s` is back on the device, or no longer wanted (its memory was freed): buffers that
+    /// hold nothing else are freed.
+    pub fn done<D: Driver>(&mut self, drv: &mut D, s: Saved) {
+        let mut seen: Vec<u64> = s.pieces.iter().map(|p| p.buf).collect();
+        seen.dedup();
+        for h in seen {
+            let Some(b) = self.bufs.get_mut(&h) else {
+                continue;
+            };
+            b.users -= 1;
+            if b.users == 0 {
+                self.bufs.remove(&h);
+                drv.host_free(h);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::fake::FakeDriver;
+    use crate::gpu::{DrvError, Op};
+
+    const G: u64 = 1 << 21;
+
+    #[test]
+    fn ranges_larger_than_a_buffer_cross_buffers_and_come_back_whole() {
+        let mut d = FakeDriver::new(0, G, 8 << 30);
+        let big = BUFFER + 3 * G;
+        let a = d.reserve(big).unwrap();
+        let h = d.create(big).unwrap();
+        d.map(a, big, h).unwrap();
+        d.set_access(a, big, &[0], &[]).unwrap();
+        for i in 0..big / G {
+            d.write(a + i * G, G, 1000 + i);
+        }
+        let mut hc = HostCopies::default();
+        let saved = hc
+            .save(&mut d, &[vec![(a, G)], vec![(a + G, big - G)]])
+            .unwrap();
+        assert_eq!(saved[0].bytes() + saved[1].bytes(), big);
+        assert_eq!(d.host_buffers(), (2, big));
+        for i in 0..big / G {
+            d.write(a + i * G, G, 0);
+        }
+        for s in &saved {
+            hc.restore(&mut d, s).unwrap();
+        }
+        d.wait_copies().unwrap();
+        for i in 0..big / G {
+            assert_eq!(d.read(a + i * G), Some(1000 + i));
+        }
+        let mut it = saved.into_iter();
+        hc.done(&mut d, it.next().unwrap());
+        assert_eq!(
+            d.host_buffers().0,
+            2,
+            "the second item still uses the first buffer"
+        );
+        hc.done(&mut d, it.next().unwrap());
+        assert_eq!(d.host_buffers(), (0, 0));
+        assert_eq!(hc.held(), 0);
+    }
+
+    #[test]
+    fn a_failed_copy_or_no_host_memory_leaves_no_buffer() {
+        let mut d = FakeDriver::new(0, G, 1 << 30);
+        let a = d.reserve(4 * G).unwrap();
+        let h = d.create(4 * G).unwrap();
+        d.map(a, 4 * G, h).unwrap();
+        let mut hc = HostCopies::default();
+        d.fail(Op::Copy, DrvError(700));
+        assert_eq!(hc.save(&mut d, &[vec![(a, 4 * G)]]), Err(DrvError(700)));
+        assert_eq!(d.host_buffers(), (0, 0));
+        d.host_capacity = G;
+        assert_eq!(
+            hc.save(&mut d, &[vec![(a, 4 * G)]]),
+            Err(DrvError::OUT_OF_MEMORY)
+        );
+        assert_eq!(d.host_buffers(), (0, 0));
+        assert_eq!(hc.held(), 0);
+    }
+}

@@ -1,0 +1,169 @@
+//! Pausing pool blocks against the fake driver: offload and discard, tags, shared blocks left
+//! alone, frees and exports of paused blocks, out of memory on resume and the retry.
+
+use super::*;
+use crate::gpu::fake::FakeDriver;
+
+const MIB: u64 = 1 << 20;
+const GRAN: u64 = 2 * MIB;
+const OFFLOAD: Option<bool> = Some(false);
+
+fn pool(capacity: u64) -> Pool<FakeDriver> {
+    Pool::new(
+        FakeDriver::new(0, GRAN, capacity),
+        PoolConfig {
+            cache_max: 0,
+            max_chunk: 16 * MIB,
+        },
+    )
+}
+
+fn stamp(p: &mut Pool<FakeDriver>, base: u64, size: u64, seed: u64) {
+    for i in 0..size / GRAN {
+        assert!(p.driver_mut().write(base + i * GRAN, GRAN, seed * 1000 + i));
+    }
+}
+
+fn stamped(p: &Pool<FakeDriver>, base: u64, size: u64, seed: u64) -> bool {
+    (0..size / GRAN).all(|i| {
+        p.driver().read(base + i * GRAN) == Some(seed * 1000 + i)
+            && p.driver().is_accessible(base + i * GRAN, GRAN, 0)
+    })
+}
+
+fn check(p: &Pool<FakeDriver>) {
+    p.validate().unwrap();
+    let s = p.stats();
+    assert_eq!(s.held_bytes() + s.mirror_bytes, p.driver().used());
+}
+
+#[test]
+fn offloaded_blocks_give_memory_back_and_come_back_with_their_bytes() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(40 * MIB).unwrap(); // 16 + 16 + 8 MiB chunks
+    let b = p.alloc(5 * MIB).unwrap();
+    stamp(&mut p, a, 40 * MIB, 1);
+    stamp(&mut p, b, 6 * MIB, 2);
+    let out = p.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!(out.bytes, 46 * MIB);
+    assert_eq!(out.offloaded, 46 * MIB);
+    check(&p);
+    assert_eq!(p.driver().used(), 0, "every chunk back to the driver");
+    assert_eq!(p.driver().mapping_count(), 0);
+    assert_eq!(p.driver().reservation_count(), 2, "addresses kept");
+    assert_eq!(p.paused_bytes(), 46 * MIB);
+    assert_eq!(
+        p.driver().calls_of(Op::Sync),
+        2,
+        "device waited for, then the copies"
+    );
+    // Pausing again pauses nothing more.
+    assert_eq!(p.pause(&|_| OFFLOAD).unwrap().bytes, 0);
+    assert_eq!(p.resume(&|_| true).unwrap(), 46 * MIB);
+    check(&p);
+    assert!(stamped(&p, a, 40 * MIB, 1) && stamped(&p, b, 6 * MIB, 2));
+    assert_eq!(p.driver().host_buffers(), (0, 0), "host copies freed");
+    assert_eq!(p.resume(&|_| true).unwrap(), 0, "resume without pause");
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+    check(&p);
+    assert_eq!(p.driver().reservation_count(), 0);
+}
+
+#[test]
+fn discard_tags_and_shared_blocks() {
+    let mut p = pool(1 << 30);
+    p.tag = 7;
+    let kv = p.alloc(32 * MIB).unwrap();
+    p.tag = 0;
+    let w = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, w, 8 * MIB, 3);
+    // Only tag 7, dropped: no host copy at all.
+    let out = p.pause(&|t| (t == 7).then_some(true)).unwrap();
+    assert_eq!((out.bytes, out.offloaded), (32 * MIB, 0));
+    assert_eq!(p.driver().host_buffers(), (0, 0));
+    assert_eq!(p.driver().used(), 8 * MIB);
+    assert!(
+        stamped(&p, w, 8 * MIB, 3),
+        "the untagged block is untouched"
+    );
+    check(&p);
+    // A mirrored block (shared by IPC) is left alone and counted.
+    let m = p.export(w, ExportPolicy::default()).unwrap();
+    assert!(matches!(m.how, Exported::Mirror { .. }));
+    let out = p.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!((out.bytes, out.shared), (0, 8 * MIB));
+    // Tag 7 comes back alone, mapped and accessible (its bytes were dropped).
+    assert_eq!(p.resume(&|t| t == 7).unwrap(), 32 * MIB);
+    assert!(p.driver().is_accessible(kv, 32 * MIB, 0));
+    check(&p);
+    p.free(kv).unwrap();
+    p.free(w).unwrap();
+    check(&p);
+}
+
+#[test]
+fn freeing_a_paused_block_drops_its_host_copy_and_an_export_resumes_it() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(16 * MIB).unwrap();
+    let b = p.alloc(16 * MIB).unwrap();
+    stamp(&mut p, b, 16 * MIB, 4);
+    p.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!(p.driver().host_buffers().1, 32 * MIB);
+    assert_eq!(p.free(a).unwrap(), 16 * MIB);
+    check(&p);
+    assert_eq!(p.driver().reservation_count(), 1);
+    // The buffer holds b's bytes too: it stays until b is back.
+    assert_eq!(p.driver().host_buffers().0, 1);
+    let ex = p.export(b, ExportPolicy::default()).unwrap();
+    assert!(matches!(ex.how, Exported::Mirror { .. }));
+    assert_eq!(p.paused_bytes(), 0, "the export resumed it");
+    assert!(stamped(&p, b, 16 * MIB, 4));
+    assert_eq!(p.driver().host_buffers(), (0, 0));
+    p.free(b).unwrap();
+    check(&p);
+}
+
+#[test]
+fn out_of_memory_on_resume_loses_nothing_and_a_retry_finishes() {
+    let mut p = pool(64 * MIB);
+    let a = p.alloc(16 * MIB).unwrap();
+    let b = p.alloc(16 * MIB).unwrap();
+    stamp(&mut p, a, 16 * MIB, 5);
+    stamp(&mut p, b, 16 * MIB, 6);
+    p.pause(&|_| OFFLOAD).unwrap();
+    // Another process takes most of the memory meanwhile.
+    let other = p.driver_mut().create(40 * MIB).unwrap();
+    assert_eq!(p.resume(&|_| true), Err(DrvError::OUT_OF_MEMORY));
+    p.validate().unwrap();
+    assert_eq!(p.stats().held_bytes() + 40 * MIB, p.driver().used());
+    assert_eq!(
+        p.paused_bytes(),
+        16 * MIB,
+        "one block made, one still paused"
+    );
+    assert!(stamped(&p, a, 16 * MIB, 5));
+    assert_eq!(p.driver().host_buffers().1, 32 * MIB, "the host copy stays");
+    p.driver_mut().release(other).unwrap();
+    assert_eq!(p.resume(&|_| true).unwrap(), 16 * MIB);
+    assert!(stamped(&p, a, 16 * MIB, 5) && stamped(&p, b, 16 * MIB, 6));
+    assert_eq!(p.driver().host_buffers(), (0, 0));
+    check(&p);
+}
+
+#[test]
+fn a_failed_copy_pauses_nothing_and_no_host_memory_is_an_answer() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(16 * MIB).unwrap();
+    stamp(&mut p, a, 16 * MIB, 8);
+    p.driver_mut().fail(Op::Copy, DrvError(700));
+    assert_eq!(p.pause(&|_| OFFLOAD), Err(DrvError(700)));
+    p.driver_mut().host_capacity = 4 * MIB;
+    assert_eq!(p.pause(&|_| OFFLOAD), Err(DrvError::OUT_OF_MEMORY));
+    assert_eq!(p.paused_bytes(), 0);
+    assert!(stamped(&p, a, 16 * MIB, 8));
+    check(&p);
+    // Discarding needs no host memory.
+    assert_eq!(p.pause(&|_| Some(true)).unwrap().bytes, 16 * MIB);
+    check(&p);
+}
