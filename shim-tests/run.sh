@@ -22,7 +22,7 @@ build=$(mktemp -d)
 mkdir -p "$logs"
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce torchipc nodump torchrun doctor quiet); unset runs all.
+# ipcstress train coalesce torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -264,6 +264,25 @@ if want torchrun && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
     python3 "$root/scripts/expseg-report-merge" "$rdir" 2>&1 | sed 's/^/    /'
   done
 fi
+# Sleep and wake: a 24 GiB model paused to the host and resumed (bytes, CUDA graph, losses),
+# its memory taken by a plain process meanwhile, a tagged KV cache dropped and made again; then
+# a training script nobody changed paused and resumed from outside (expseg pause/resume PID).
+# With TMS_DIR (torch_memory_saver 0.0.10 installed there: pip install --no-deps --target DIR
+# its wheel), the same scenario under torch_memory_saver, for the comparison in RESULTS.md.
+if want sleep && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  EXPSEG_LOG=info python3 "$here/torch_sleep.py" "$(dirname "$lib")" --json "$logs/sleep.json" >"$logs/sleep.log" 2>&1
+  result torch_pause_resume $? "$(tail -n 1 "$logs/sleep.log")"
+  grep -E '^(FAIL|MET|MISSED)|^baseline|INFO\] (paused|resumed)' "$logs/sleep.log" | sed 's/^/    /'
+  bash "$here/torch_sleep_external.sh" "$lib" "$(dirname "$lib")/expseg" "$logs/sleep_external" >"$logs/sleep_external.log" 2>&1
+  result expseg_pause_resume_pid $? "$(tail -n 1 "$logs/sleep_external.log")"
+  if [ -n "${TMS_DIR:-}" ]; then
+    python3 "$here/tms_sleep.py" --tms-dir "$TMS_DIR" --json "$logs/tms.json" >"$logs/tms.log" 2>&1
+    result torch_memory_saver_comparison $? "$(grep '^baseline' "$logs/tms.log")"
+  fi
+elif want sleep; then
+  echo "SKIP sleep: no PyTorch with CUDA"
+fi
+
 doctor=$(dirname "$lib")/expseg
 if ! want doctor; then :
 elif [ -x "$doctor" ]; then

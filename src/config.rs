@@ -44,6 +44,10 @@ pub struct Config {
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
+    /// `EXPSEG_PAUSE_KEEP_HOST`: opt-in: the page-locked host buffers of a pause are kept
+    /// after the resume for the next pause (page-locking is what a first pause waits for);
+    /// `expseg.trim()` frees them.
+    pub pause_keep_host: bool,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
     /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
@@ -112,6 +116,7 @@ impl Default for Config {
             ipc_move_max: 0,
             ipc_tickets: true,
             control: true,
+            pause_keep_host: false,
             ipc_peers_expseg: false,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
@@ -259,6 +264,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_CONTROL",
         set: |c, v| parse_bool(v).map(|b| c.control = b),
         show: |c| c.control.to_string(),
+    },
+    Var {
+        name: "EXPSEG_PAUSE_KEEP_HOST",
+        set: |c, v| parse_bool(v).map(|b| c.pause_keep_host = b),
+        show: |c| c.pause_keep_host.to_string(),
     },
     Var {
         name: "EXPSEG_IPC_PEERS",

@@ -22,10 +22,16 @@ pub struct Paused {
     /// Bytes left alone because another process may use them (exported pages, shared or
     /// mirrored allocations).
     pub shared: u64,
+    /// Nanoseconds spent making page-locked host buffers.
+    pub pin_ns: u64,
 }
 
 /// Which memory a pause takes, by tag: `Some(discard)` to pause it, `None` to leave it.
 pub type Choose<'a> = &'a dyn Fn(u32) -> Option<bool>;
+
+/// Buffers made at once (16 × 256 MiB = 4 GiB: one per pinning thread): the copies into
+/// one batch overlap the making of the next.
+pub const BATCH: usize = 16;
 
 /// One piece of device memory waiting on the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,12 +68,51 @@ struct Buffer {
 pub struct HostCopies {
     /// host address -> buffer
     bufs: BTreeMap<u64, Buffer>,
+    /// Keep emptied buffers for the next pause (opt-in); all are then `BUFFER` bytes.
+    pub keep: bool,
+    /// Emptied buffers kept (`keep`).
+    spare: Vec<u64>,
+    /// Nanoseconds the last `save` waited for buffers to be made (page-locking).
+    pub last_pin_ns: u64,
 }
 
 impl HostCopies {
-    /// Bytes waiting on the host (whole buffers).
+    /// Bytes waiting on the host (whole buffers), and kept for the next pause.
     pub fn held(&self) -> u64 {
-        self.bufs.values().map(|b| b.size).sum()
+        self.bufs.values().map(|b| b.size).sum::<u64>() + self.spare.len() as u64 * BUFFER
+    }
+
+    /// Free the buffers kept for the next pause: the bytes freed.
+    pub fn release_spare<D: Driver>(&mut self, drv: &mut D) -> u64 {
+        let n = self.spare.len() as u64 * BUFFER;
+        for h in self.spare.drain(..) {
+            drv.host_free(h);
+        }
+        n
+    }
+
+    /// Buffers of `sizes`: kept ones first, then made (`keep`: every one `BUFFER` bytes).
+    fn take<D: Driver>(&mut self, drv: &mut D, sizes: &[u64]) -> DrvResult<Vec<u64>> {
+        let reuse = self.spare.len().min(sizes.len());
+        let mut out: Vec<u64> = self.spare.drain(..reuse).collect();
+        if reuse < sizes.len() {
+            match drv.host_alloc(&sizes[reuse..]) {
+                Ok(made) => out.extend(made),
+                Err(e) => {
+                    self.spare.extend(out);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A buffer no item uses any more: kept or freed.
+    fn empty<D: Driver>(&mut self, drv: &mut D, h: u64) {
+        match self.keep {
+            true => self.spare.push(h),
+            false => drv.host_free(h),
+        }
     }
 
     /// Copy every item's ranges `(device address, length)` to new host buffers and wait for
@@ -83,11 +128,14 @@ impl HostCopies {
         if total == 0 {
             return Ok(items.iter().map(|_| Saved::default()).collect());
         }
+        let keep = self.keep;
         let sizes: Vec<u64> = (0..total.div_ceil(BUFFER))
-            .map(|i| (total - i * BUFFER).min(BUFFER))
+            .map(|i| match keep {
+                true => BUFFER,
+                false => (total - i * BUFFER).min(BUFFER),
+            })
             .collect();
-        let bufs = drv.host_alloc(&sizes)?;
-        // Lay the ranges out back to back across the buffers, in order.
+        // Lay the ranges out back to back across the buffers, in order: (buffer, offset).
         let mut out = Vec::with_capacity(items.len());
         let (mut b, mut at) = (0usize, 0u64);
         for item in items {
@@ -103,8 +151,8 @@ impl HostCopies {
                     s.pieces.push(Piece {
                         dev: dev + done,
                         len: n,
-                        host: bufs[b] + at,
-                        buf: bufs[b],
+                        host: at,
+                        buf: b as u64,
                     });
                     at += n;
                     done += n;
@@ -112,14 +160,50 @@ impl HostCopies {
             }
             out.push(s);
         }
-        let copied = out
+        // Buffers are made a batch at a time; the copies into one batch run on the device
+        // while the host makes the next.
+        let mut bufs: Vec<u64> = Vec::with_capacity(sizes.len());
+        let mut queued = 0usize; // pieces queued, in layout order
+        let order: Vec<(usize, usize)> = out
             .iter()
-            .flat_map(|s| &s.pieces)
-            .try_for_each(|p| drv.copy_to_host(p.host, p.dev, p.len))
-            .and_then(|_| drv.wait_copies());
+            .enumerate()
+            .flat_map(|(i, s)| (0..s.pieces.len()).map(move |k| (i, k)))
+            .collect();
+        let mut result = Ok(());
+        self.last_pin_ns = 0;
+        for batch in sizes.chunks(BATCH) {
+            let t = std::time::Instant::now();
+            let made = self.take(drv, batch);
+            self.last_pin_ns += t.elapsed().as_nanos() as u64;
+            match made {
+                Ok(made) => bufs.extend(made),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            while let Some(&(i, k)) = order.get(queued) {
+                let p = &mut out[i].pieces[k];
+                if p.buf as usize >= bufs.len() {
+                    break;
+                }
+                p.buf = bufs[p.buf as usize];
+                p.host += p.buf;
+                if let Err(e) = drv.copy_to_host(p.host, p.dev, p.len) {
+                    result = Err(e);
+                    break;
+                }
+                queued += 1;
+            }
+            if result.is_err() {
+                break;
+            }
+        }
+        let copied = result.and_then(|_| drv.wait_copies());
         if let Err(e) = copied {
+            let _ = drv.wait_copies();
             for h in bufs {
-                drv.host_free(h);
+                self.empty(drv, h);
             }
             return Err(e);
         }
@@ -162,7 +246,7 @@ impl HostCopies {
             b.users -= 1;
             if b.users == 0 {
                 self.bufs.remove(&h);
-                drv.host_free(h);
+                self.empty(drv, h);
             }
         }
     }
@@ -213,6 +297,63 @@ mod tests {
         hc.done(&mut d, it.next().unwrap());
         assert_eq!(d.host_buffers(), (0, 0));
         assert_eq!(hc.held(), 0);
+    }
+
+    #[test]
+    fn buffers_are_made_a_batch_at_a_time_and_a_failure_in_a_later_batch_frees_all() {
+        let total = (BATCH as u64 + 1) * BUFFER;
+        let mut d = FakeDriver::new(0, G, 2 * total);
+        let a = d.reserve(total).unwrap();
+        let h = d.create(total).unwrap();
+        d.map(a, total, h).unwrap();
+        for i in 0..total / G {
+            d.write(a + i * G, G, 7 + i);
+        }
+        let mut hc = HostCopies::default();
+        let saved = hc.save(&mut d, &[vec![(a, total)]]).unwrap();
+        assert_eq!(d.calls_of(Op::LegacyAlloc), 2, "two batches");
+        assert_eq!(d.host_buffers(), (BATCH + 1, total));
+        for i in 0..total / G {
+            d.write(a + i * G, G, 0);
+        }
+        hc.restore(&mut d, &saved[0]).unwrap();
+        d.wait_copies().unwrap();
+        assert!((0..total / G).all(|i| d.read(a + i * G) == Some(7 + i)));
+        hc.done(&mut d, saved.into_iter().next().unwrap());
+        assert_eq!(d.host_buffers(), (0, 0));
+        // No host memory for the second batch: the first batch's buffers go too.
+        d.host_capacity = BATCH as u64 * BUFFER;
+        assert_eq!(
+            hc.save(&mut d, &[vec![(a, total)]]),
+            Err(DrvError::OUT_OF_MEMORY)
+        );
+        assert_eq!(d.host_buffers(), (0, 0));
+    }
+
+    #[test]
+    fn kept_buffers_serve_the_next_pause_and_trim_frees_them() {
+        let mut d = FakeDriver::new(0, G, 4 << 30);
+        let a = d.reserve(8 * G).unwrap();
+        let h = d.create(8 * G).unwrap();
+        d.map(a, 8 * G, h).unwrap();
+        let mut hc = HostCopies {
+            keep: true,
+            ..Default::default()
+        };
+        let s = hc.save(&mut d, &[vec![(a, 8 * G)]]).unwrap();
+        assert_eq!(d.host_buffers(), (1, BUFFER), "a whole buffer when kept");
+        hc.done(&mut d, s.into_iter().next().unwrap());
+        assert_eq!(d.host_buffers().0, 1, "kept");
+        let allocs = d.calls_of(Op::LegacyAlloc);
+        let s = hc.save(&mut d, &[vec![(a, 4 * G)]]).unwrap();
+        assert_eq!(
+            d.calls_of(Op::LegacyAlloc),
+            allocs,
+            "the kept buffer served it"
+        );
+        hc.done(&mut d, s.into_iter().next().unwrap());
+        assert_eq!(hc.release_spare(&mut d), BUFFER);
+        assert_eq!(d.host_buffers(), (0, 0));
     }
 
     #[test]

@@ -140,8 +140,8 @@ pub extern "C" fn expseg_paused_bytes() -> u64 {
     catch_unwind(api::sleep::paused_bytes).unwrap_or(0)
 }
 
-/// Allocations from now on carry tag `tag` (null: none), in every thread. 0, or 1 for a
-/// name that is empty or not UTF-8.
+/// The calling thread's allocations from now on carry tag `tag` (null: none). 0, or 1 for
+/// a name that is empty or not UTF-8.
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.

@@ -222,28 +222,48 @@ def paused():
     return int(f()) if f is not None else 0
 
 
-_tag_lock = threading.Lock()
-_tag_stack = []
+_tags = threading.local()
+
+
+def _torch_pool():
+    """A new PyTorch memory pool on the current device (None without torch, CUDA or
+    MemPool): tensors made in it live in segments no other tensor shares. It is the `with`
+    block's alone: once the block is left and its tensors are freed, PyTorch's
+    ``empty_cache()`` gives its memory back as any other."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return None
+        return torch.cuda.MemPool()
+    except Exception:  # an older torch without MemPool
+        return None
 
 
 @contextlib.contextmanager
-def tag(name):
-    """Allocations made inside the block carry tag ``name`` (for ``pause(name)``). The tag is
-    the process's, not the thread's: allocations other threads make meanwhile carry it too.
-    Blocks nest; the outer tag comes back at the end of the inner one. Outside expseg this
-    does nothing."""
+def tag(name, own_pool=True):
+    """GPU memory allocated inside the block by the calling thread carries tag ``name``, for
+    ``pause(name)`` / ``resume(name)``. Blocks nest; the outer tag comes back at the end.
+
+    With ``own_pool`` (default) and PyTorch in use, tensors made inside come from a PyTorch
+    memory pool of the tag's own (``torch.cuda.use_mem_pool``), as torch_memory_saver's
+    regions do: PyTorch packs tensors into shared 20 MiB pages, and an untagged tensor in a
+    tagged page would be paused with it. Outside expseg this does nothing (no pool either)."""
     arg = _tag_arg(name)
     f = _function("expseg_set_tag", [ctypes.c_char_p], ctypes.c_int)
     if f is None:
         yield
         return
-    with _tag_lock:
-        _tag_stack.append(arg)
+    stack = getattr(_tags, "stack", None)
+    if stack is None:
+        stack = _tags.stack = []
+    pool = _torch_pool() if own_pool else None
+    with contextlib.ExitStack() as ctx:
+        if pool is not None:
+            ctx.enter_context(sys.modules["torch"].cuda.use_mem_pool(pool))
+        stack.append(arg)
         f(arg)
-    try:
-        yield
-    finally:
-        with _tag_lock:
-            last = len(_tag_stack) - 1 - _tag_stack[::-1].index(arg)
-            del _tag_stack[last]
-            f(_tag_stack[-1] if _tag_stack else None)
+        try:
+            yield
+        finally:
+            stack.pop()
+            f(stack[-1] if stack else None)

@@ -3,8 +3,9 @@
 //! chosen by tag, offloaded to page-locked host memory or discarded, their physical memory
 //! given back to the driver; on resume made again at the same addresses with the bytes back.
 //!
-//! Tags: allocations made while a tag is set (`with expseg.tag("kv_cache"):`) carry it
-//! (process-wide: the tag of the moment, whichever thread allocates). A tag is named by the
+//! Tags: allocations a thread makes while it has a tag set (`with expseg.tag("kv_cache"):`)
+//! carry it. The tag is the thread's, as PyTorch's memory pools are (`expseg.tag` also
+//! gives the tag a PyTorch memory pool of its own, so no untagged tensor shares its pages). A tag is named by the
 //! 32-bit FNV-1a hash of its name (never 0: 0 is "no tag"), so `expseg pause --tag NAME`
 //! from outside names the same tag without a table.
 //!
@@ -14,13 +15,15 @@
 
 use super::state::coalescers::{self, in_context};
 use super::state::{self, STATE_STARTED};
-use crate::gpu::cuda;
+use crate::gpu::{cuda, Op};
 use crate::hostcopy::Paused;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// The tag allocations get now (0: none).
-static CURRENT: AtomicU32 = AtomicU32::new(0);
+thread_local! {
+    /// The tag the calling thread's allocations get now (0: none).
+    static CURRENT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
 
 /// A tag's number: its name's 32-bit FNV-1a hash, 0 avoided.
 pub fn tag_of(name: &str) -> u32 {
@@ -32,14 +35,15 @@ pub fn tag_of(name: &str) -> u32 {
     h.max(1)
 }
 
-/// Set the tag of allocations from now on (None: no tag). Returns the previous one.
+/// Set the tag of the calling thread's allocations from now on (None: no tag). Returns the
+/// previous one.
 pub fn set_tag(tag: Option<u32>) -> u32 {
-    CURRENT.swap(tag.unwrap_or(0), Ordering::AcqRel)
+    CURRENT.with(|c| c.replace(tag.unwrap_or(0)))
 }
 
-/// The tag an allocation made now gets.
+/// The tag an allocation the calling thread makes now gets.
 pub fn current_tag() -> u32 {
-    CURRENT.load(Ordering::Acquire)
+    CURRENT.with(|c| c.get())
 }
 
 /// Bytes of physical memory paused now, every device. Never waits: 0 for a device whose
@@ -81,6 +85,7 @@ pub fn pause(tag: Option<u32>, discard: bool) -> Result<Outcome, u32> {
             total.bytes += p.bytes;
             total.offloaded += p.offloaded;
             total.shared += p.shared;
+            total.pin_ns += p.pin_ns;
         }
         Err(e) => {
             first_err.get_or_insert(e.0);
@@ -109,11 +114,12 @@ pub fn pause(tag: Option<u32>, discard: bool) -> Result<Outcome, u32> {
         seconds: t0.elapsed().as_secs_f64(),
     };
     log::info!(
-        "paused {} bytes ({} to host, {} shared left alone) in {:.3} s",
+        "paused {} bytes ({} to host, {} shared left alone) in {:.3} s, {:.3} s of it page-locking host memory",
         out.bytes,
         out.offloaded,
         out.shared,
-        out.seconds
+        out.seconds,
+        total.pin_ns as f64 * 1e-9
     );
     if out.shared > 0 {
         log::warn!(
@@ -134,27 +140,41 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, u32> {
     let choose = |t: u32| tag.is_none() || tag == Some(t);
     let mut bytes = 0;
     let mut first_err = None;
+    // Driver nanoseconds per operation spent in the resume (the log's profile).
+    let mut ns = [0u64; Op::ALL.len()];
     if STATE_STARTED.load(Ordering::Acquire) {
         let mut st = state::lock();
         if let Ok(t) = st.driver.as_ref().map(|t| *t) {
             for (dev, p) in st.open_pools() {
-                let before = p.paused_bytes();
+                let before = (p.paused_bytes(), p.stats().driver_ns);
                 if let Err(e) = cuda::with_primary(t, dev, || p.resume(&choose)) {
                     first_err.get_or_insert(e.0);
                 }
-                bytes += before - p.paused_bytes();
+                bytes += before.0 - p.paused_bytes();
+                for (i, n) in p.stats().driver_ns.iter().enumerate() {
+                    ns[i] += n - before.1[i];
+                }
             }
         }
     }
     if coalescers::started() {
         for c in coalescers::lock().all() {
-            let before = c.paused_bytes();
+            let before = (c.paused_bytes(), c.driver_calls().to_vec());
             if let Err(e) = in_context(c, |c| c.resume(&choose)) {
                 first_err.get_or_insert(e.0);
             }
-            bytes += before - c.paused_bytes();
+            bytes += before.0 - c.paused_bytes();
+            for (i, op) in Op::ALL.iter().enumerate() {
+                ns[i] += c.driver_calls()[op.index()].1 - before.1[op.index()].1;
+            }
         }
     }
+    let profile: Vec<String> = Op::ALL
+        .iter()
+        .zip(ns)
+        .filter(|(_, n)| *n > 0)
+        .map(|(op, n)| format!("{} {:.1} ms", op.name(), n as f64 * 1e-6))
+        .collect();
     let out = Outcome {
         bytes,
         seconds: t0.elapsed().as_secs_f64(),
@@ -169,7 +189,11 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, u32> {
             Err(e)
         }
         None => {
-            log::info!("resumed {bytes} bytes in {:.3} s", out.seconds);
+            log::info!(
+                "resumed {bytes} bytes in {:.3} s (driver: {})",
+                out.seconds,
+                profile.join(", ")
+            );
             Ok(out)
         }
     }

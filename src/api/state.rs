@@ -158,6 +158,7 @@ impl State {
                         d.shareable
                     );
                     let mut p = Pool::new(d, cfg);
+                    p.keep_host(c.pause_keep_host);
                     for peer in &self.grants[dev as usize] {
                         if let Err(e) = p.grant(*peer) {
                             log::error!(
@@ -392,7 +393,11 @@ pub(super) mod coalescers {
                 };
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
-                        Ok(drv) => Some(Coalescer::new(drv, cfg)),
+                        Ok(drv) => {
+                            let mut co = Coalescer::new(drv, cfg);
+                            co.keep_host(c.pause_keep_host);
+                            Some(co)
+                        }
                         Err(why) => {
                             log::warn!("{why}; its expandable segments are not coalesced");
                             None

@@ -69,6 +69,7 @@ fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
         if let Ok(t) = st.driver.as_ref().map(|t| *t) {
             for (dev, p) in st.open_pools().filter(|(d, _)| which(*d)) {
                 freed += real::primary::with_primary(t, dev, || p.give_back_cache());
+                p.release_host();
             }
         }
     }
@@ -78,6 +79,7 @@ fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
             .filter(|c| which(c.driver().device()))
         {
             freed += in_context(c, |c| c.trim());
+            c.release_host();
         }
     }
     GLOBAL.given_back_bytes.add(freed);

@@ -66,6 +66,16 @@ impl<D: Driver> Coalescer<D> {
         before.saturating_sub(self.physical_bytes())
     }
 
+    /// Keep the host buffers of a pause for the next one (`EXPSEG_PAUSE_KEEP_HOST`).
+    pub fn keep_host(&mut self, on: bool) {
+        self.host.keep = on;
+    }
+
+    /// Free host buffers kept for the next pause: the bytes freed.
+    pub fn release_host(&mut self) -> u64 {
+        self.host.release_spare(&mut self.drv)
+    }
+
     /// Pause the program's pages whose tag `choose` takes (`Some(discard)`): what is held
     /// beyond them goes back first, the device's work is waited for, then each handle's live
     /// bytes go to the host (or are dropped) and the handle goes back to the driver. Handles

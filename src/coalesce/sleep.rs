@@ -48,6 +48,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
         let saved = self.host.save(&mut self.drv, &items)?;
+        out.pin_ns = self.host.last_pin_ns;
         let chosen = offload
             .into_iter()
             .zip(saved.into_iter().map(Some))
@@ -92,6 +93,7 @@ impl<D: Driver> Coalescer<D> {
     fn wake_pids(&mut self, pids: &[u64]) -> DrvResult<u64> {
         let mut made: Vec<(u64, u64)> = Vec::new();
         let mut failed = None;
+        let mut queued = Ok(());
         for &pid in pids {
             match self.remake(pid) {
                 Ok(h) => made.push((pid, h)),
@@ -100,13 +102,19 @@ impl<D: Driver> Coalescer<D> {
                     break;
                 }
             }
+            // Its bytes go back while the next handle is made.
+            if let Some(s) = self.phys[&pid]
+                .asleep
+                .as_ref()
+                .and_then(|s| s.saved.as_ref())
+            {
+                queued = self.host.restore(&mut self.drv, s);
+                if queued.is_err() {
+                    break;
+                }
+            }
         }
-        // The bytes back, all copies queued at once.
-        let copied = made
-            .iter()
-            .filter_map(|(pid, _)| self.phys[pid].asleep.as_ref()?.saved.as_ref())
-            .try_for_each(|s| self.host.restore(&mut self.drv, s))
-            .and_then(|_| self.drv.wait_copies());
+        let copied = queued.and_then(|_| self.drv.wait_copies());
         if let Err(e) = copied {
             // The host copies stay; the handles made go back.
             for (pid, h) in made {

@@ -23,8 +23,8 @@ mod export_types;
 mod sleep;
 mod stats;
 
-pub use export_types::{Export, ExportError, ExportPolicy, Exported, MoveStep};
 pub use crate::hostcopy::Paused;
+pub use export_types::{Export, ExportError, ExportPolicy, Exported, MoveStep};
 pub use stats::PoolStats;
 
 use crate::gpu::{ChunkHandle, Driver, DrvError, Op};

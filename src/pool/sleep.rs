@@ -41,6 +41,7 @@ impl<D: Driver> Pool<D> {
         self.timed(Op::Sync, |d| d.synchronize())?;
         let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
         let saved = self.host.save(&mut self.drv, &items)?;
+        out.pin_ns = self.host.last_pin_ns;
         let chosen: Vec<(u64, Option<Saved>)> = offload
             .into_iter()
             .zip(saved.into_iter().map(Some))
@@ -95,6 +96,7 @@ impl<D: Driver> Pool<D> {
     fn wake(&mut self, bases: &[u64]) -> Result<u64, DrvError> {
         let mut made: Vec<(u64, Vec<Chunk>)> = Vec::new();
         let mut failed = None;
+        let mut queued = Ok(());
         for &base in bases {
             match self.remake(base) {
                 Ok(c) => made.push((base, c)),
@@ -103,12 +105,19 @@ impl<D: Driver> Pool<D> {
                     break;
                 }
             }
+            // Its bytes go back while the next block is made.
+            if let Some(s) = self.blocks[&base]
+                .asleep
+                .as_ref()
+                .and_then(|s| s.saved.as_ref())
+            {
+                queued = self.host.restore(&mut self.drv, s);
+                if queued.is_err() {
+                    break;
+                }
+            }
         }
-        let copied = made
-            .iter()
-            .filter_map(|(b, _)| self.blocks[b].asleep.as_ref()?.saved.as_ref())
-            .try_for_each(|s| self.host.restore(&mut self.drv, s))
-            .and_then(|_| self.drv.wait_copies());
+        let copied = queued.and_then(|_| self.drv.wait_copies());
         if let Err(e) = copied {
             for (base, chunks) in made {
                 let size = self.blocks[&base].size;
@@ -190,6 +199,16 @@ impl<D: Driver> Pool<D> {
         self.stats.on_free(b.user, b.size);
         self.free_va(base, b.size);
         b.user
+    }
+
+    /// Keep the host buffers of a pause for the next one (`EXPSEG_PAUSE_KEEP_HOST`).
+    pub fn keep_host(&mut self, on: bool) {
+        self.host.keep = on;
+    }
+
+    /// Free host buffers kept for the next pause: the bytes freed.
+    pub fn release_host(&mut self) -> u64 {
+        self.host.release_spare(&mut self.drv)
     }
 
     /// Bytes of live allocations paused.

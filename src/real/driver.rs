@@ -81,8 +81,8 @@ driver_table! {
         cuDevicePrimaryCtxRelease_v2(CUdevice);
         cuCtxPushCurrent_v2(CUcontext);
         cuCtxPopCurrent_v2(*mut CUcontext);
-        cuMemHostAlloc(*mut *mut c_void, size_t, c_uint);
-        cuMemFreeHost(*mut c_void);
+        cuMemHostRegister_v2(*mut c_void, size_t, c_uint);
+        cuMemHostUnregister(*mut c_void);
         cuStreamCreate(*mut CUstream, c_uint);
         cuStreamSynchronize(CUstream);
         cuMemcpyDtoHAsync_v2(*mut c_void, CUdeviceptr, size_t, CUstream);

@@ -429,9 +429,10 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memmove((void*)(uintptr_t)d, s, n); return 0; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memmove(d, (void*)(uintptr_t)s, n); return 0; }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0; }
-/* Page-locked host memory and one stream for pausing: plain malloc, copies done at once. */
-CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
-CUresult cuMemFreeHost(void* p) { free(p); return 0; }
+/* Page-locking host memory and one stream for pausing: registration counted, copies at once. */
+static long host_registered;
+CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { (void)p; (void)flags; __atomic_add_fetch(&host_registered, (long)n, __ATOMIC_SEQ_CST); return 0; }
+CUresult cuMemHostUnregister(void* p) { (void)p; return 0; }
 CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(uintptr_t)0x5e; return 0; }
 CUresult cuStreamSynchronize(void* st) { (void)st; return 0; }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }
