@@ -26,6 +26,10 @@ impl Counter {
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
+
+    pub fn sub(&self, n: u64) {
+        self.0.fetch_sub(n, Ordering::Relaxed);
+    }
 }
 
 pub struct Global {
@@ -44,6 +48,11 @@ pub struct Global {
     /// Requests for tickets (and PyTorch descriptors) this process granted and refused.
     pub ipc_tickets_granted: Counter,
     pub ipc_tickets_refused: Counter,
+    /// Handles issued with a ticket and no mirror because there was no memory for one.
+    pub ipc_ticket_only: Counter,
+    /// Mirrors of other allocators' memory (PyTorch's pages): bytes held now, bytes made in all.
+    pub foreign_mirror_bytes: Counter,
+    pub foreign_mirror_bytes_made: Counter,
     /// Other processes' memory this process opened through their tickets.
     pub ipc_tickets_opened: Counter,
     /// Reclaims: asks of other expseg processes after an allocation found no memory, the
@@ -79,6 +88,9 @@ pub static GLOBAL: Global = Global {
     ipc_tickets_issued: Counter::new(),
     ipc_tickets_granted: Counter::new(),
     ipc_tickets_refused: Counter::new(),
+    ipc_ticket_only: Counter::new(),
+    foreign_mirror_bytes: Counter::new(),
+    foreign_mirror_bytes_made: Counter::new(),
     ipc_tickets_opened: Counter::new(),
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
@@ -114,6 +126,12 @@ impl Global {
             ("ipc_tickets_issued", self.ipc_tickets_issued.get()),
             ("ipc_tickets_granted", self.ipc_tickets_granted.get()),
             ("ipc_tickets_refused", self.ipc_tickets_refused.get()),
+            ("ipc_ticket_only", self.ipc_ticket_only.get()),
+            ("foreign_mirror_bytes", self.foreign_mirror_bytes.get()),
+            (
+                "foreign_mirror_bytes_made",
+                self.foreign_mirror_bytes_made.get(),
+            ),
             ("ipc_tickets_opened", self.ipc_tickets_opened.get()),
             ("reclaim_asks", self.reclaim_asks.get()),
             ("reclaimed_bytes", self.reclaimed_bytes.get()),

@@ -738,22 +738,62 @@ fn a_plain_consumer_gets_a_mirror_of_the_whole_run_of_another_allocators_mapping
 }
 
 #[test]
-fn without_memory_for_a_mirror_the_producer_fails_clearly_unless_every_peer_runs_expseg() {
-    // The runtime refuses anything above 16 MiB: no 32 MiB mirror.
+fn without_memory_for_a_mirror_the_handle_serves_expseg_consumers_and_fails_plain_ones() {
+    // The runtime refuses anything above 16 MiB: no 32 MiB mirror, for another allocator's
+    // run of mappings ("share_foreign") and for a pool allocation ("share").
     let low = [("FAKE_RT_MALLOC_MAX", "16777216")];
-    let r = share_in("share_foreign", "plain", &low).ok();
+    for scenario in ["share_foreign", "share"] {
+        // A consumer running expseg maps the memory itself: both ways, no mirror needed.
+        let r = share_in(scenario, "expseg", &low).ok();
+        assert_eq!(
+            (r.get("get_rc"), r.get("ticket")),
+            ("0".into(), "1".into()),
+            "{scenario}: {}",
+            r.stderr()
+        );
+        assert_eq!(nth(&r, "consumer_sees", 0), "1", "{scenario}");
+        assert_eq!(r.get("producer_sees_write"), "1", "{scenario}");
+        assert!(
+            r.stderr()
+                .contains("has no mirror: no device memory for one"),
+            "{scenario}: the producer says which handle has no mirror and why: {}",
+            r.stderr()
+        );
+        assert!(
+            !r.stderr().contains("cudaIpcGetMemHandle(0x"),
+            "the producer did not fail: {}",
+            r.stderr()
+        );
+        // A plain consumer gets an error code, never wrong data.
+        let r = share_in(scenario, "plain", &low).ok();
+        assert_eq!(r.get("get_rc"), "0", "{scenario}");
+        assert_ne!(
+            nth(&r, "open_rc", 0),
+            "0",
+            "{scenario}: a plain consumer cannot open it"
+        );
+        assert_eq!(r.get("producer_sees_write"), "0");
+    }
+    // Without tickets there is no way to share it: out of memory in the producer, said clearly.
+    let r = share_in(
+        "share_foreign",
+        "plain",
+        &[low[0], ("EXPSEG_IPC_TICKETS", "0")],
+    )
+    .ok();
     assert_eq!(r.get("get_rc"), "2", "out of memory, in the producer");
-    let stderr = r.stderr();
-    let errors: Vec<&str> = stderr
+    let errors: Vec<String> = r
+        .stderr()
         .lines()
         .filter(|l| l.contains("[expseg ERROR]"))
+        .map(str::to_string)
         .collect();
     assert!(
-        !errors.is_empty() && errors.iter().all(|l| l.contains("EXPSEG_IPC_PEERS=expseg")),
-        "a clear line naming the way out: {}",
+        !errors.is_empty() && errors.iter().all(|l| l.contains("no tickets here")),
+        "a clear line: {}",
         r.stderr()
     );
-    // Every consumer runs expseg: no mirror is needed, the ticket shares the memory itself.
+    // Every consumer runs expseg (EXPSEG_IPC_PEERS=expseg): no mirror is tried at all.
     let r = share_in(
         "share_foreign",
         "expseg",
@@ -767,6 +807,7 @@ fn without_memory_for_a_mirror_the_producer_fails_clearly_unless_every_peer_runs
         (r.get("again_rc"), r.get("same_handle")),
         ("0".into(), "1".into())
     );
+    assert!(!r.stderr().contains("has no mirror"), "{}", r.stderr());
 }
 
 #[test]

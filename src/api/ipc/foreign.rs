@@ -7,6 +7,7 @@ use super::tickets::{foreign_tickets_ready, peers_without_tickets, plain_driver_
 use crate::api::state::{bypass, config, ensure_state, lock, UNKNOWN};
 use crate::gpu::cuda;
 use crate::gpu::IpcHandle;
+use crate::stats::GLOBAL;
 use std::sync::Arc;
 
 /// How many times a request starts over when another thread changed the share meanwhile.
@@ -89,9 +90,19 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                         Ok(m) => Some(Arc::new(m)),
                         // A handle plain consumers could not open would fail in the consumer,
                         // far from the cause: fail here, saying why and what helps.
+                        // Where tickets work, consumers running expseg need no mirror: the
+                        // handle is issued with the ticket alone (a plain consumer's open of
+                        // it fails, never maps wrong data), and the log says why.
+                        Err(e) if ticketed => {
+                            GLOBAL.ipc_ticket_only.add(1);
+                            log::warn!(
+                                "IPC: the handle of {base:#x} ({size} bytes of mappings) has no mirror: no device memory for one (error {e}). Consumers running expseg map the memory itself (both ways); a consumer without expseg fails to open it (free memory before asking, or run the consumer under expseg)"
+                            );
+                            None
+                        }
                         Err(e) => {
                             log::error!(
-                                "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}); free memory, or set EXPSEG_IPC_PEERS=expseg if every consumer runs expseg (they map the memory itself)"
+                                "IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes of mappings from {base:#x} on (error {e}), and no tickets here (consumers running expseg would map the memory itself)"
                             );
                             return Some(Err(e));
                         }
@@ -108,7 +119,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                     sizes.len(),
                     match (ticketed, &mirror) {
                         (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror at {:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.ptr),
-                        (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg): plain consumers cannot open its handle".to_string(),
+                        (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg, or no memory for a mirror): plain consumers cannot open its handle".to_string(),
                         (false, Some(m)) => format!("shared through a mirror at {:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.ptr),
                         (false, None) => unreachable!("no mirror only with tickets"),
                     }

@@ -76,6 +76,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
                 None => return Answer::PassThrough,
             };
             return match pool.prepare_mirror(ptr) {
+                Err(ExportError::OutOfMemory) => ticket_only(st, dev, ptr, base, size),
                 Ok((m, first)) => {
                     let ticketed = c.ipc_tickets && tickets_ready(&mut st, dev);
                     match refresh_outside_lock(st, dev, ptr) {
@@ -130,7 +131,48 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
             }
             Answer::Done(Ok(handle))
         }
+        Err(ExportError::OutOfMemory) => {
+            let (base, size) = st
+                .open_pool(dev)
+                .and_then(|p| p.find(ptr))
+                .unwrap_or((ptr, 0));
+            ticket_only(st, dev, ptr, base, size)
+        }
         Err(e) => export_error(ptr, e),
+    }
+}
+
+/// No device memory for a mirror of the allocation at `base`: where tickets work, the handle
+/// is issued with the ticket alone, so consumers running expseg map the memory itself; a
+/// plain consumer's open of it fails (an error code, never wrong data). The log says which
+/// handle has no mirror and why. Without tickets: out of memory, as before.
+fn ticket_only(
+    mut st: std::sync::MutexGuard<'static, State>,
+    dev: i32,
+    ptr: u64,
+    base: u64,
+    size: u64,
+) -> Answer<Result<IpcHandle, i32>> {
+    let c = config();
+    if !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
+        log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}) fails: no device memory for a mirror of the {size} bytes at {base:#x}, and no tickets here (consumers running expseg would map the memory itself)");
+        return Answer::Done(Err(OUT_OF_MEMORY));
+    }
+    let Some(pool) = st.open_pool(dev) else {
+        return Answer::PassThrough;
+    };
+    if pool.share(ptr).is_none() {
+        return Answer::PassThrough;
+    }
+    GLOBAL.ipc_ticket_only.add(1);
+    log::warn!("IPC: the handle of {base:#x} ({size} bytes) has no mirror: no device memory for one. Consumers running expseg map the memory itself (both ways); a consumer without expseg fails to open it (free memory before asking, or run the consumer under expseg)");
+    let mut h = [0u8; 64];
+    match st.ipc.ticket(dev, base) {
+        Some(t) => {
+            t.stamp(&mut h);
+            Answer::Done(Ok(h))
+        }
+        None => Answer::Done(Err(NOT_SUPPORTED)),
     }
 }
 

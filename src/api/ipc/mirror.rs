@@ -3,12 +3,14 @@
 
 use crate::gpu::IpcHandle;
 use crate::real::runtime;
+use crate::stats::GLOBAL;
 
 /// A standard buffer mirroring a foreign run, with its legacy handle. Freed when the last
 /// reference goes: a refresh in flight on another thread keeps it alive.
 pub(super) struct Mirror {
     pub(super) ptr: u64,
     pub(super) handle: IpcHandle,
+    size: u64,
 }
 
 impl Drop for Mirror {
@@ -16,6 +18,7 @@ impl Drop for Mirror {
         if runtime::free(self.ptr) != 0 {
             log::warn!("IPC: freeing the mirror at {:#x} failed", self.ptr);
         }
+        GLOBAL.foreign_mirror_bytes.sub(self.size);
     }
 }
 
@@ -42,7 +45,15 @@ pub(super) fn make_mirror(dev: i32, base: u64, size: u64) -> Result<Mirror, i32>
     let made = refresh_mirror(dev, p, base, size)
         .and_then(|()| runtime::on_device(dev, || runtime::ipc_get_mem_handle(p)));
     match made {
-        Ok(handle) => Ok(Mirror { ptr: p, handle }),
+        Ok(handle) => {
+            GLOBAL.foreign_mirror_bytes.add(size);
+            GLOBAL.foreign_mirror_bytes_made.add(size);
+            Ok(Mirror {
+                ptr: p,
+                handle,
+                size,
+            })
+        }
         Err(e) => {
             runtime::free(p);
             Err(e)
