@@ -14,12 +14,18 @@ USAGE = """usage: python -m expseg COMMAND [ARGS...]   (or: expseg COMMAND ...)
   run CMD...            run CMD under expseg (the same as expseg-run CMD...)
   srun [SRUN ARGS] CMD  srun with every task under expseg (expseg-srun)
   doctor                check whether expseg can work on this machine
+  pause PID... [--discard] [--tag NAME]
+                        pause the GPU memory of running expseg processes of yours (bytes to
+                        host memory, GPU memory back to the driver); --all, --tree PID
+  resume PID...         bring it back at the same addresses
+  paused PID...         bytes paused now
   report-merge DIR|F... one table of many ranks' JSON reports (expseg-report-merge)
   glibc FILE            the highest GLIBC_ version FILE requires
   --version             the package's version
   --help                this text
 
-In Python: import expseg; expseg.active(), expseg.stats(), expseg.library_path()."""
+In Python: import expseg; expseg.active(), expseg.stats(), expseg.library_path(),
+expseg.pause(), expseg.resume(), expseg.paused(), with expseg.tag(NAME): ..."""
 
 
 def _tool(name):
