@@ -7,6 +7,10 @@
 //   regN       the same, registered by THREADS threads
 //   hugeN      regN on transparent huge pages (madvise MADV_HUGEPAGE)
 //   huge1big   huge pages touched by THREADS threads, one cuMemHostRegister of all
+//   hugeNraw   huge pages, each 256 MiB registered by THREADS threads with no touch first
+//              (the registration faults the pages in)
+//   hugeNpop   huge pages populated with madvise(MADV_POPULATE_WRITE) by THREADS threads (the
+//              kernel clears them; no user-space write), then registered
 //   pageable   no page-locking: cuMemcpy into malloc'd memory (touched first)
 // nvcc -O2 -o pin_cost pin_cost.cu -lcuda -lpthread ; ./pin_cost [TOTAL_GIB=8] [THREADS=8] [modes]
 #include <cuda.h>
@@ -99,14 +103,22 @@ int main(int argc, char** argv) {
     for (auto b : bufs) CK(cuMemFreeHost(b));
     printf("free %7.1f ms\n", now_ms() - t0);
   }
-  const char* regs[] = {"reg1", "regN", "hugeN", "huge1big"};
-  for (int k = 0; k < 4; k++) {
+  const char* regs[] = {"reg1", "regN", "hugeN", "huge1big", "hugeNraw", "hugeNpop"};
+  for (int k = 0; k < 6; k++) {
     if (!want(regs[k])) continue;
     double t0 = now_ms();
     char* m = (char*)mmap(0, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) { perror("mmap"); return 1; }
     if (k >= 2) madvise(m, total, MADV_HUGEPAGE);
-    parallel(n, [&](size_t i) { memset(m + i * PIECE, 0, PIECE); });
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    if (k == 5)
+      parallel(n, [&](size_t i) {
+        if (madvise(m + i * PIECE, PIECE, MADV_POPULATE_WRITE)) memset(m + i * PIECE, 0, PIECE);
+      });
+    else if (k != 4)
+      parallel(n, [&](size_t i) { memset(m + i * PIECE, 0, PIECE); });
     double touch = now_ms() - t0;
     if (k == 3)
       CK(cuMemHostRegister(m, total, CU_MEMHOSTREGISTER_PORTABLE));
