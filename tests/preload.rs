@@ -2212,6 +2212,16 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
         text(&cli(&["paused", &pid])),
         format!("pid {pid}: {} bytes paused", 64u64 << 20)
     );
+    // --all addresses every expseg process of the user (here: the sleeper alone serves).
+    let all = cli(&["paused", "--all"]);
+    assert!(
+        text(&all).contains(&format!("pid {pid}: {} bytes paused", 64u64 << 20)),
+        "{}",
+        text(&all)
+    );
+    // --tree: the sleeper has no children; the test process's tree holds it.
+    let me = std::process::id().to_string();
+    assert!(text(&cli(&["paused", "--tree", &me])).contains(&format!("pid {pid}: ")));
     // SAFETY: geteuid cannot fail.
     if unsafe { libc_geteuid() } == 0 {
         use std::os::unix::process::CommandExt as _;

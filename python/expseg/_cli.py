@@ -16,7 +16,8 @@ USAGE = """usage: python -m expseg COMMAND [ARGS...]   (or: expseg COMMAND ...)
   doctor                check whether expseg can work on this machine
   pause PID... [--discard] [--tag NAME]
                         pause the GPU memory of running expseg processes of yours (bytes to
-                        host memory, GPU memory back to the driver); --all, --tree PID
+                        host memory, GPU memory back to the driver); --all, --tree PID,
+                        --gpu N
   resume PID...         bring it back at the same addresses
   paused PID...         bytes paused now
   report-merge DIR|F... one table of many ranks' JSON reports (expseg-report-merge)

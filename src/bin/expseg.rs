@@ -394,8 +394,9 @@ usage:
   expseg resume PID... [--tag NAME]
                        the paused memory again, at the same addresses, bytes back
   expseg paused PID... bytes paused now
-                       PID... may be --all (every expseg process of yours) or --tree PID
-                       (PID and its descendants: a launcher and its workers)
+                       PID... may be --all (every expseg process of yours), --tree PID
+                       (PID and its descendants: a launcher and its workers), or --gpu N
+                       (the processes nvidia-smi lists on GPU N, an index or a UUID)
   expseg --help        this text
 
 Run a program under expseg with scripts/expseg-run CMD (or LD_PRELOAD=libexpseg.so CMD);
@@ -465,6 +466,14 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
                 Some(p) => pids.extend(tree(p)),
                 None => return usage(cmd, "--tree needs a PID"),
             },
+            "--gpu" => match it.next().map(|g| on_gpu(g)) {
+                Some(Ok(p)) => pids.extend(p),
+                Some(Err(e)) => {
+                    eprintln!("expseg {cmd}: --gpu: {e}");
+                    return ExitCode::FAILURE;
+                }
+                None => return usage(cmd, "--gpu needs an index or a UUID"),
+            },
             p => match p.parse::<u32>() {
                 Ok(p) => pids.push(p),
                 Err(_) => return usage(cmd, &format!("unknown argument {p}")),
@@ -533,6 +542,42 @@ fn owner_of(pid: u32) -> Option<u32> {
     std::fs::metadata(format!("/proc/{pid}"))
         .ok()
         .map(|m| m.uid())
+}
+
+/// The processes `nvidia-smi` lists on GPU `gpu` (its index or UUID).
+fn on_gpu(gpu: &str) -> Result<Vec<u32>, String> {
+    let q = |args: &[&str]| -> Result<String, String> {
+        let out = std::process::Command::new("nvidia-smi")
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run nvidia-smi: {e}"))?;
+        match out.status.success() {
+            true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+            false => Err(format!(
+                "nvidia-smi failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+        }
+    };
+    let gpus = q(&["--query-gpu=index,uuid", "--format=csv,noheader"])?;
+    let uuid = gpus
+        .lines()
+        .filter_map(|l| l.split_once(','))
+        .map(|(i, u)| (i.trim(), u.trim()))
+        .find(|(i, u)| *i == gpu || *u == gpu)
+        .map(|(_, u)| u.to_string())
+        .ok_or_else(|| format!("no GPU {gpu} (nvidia-smi lists: {})", gpus.trim()))?;
+    let apps = q(&["--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"])?;
+    let pids: Vec<u32> = apps
+        .lines()
+        .filter_map(|l| l.split_once(','))
+        .filter(|(_, u)| u.trim() == uuid)
+        .filter_map(|(p, _)| p.trim().parse().ok())
+        .collect();
+    match pids.is_empty() {
+        true => Err(format!("nvidia-smi lists no process on GPU {gpu} (in a container it may not see them: name the PIDs)")),
+        false => Ok(pids),
+    }
 }
 
 /// `root` and every process descended from it.
