@@ -102,6 +102,14 @@ rc=$?
 now=$(sed -n "s/^pid $pid: \([0-9]*\) bytes paused.*/\1/p" <<<"$paused_out")
 [ "$rc" = 0 ] && [ "${now:-x}" = "$bytes" ]
 result cli_paused $? "$paused_out"
+# The same through --gpu 0 (the processes nvidia-smi lists on GPU 0), where nvidia-smi sees pids.
+gpu_out=$("$cli" paused --gpu 0 2>&1)
+if grep -q "lists no process" <<<"$gpu_out"; then
+  echo "SKIP cli_paused_gpu: nvidia-smi lists no process here ($gpu_out)"
+else
+  grep -q "^pid $pid: $bytes bytes paused" <<<"$gpu_out"
+  result cli_paused_gpu $? "$(head -c 300 <<<"$gpu_out")"
+fi
 
 # 5. Another user is refused (uid 65534), with the CLI copied where that user can run it.
 asuser=()
