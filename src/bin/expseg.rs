@@ -482,7 +482,14 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     }
     let uid = current_uid();
     if all {
-        pids.extend(expseg::ipc::reclaim::peers(uid, std::process::id()));
+        // Sockets of processes that are gone (killed before they could remove theirs) are
+        // not processes of the user's any more: skipped.
+        let alive = |p: &u32| std::path::Path::new(&format!("/proc/{p}")).exists();
+        pids.extend(
+            expseg::ipc::reclaim::peers(uid, std::process::id())
+                .into_iter()
+                .filter(alive),
+        );
     }
     pids.sort_unstable();
     pids.dedup();

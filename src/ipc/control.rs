@@ -5,9 +5,9 @@
 //! [`QUERY_ID`]), the nonce carries the tag (low 32 bits, 0: every tag) and, for a pause,
 //! whether to discard (bit 32). The answer is a grant of no chunks whose size is the bytes
 //! paused, resumed or paused now; a refusal says why not ([`Refusal::NoMemory`]: a resume
-//! found no memory, what is still paused stays paused). The same checks as for tickets hold
-//! both ways: only a process's own user (or `EXPSEG_IPC_ALLOW_UIDS`) is admitted, and the
-//! asker only talks to a socket served by the process its name says, of its own uid.
+//! found no memory, what is still paused stays paused). Only a process's own user is served
+//! (not the other users `EXPSEG_IPC_ALLOW_UIDS` admits for tickets), and the asker only talks
+//! to a socket served by the process its name says, of its own uid.
 
 use super::transport::{self, AskError};
 use std::time::Duration;

@@ -143,7 +143,10 @@ fn admitted(uid: u32) -> bool {
 /// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
     if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
-        if !admitted(peer) {
+        // Only the process's own user pauses it: EXPSEG_IPC_ALLOW_UIDS lets other users map
+        // shared memory, not stop this process's work.
+        if peer != transport::current_uid() {
+            log::warn!("IPC: refused a pause/resume request from uid {peer} (only this process's own user may)");
             return Err(Refusal::Forbidden);
         }
         return control(c);
