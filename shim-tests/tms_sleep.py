@@ -23,17 +23,13 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-GIB = 1 << 30
-DIM, BATCH = 8192, 256
-HASH_CHUNK = 997 * (1 << 14)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# The scenario's pieces are torch_sleep.py's (importing it sets CUBLAS_WORKSPACE_CONFIG and
+# loads no torch).
+from torch_sleep import GIB, Report, build, child_alloc, digest, plain_env, state_tensors, train  # noqa: E402
+
 HOOK = "torch_memory_saver_hook_mode_preload"
-
-
-def plain_env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}
-    env.pop("LD_PRELOAD", None)
-    return env
 
 
 def reexec_preloaded(tms_dir):
@@ -52,101 +48,6 @@ def reexec_preloaded(tms_dir):
     if rt:
         env["LD_LIBRARY_PATH"] = os.path.dirname(rt[0]) + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env)
-
-
-def child_alloc(n):
-    import torch
-
-    t = torch.empty(n, dtype=torch.uint8, device="cuda")
-    t.fill_(7)
-    torch.cuda.synchronize()
-    assert t[-1].item() == 7
-    print(f"OK allocated and wrote {n} bytes")
-
-
-def build(gib):
-    import torch
-    import torch.nn as nn
-
-    class Stack(nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(DIM, DIM, device="cuda") for _ in range(n))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = x + torch.tanh(layer(x))
-            return x
-
-    torch.manual_seed(0)
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False  # torch.empty stays a bare allocation
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = Stack(max(1, math.ceil(gib * GIB / (16 * (DIM * DIM + DIM)))))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.Generator().manual_seed(1)
-
-
-def train(model, opt, gen, steps):
-    import torch
-    import torch.nn.functional as F
-
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(BATCH, DIM, generator=gen).cuda()
-        y = torch.randn(BATCH, DIM, generator=gen).cuda()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(loss.item())
-    return losses
-
-
-def state_tensors(model, opt):
-    out = list(model.parameters()) + [p.grad for p in model.parameters()]
-    for st in opt.state.values():
-        out += [v for v in st.values() if hasattr(v, "is_cuda")]
-    return out
-
-
-def digest(tensors):
-    import torch
-
-    w = torch.arange(HASH_CHUNK, device="cuda", dtype=torch.int64) % 997 + 1
-    sums = []
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        flat = flat.cuda() if not flat.is_cuda else flat
-        flat = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.uint8)
-        s = torch.zeros((), dtype=torch.int64, device="cuda")
-        for o in range(0, flat.numel(), HASH_CHUNK):
-            part = flat[o : o + HASH_CHUNK].to(torch.int64)
-            s += (part * w[: part.numel()]).sum()
-        sums.append(s)
-    return torch.stack(sums).tolist()
-
-
-class Report:
-    def __init__(self, path):
-        self.path, self.failed = path, 0
-        self.data = {"allocator": "torch_memory_saver 0.0.10", "checks": {}, "figures": {}}
-
-    def fig(self, **kw):
-        self.data["figures"].update(kw)
-        self.save()
-
-    def check(self, name, ok, detail="", fatal=False):
-        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}".rstrip(), flush=True)
-        self.data["checks"][name] = bool(ok)
-        self.failed += not ok
-        self.save()
-        if fatal and not ok:
-            raise RuntimeError(f"{name} failed: cannot go on")
-
-    def save(self):
-        with open(self.path + ".tmp", "w") as f:
-            json.dump(self.data, f, indent=1)
-        os.replace(self.path + ".tmp", self.path)
 
 
 def run(args, r):
@@ -293,6 +194,7 @@ def main():
     if not args.json:
         ap.error("--json OUT is needed")
     r = Report(args.json)
+    r.data["allocator"] = "torch_memory_saver 0.0.10"
     try:
         run(args, r)
     except Exception as e:

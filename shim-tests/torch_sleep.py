@@ -32,8 +32,9 @@ HASH_CHUNK = 997 * (1 << 14)  # a multiple of 997: every chunk has the same inde
 
 
 def plain_env():
-    """This environment without expseg: no LD_PRELOAD, no allocator settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}
+    """This environment without expseg (or torch_memory_saver): no LD_PRELOAD, no allocator
+    settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "TMS_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))}
     env.pop("LD_PRELOAD", None)
     return env
 
