@@ -149,7 +149,11 @@ const NOT_SUPPORTED: u32 = 801;
 /// the driver. Measured on an H100 host (scripts/vmm-cost/pin_cost.cu, 8 GiB): 369 ms on 16
 /// threads, against 3.3 s for `cuMemHostAlloc` on 16 threads and 5.2 s on one.
 fn pin_one(t: &DriverTable, dev: i32, size: u64) -> DrvResult<u64> {
-    let register = t.cuMemHostRegister_v2.ok_or(DrvError(NOT_SUPPORTED))?;
+    // Registered memory must be unregistered before it is unmapped: both calls, or neither.
+    let register = t
+        .cuMemHostRegister_v2
+        .filter(|_| t.cuMemHostUnregister.is_some())
+        .ok_or(DrvError(NOT_SUPPORTED))?;
     let _ = make_primary_current(t, dev);
     // SAFETY: a fresh private anonymous mapping; checked below.
     let p = unsafe {
