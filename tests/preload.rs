@@ -2033,6 +2033,18 @@ fn the_plural_pointer_query_describes_the_allocation() {
     assert_eq!(r.get("dev"), "0");
 }
 
+/// A process on the one fake GPU of 96 MiB that every process started with it shares
+/// (FAKE_SHARED_USED: one memory counter in `dir`), with its expseg socket in `dir`.
+fn one_shared_gpu(c: &mut Command, dir: &Path) {
+    c.env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", &fixture().dir)
+        .env("FAKE_CAPACITY", (96u64 << 20).to_string())
+        .env("FAKE_MEMINFO_REAL", "1")
+        .env("FAKE_SHARED_USED", dir.join("used"))
+        .env("EXPSEG_IPC_DIR", dir);
+}
+
 /// Two processes on one fake GPU (FAKE_SHARED_USED: one memory counter, 96 MiB): one takes
 /// and frees 64 MiB and holds on, then another asks for 48 MiB at once. Returns the second's
 /// `need_rc` and both reports' JSON.
@@ -2046,16 +2058,7 @@ fn handoff(holder_env: &[(&str, &str)], second_preloaded: bool) -> (String, Stri
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let shared = dir.join("used");
-    let common = |c: &mut Command| {
-        c.env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .env("LD_LIBRARY_PATH", &f.dir)
-            .env("FAKE_CAPACITY", (96u64 << 20).to_string())
-            .env("FAKE_MEMINFO_REAL", "1")
-            .env("FAKE_SHARED_USED", &shared)
-            .env("EXPSEG_IPC_DIR", &dir);
-    };
+    let common = |c: &mut Command| one_shared_gpu(c, &dir);
     let mut h = Command::new(f.dir.join("prog"));
     common(&mut h);
     h.args(["hold", "64"])
@@ -2164,17 +2167,7 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     let dir = std::env::temp_dir().join(format!("expseg-sleeper-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let shared = dir.join("used");
-    // One fake GPU of 96 MiB for every process here.
-    let common = |c: &mut Command| {
-        c.env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .env("LD_LIBRARY_PATH", &f.dir)
-            .env("FAKE_CAPACITY", (96u64 << 20).to_string())
-            .env("FAKE_MEMINFO_REAL", "1")
-            .env("FAKE_SHARED_USED", &shared)
-            .env("EXPSEG_IPC_DIR", &dir);
-    };
+    let common = |c: &mut Command| one_shared_gpu(c, &dir);
     let mut s = Command::new(f.dir.join("prog"));
     common(&mut s);
     s.arg("sleeper")
