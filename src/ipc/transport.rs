@@ -286,17 +286,17 @@ fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<()>
     Ok(())
 }
 
-/// Send request `id` with `nonce` to process `pid` of `uid` at `path` and read an answer
-/// that carries no chunks (reclaims, pause and resume): its size field. The socket must be
-/// served by that very process of that very user, and the answer come within `timeout`.
-pub fn ask_plain(
+/// Connect to `path`, check that process `pid` of `uid` serves it, send request `id` with
+/// `nonce` and read the answer's header: the stream and the header of an accepted request
+/// (a refusal is `AskError::Refused`). Reads and writes wait at most `timeout`.
+fn request(
     path: &Path,
     uid: u32,
     pid: u32,
     id: u32,
     nonce: u64,
     timeout: Duration,
-) -> Result<u64, AskError> {
+) -> Result<(UnixStream, [u8; 16]), AskError> {
     let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
     match peer_cred(&s) {
         Some(c) if c == (uid, pid) => {}
@@ -315,12 +315,28 @@ pub fn ask_plain(
     req[0..4].copy_from_slice(&id.to_le_bytes());
     req[8..16].copy_from_slice(&nonce.to_le_bytes());
     s.write_all(&req).map_err(AskError::Unreachable)?;
+    // The header carries no descriptors; exact reads never reach into the first batch.
     let mut head = [0u8; 16];
     s.read_exact(&mut head).map_err(AskError::Unreachable)?;
     let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
     if status != 0 {
         return Err(AskError::Refused(Refusal::from_code(status)));
     }
+    Ok((s, head))
+}
+
+/// Send request `id` with `nonce` to process `pid` of `uid` at `path` and read an answer
+/// that carries no chunks (reclaims, pause and resume): its size field. The socket must be
+/// served by that very process of that very user, and the answer come within `timeout`.
+pub fn ask_plain(
+    path: &Path,
+    uid: u32,
+    pid: u32,
+    id: u32,
+    nonce: u64,
+    timeout: Duration,
+) -> Result<u64, AskError> {
+    let (_, head) = request(path, uid, pid, id, nonce, timeout)?;
     if head[4..8] != [0; 4] {
         return Err(AskError::Protocol("this answer carries no chunks"));
     }
@@ -381,29 +397,7 @@ pub fn ask(
             dir_trusted(dir, uid).map_err(AskError::Untrusted)?;
         }
     }
-    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
-    match peer_cred(&s) {
-        Some(c) if c == (uid, pid) => {}
-        Some((u, p)) => {
-            return Err(AskError::Untrusted(format!(
-                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
-                path.display()
-            )))
-        }
-        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
-    }
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let mut req = [0u8; 16];
-    req[0..4].copy_from_slice(&id.to_le_bytes());
-    req[8..16].copy_from_slice(&nonce.to_le_bytes());
-    s.write_all(&req).map_err(AskError::Unreachable)?;
-    // The header carries no descriptors; exact reads never reach into the first batch.
-    let mut head = [0u8; 16];
-    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
-    let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
-    if status != 0 {
-        return Err(AskError::Refused(Refusal::from_code(status)));
-    }
+    let (mut s, head) = request(path, uid, pid, id, nonce, Duration::from_secs(10))?;
     let count = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
     let size = u64::from_le_bytes(head[8..16].try_into().unwrap());
     if count == 0 || count > MAX_CHUNKS {
