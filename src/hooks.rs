@@ -487,10 +487,14 @@ const RANGE_SIZE: c_int = 12;
 /// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
 const NO_DRIVER: u32 = 3;
 
-/// The allocation containing `ptr` if expseg made it (pool memory or a ticket mapping).
+/// The allocation containing `ptr` if expseg made it (pool memory or a ticket mapping), or
+/// the program's own mapping of a coalesced page (which the driver would report as the
+/// larger handle behind it).
 fn ours(ptr: u64) -> Option<(u64, u64)> {
     let _g = Guard::enter()?;
-    catch_unwind(|| api::allocation_range(ptr)).ok().flatten()
+    catch_unwind(|| api::allocation_range(ptr).or_else(|| api::vmm::program_mapping(ptr)))
+        .ok()
+        .flatten()
 }
 
 /// After the driver answered `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE` for `ptr` into

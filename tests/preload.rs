@@ -1264,6 +1264,8 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         ("grow_rc", "0"),
         ("batch_creates", "1"),
         ("batch_maps", "1"),
+        ("range_rc", "0"),
+        ("range_is_page", "1"),
         ("shrink_rc", "0"),
         ("used_stranded_mib", "160"),
         ("used_compacted_mib", "80"),

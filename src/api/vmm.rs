@@ -198,6 +198,16 @@ pub fn isolate_run(ptr: u64) {
     }
 }
 
+/// The mapping the program made that contains `ptr`, as the driver would report it without
+/// coalescing (range queries: one `cuMemMap`, PyTorch's page, not the larger handle mapped
+/// behind a run of pages). `None`: not a coalesced page, ask the driver.
+pub fn program_mapping(ptr: u64) -> Option<(u64, u64)> {
+    if !started() {
+        return None;
+    }
+    lock().all().find_map(|c| c.range_of(ptr))
+}
+
 /// `cuMemRetainAllocationHandle`: Some(Ok(page handle)), Some(Err(code)) where only a handle
 /// of expseg's is mapped, None to pass through.
 pub fn retain(ptr: u64) -> Option<Result<u64, u32>> {

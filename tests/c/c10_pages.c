@@ -186,6 +186,14 @@ int expandable(const char* what) {
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
   printf("grow_rc=%d\n", grow(0, 8));
   printf("batch_creates=%ld batch_maps=%ld\n", fakecu_count("cuMemCreate") - c0, fakecu_count("cuMemMap") - m0);
+  {
+    /* Range queries answer the page the program mapped (as natively), not the batch's handle. */
+    CUresult (*range_)(uint64_t*, size_t*, uint64_t) = get("cuMemGetAddressRange");
+    CUresult (*attr_)(void*, int, uint64_t) = get("cuPointerGetAttribute");
+    uint64_t rb = 0, ab = 0, as = 0; size_t rs = 0;
+    int rrc = range_(&rb, &rs, va + 3 * PAGE + 5) | attr_(&ab, 11, va + 3 * PAGE + 5) | attr_(&as, 12, va + 3 * PAGE + 5);
+    printf("range_rc=%d range_is_page=%d\n", rrc, rb == va + 3 * PAGE && rs == PAGE && ab == rb && as == PAGE);
+  }
   for (int i = 0; i < 8; i++) fill(i);
   printf("shrink_rc=%d\n", shrink(2, 4));
   printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
