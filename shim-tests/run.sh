@@ -228,6 +228,12 @@ if want torchipc && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
   MODE=expseg-preload LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
   result torch_ipc_expseg_preload $? ""
   for m in default expandable expseg_run expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
+  # Raw IPC of a trained model's tensors (issue 24): mirrors bounded by PyTorch's blocks, and
+  # of whole runs (EXPSEG_IPC_EXTENT=run, where most do not fit beside the ballast).
+  for ext in torch run; do
+    EXPSEG_IPC_EXTENT=$ext LD_PRELOAD="$lib" python3 "$here/torch_ipc_trained.py" --ballast-gib 30 >"$logs/torch_ipc_trained_$ext.log" 2>&1
+    result torch_ipc_trained_extent_$ext $? "$(grep '^{' "$logs/torch_ipc_trained_$ext.log" | cut -c1-400 || tail -n 2 "$logs/torch_ipc_trained_$ext.log")"
+  done
 fi
 if want nodump && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):

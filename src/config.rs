@@ -41,6 +41,11 @@ pub struct Config {
     pub ipc_tickets: bool,
     /// `EXPSEG_IPC_PEERS=expseg`: every consumer runs expseg: no mirror, only the ticket.
     pub ipc_peers_expseg: bool,
+    /// `EXPSEG_IPC_EXTENT`: how far the mirror of another allocator's memory reaches. `torch`:
+    /// to the end of PyTorch's live blocks over the handle's page, asked of the process's
+    /// PyTorch (when it is a Python process using PyTorch), else the run of mappings. `run`:
+    /// always the run of mappings from the page on.
+    pub ipc_extent_torch: bool,
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
@@ -118,6 +123,10 @@ impl Default for Config {
             control: true,
             pause_keep_host: false,
             ipc_peers_expseg: false,
+            // A tensor ends inside its PyTorch block; the run of mappings after its page is
+            // the rest of the segment (280 GiB of mirrors against 2.8 GiB of tensors for a
+            // trained model's 7 parameters, H100, 2026-11-24, shim-tests/ipc_reach.py).
+            ipc_extent_torch: true,
             ipc_allow_uids: Vec::new(),
             coalesce: Coalesce::Torch,
             driver_api: true,
@@ -284,6 +293,21 @@ const VARS: &[Var] = &[
             _ => Err("any or expseg"),
         },
         show: |c| if c.ipc_peers_expseg { "expseg" } else { "any" }.to_string(),
+    },
+    Var {
+        name: "EXPSEG_IPC_EXTENT",
+        set: |c, v| match v.trim() {
+            "torch" | "" => {
+                c.ipc_extent_torch = true;
+                Ok(())
+            }
+            "run" => {
+                c.ipc_extent_torch = false;
+                Ok(())
+            }
+            _ => Err("torch or run"),
+        },
+        show: |c| if c.ipc_extent_torch { "torch" } else { "run" }.to_string(),
     },
     Var {
         name: "EXPSEG_IPC_ALLOW_UIDS",

@@ -20,7 +20,7 @@
 //! | coalesce | [`coalesce`] | safe logic behind PyTorch's VMM pages: virtual handles, one physical handle per run, compaction, reuse |
 //! | ipc | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
 //! | gpu | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
-//! | real | [`real`] | the next runtime's functions, the driver's function table (`real::driver`), primary contexts ([`real::primary`]) |
+//! | real | [`real`] | the next runtime's functions, the driver's function table (`real::driver`), primary contexts ([`real::primary`]), the hosting Python's PyTorch allocator ([`real::python`]) |
 //! | lookup | [`real::lookup`] | the only `dlsym`/`dlvsym` code: glibc's own `dlsym`, never redirected |
 //! | beside | [`config`] | the `EXPSEG_*` table |
 //! | beside | [`stats`] | counters and the exit report |
@@ -31,8 +31,8 @@
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
-//! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver` and
-//! `real::primary`), `pyapi`, `gpu::cuda` and `ipc::transport`.
+//! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver`,
+//! `real::primary` and `real::python`), `pyapi`, `gpu::cuda` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;

@@ -53,6 +53,10 @@ pub struct Global {
     /// Mirrors of other allocators' memory (PyTorch's pages): bytes held now, bytes made in all.
     pub foreign_mirror_bytes: Counter,
     pub foreign_mirror_bytes_made: Counter,
+    /// Mirrors made to the end of PyTorch's live blocks instead of the whole run of mappings,
+    /// and the bytes of runs they did not copy.
+    pub foreign_mirrors_bounded: Counter,
+    pub foreign_mirror_bytes_spared: Counter,
     /// Other processes' memory this process opened through their tickets.
     pub ipc_tickets_opened: Counter,
     /// Reclaims: asks of other expseg processes after an allocation found no memory, the
@@ -91,6 +95,8 @@ pub static GLOBAL: Global = Global {
     ipc_ticket_only: Counter::new(),
     foreign_mirror_bytes: Counter::new(),
     foreign_mirror_bytes_made: Counter::new(),
+    foreign_mirrors_bounded: Counter::new(),
+    foreign_mirror_bytes_spared: Counter::new(),
     ipc_tickets_opened: Counter::new(),
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
@@ -131,6 +137,14 @@ impl Global {
             (
                 "foreign_mirror_bytes_made",
                 self.foreign_mirror_bytes_made.get(),
+            ),
+            (
+                "foreign_mirrors_bounded",
+                self.foreign_mirrors_bounded.get(),
+            ),
+            (
+                "foreign_mirror_bytes_spared",
+                self.foreign_mirror_bytes_spared.get(),
             ),
             ("ipc_tickets_opened", self.ipc_tickets_opened.get()),
             ("reclaim_asks", self.reclaim_asks.get()),

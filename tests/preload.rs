@@ -2246,3 +2246,70 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     assert!(sleeper.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `tests/c/extent.py` under the shim with python3 (skipped without it): the mirror of another
+/// allocator's run, with a stand-in PyTorch whose live block ends 5 MiB in, or without one.
+fn extent_run(torch: &str, env: &[(&str, &str)]) -> Option<Run> {
+    let f = fixture();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/extent.py");
+    let mut c = Command::new("python3");
+    c.arg(script)
+        .arg(torch)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", &f.dir)
+        .env("LD_PRELOAD", &f.shim)
+        // No child process checks tickets: a mirror is what is asked for.
+        .env("EXPSEG_IPC_TICKETS", "0");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    match c.output() {
+        Ok(out) => Some(Run { out }),
+        Err(e) => {
+            eprintln!("python3 not found ({e}); skipping");
+            None
+        }
+    }
+}
+
+#[test]
+fn a_foreign_mirror_ends_where_pytorchs_live_blocks_over_its_page_end() {
+    const MIB: u64 = 1 << 20;
+    let Some(r) = extent_run("torch", &[]) else {
+        return;
+    };
+    let r = r.ok();
+    assert_eq!(
+        (r.get("get_rc"), r.get("again_rc")),
+        ("0".into(), "0".into())
+    );
+    assert_eq!(
+        r.get("mirror_bytes"),
+        (5 * MIB).to_string(),
+        "the block's 5 MiB, not the 32 MiB run: {}",
+        r.stderr()
+    );
+    assert_eq!(r.get("made_bytes"), (5 * MIB).to_string(), "made once");
+    assert_eq!(r.get("bounded"), "1");
+    assert_eq!(r.get("spared"), (27 * MIB).to_string());
+    assert_eq!(
+        r.get("snapshots"),
+        "1",
+        "reused while nothing was allocated"
+    );
+    // Without PyTorch, or with EXPSEG_IPC_EXTENT=run: the whole run.
+    for (torch, env) in [
+        ("none", &[][..]),
+        ("torch", &[("EXPSEG_IPC_EXTENT", "run")][..]),
+    ] {
+        let r = extent_run(torch, env).unwrap().ok();
+        assert_eq!(r.get("get_rc"), "0");
+        assert_eq!(
+            r.get("mirror_bytes"),
+            (32 * MIB).to_string(),
+            "{torch} {env:?}"
+        );
+        assert_eq!(r.get("bounded"), "0");
+    }
+}

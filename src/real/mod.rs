@@ -14,6 +14,7 @@
 pub mod driver;
 pub mod lookup;
 pub mod primary;
+pub mod python;
 
 pub use driver::{driver, DriverTable};
 

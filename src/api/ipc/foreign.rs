@@ -31,6 +31,13 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     for _ in 0..RACE_RETRIES {
         let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
         let size: u64 = sizes.iter().sum();
+        let want_mirror = !c.ipc_peers_expseg;
+        // What a plain consumer can reach from this base (asked of PyTorch, never under a lock).
+        let extent = if want_mirror {
+            mirror_extent(base, sizes[0], size)
+        } else {
+            size
+        };
         if c.ipc_tickets {
             // Once per process, possibly slow (a child process): never under the lock.
             plain_driver_ignores_tickets(dev);
@@ -40,24 +47,36 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         if c.ipc_peers_expseg && !ticketed {
             return Some(Err(peers_without_tickets(&st, ptr)));
         }
-        let want_mirror = !c.ipc_peers_expseg;
+        // The share stands if its mirror still covers what a consumer can reach and no more
+        // than is mapped (a mirror-less share: the same run). The run a ticket maps follows
+        // the mappings.
         let same = st
             .ipc
             .foreign
-            .get(&base)
-            .filter(|f| f.size == size && f.dev == dev && f.mirror.is_some() == want_mirror)
-            .map(|f| f.mirror.clone());
+            .get_mut(&base)
+            .filter(|f| {
+                f.dev == dev
+                    && f.mirror.is_some() == want_mirror
+                    && match &f.mirror {
+                        Some(m) => m.size >= extent && m.size <= size,
+                        None => f.size == size,
+                    }
+            })
+            .map(|f| {
+                f.size = size;
+                f.mirror.clone()
+            });
         let mirror = match same {
             Some(Some(m)) => {
                 // Refresh without the lock; the reference keeps the buffer alive even if
                 // another thread replaces or forgets the share meanwhile, and the registered
                 // read holds back unmaps of the run until the copy is done.
                 drop(st);
-                let reading = crate::api::vmm::begin_read(base, size);
-                if !still_mapped(t, base, size) {
+                let reading = crate::api::vmm::begin_read(base, m.size);
+                if !still_mapped(t, base, m.size) {
                     continue; // unmapped meanwhile: look again
                 }
-                let refreshed = refresh_mirror(dev, m.ptr, base, size);
+                let refreshed = refresh_mirror(dev, m.ptr, base, m.size);
                 drop(reading);
                 if let Err(e) = refreshed {
                     return Some(Err(e));
@@ -79,15 +98,21 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                 let old = st.ipc.foreign.remove(&base);
                 drop(st);
                 drop(old); // cudaFree outside the lock
-                let reading = crate::api::vmm::begin_read(base, size);
-                if !still_mapped(t, base, size) {
+                let reading = crate::api::vmm::begin_read(base, extent);
+                if !still_mapped(t, base, extent) {
                     continue;
                 }
-                let made = want_mirror.then(|| make_mirror(dev, base, size));
+                let made = want_mirror.then(|| make_mirror(dev, base, extent));
                 drop(reading);
                 let mirror = if let Some(made) = made {
                     match made {
-                        Ok(m) => Some(Arc::new(m)),
+                        Ok(m) => {
+                            if extent < size {
+                                GLOBAL.foreign_mirrors_bounded.add(1);
+                                GLOBAL.foreign_mirror_bytes_spared.add(size - extent);
+                            }
+                            Some(Arc::new(m))
+                        }
                         // A handle plain consumers could not open would fail in the consumer,
                         // far from the cause: fail here, saying why and what helps.
                         // Where tickets work, consumers running expseg need no mirror: the
@@ -118,9 +143,9 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                     "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
                     sizes.len(),
                     match (ticketed, &mirror) {
-                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror at {:#x} with its data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.ptr),
+                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror of its first {} bytes at {:#x} with their data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.size, m.ptr),
                         (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg, or no memory for a mirror): plain consumers cannot open its handle".to_string(),
-                        (false, Some(m)) => format!("shared through a mirror at {:#x}: consumers see its data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.ptr),
+                        (false, Some(m)) => format!("shared through a mirror of its first {} bytes at {:#x}: consumers see their data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.size, m.ptr),
                         (false, None) => unreachable!("no mirror only with tickets"),
                     }
                 );
@@ -147,8 +172,60 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     Some(Err(UNKNOWN))
 }
 
+/// How many bytes from `base` a mirror must copy: what a consumer of the handle can reach.
+/// The handle's base is the start of the page `base` begins (the consumer's offset is taken
+/// from there), so the consumer reads inside a tensor that starts on that page, and a
+/// tensor ends inside its PyTorch block: the end of the furthest live block over the page
+/// bounds it (`EXPSEG_IPC_EXTENT=torch`, asked of the process's PyTorch). At least the page
+/// (legacy semantics give a consumer the whole allocation: the mapping, natively), at most
+/// the run. Without PyTorch's answer: the run.
+fn mirror_extent(base: u64, page: u64, run: u64) -> u64 {
+    if !config().ipc_extent_torch {
+        return run;
+    }
+    match crate::real::python::torch_block_extent(base, base + page) {
+        Some(end) => bound_extent(base, page, run, end),
+        None => run,
+    }
+}
+
+/// The mirror's size for a run of `run` bytes from `base`, its first page `page` bytes, when
+/// PyTorch's live blocks over that page end at `end`.
+fn bound_extent(base: u64, page: u64, run: u64, end: u64) -> u64 {
+    end.saturating_sub(base).max(page).min(run)
+}
+
 /// Whether `[base, base+size)` is still one run of mappings from `base` on.
 fn still_mapped(t: &crate::real::DriverTable, base: u64, size: u64) -> bool {
     cuda::run_from(t, base, MAX_RUN)
         .is_some_and(|(b, sizes, _)| b == base && sizes.iter().sum::<u64>() >= size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bound_extent;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_mirror_covers_the_page_and_the_blocks_over_it_within_the_run() {
+        let base = 1 << 40;
+        // A 1.2 GB tensor from the page on, in a 40 GB run: to its end.
+        assert_eq!(
+            bound_extent(base, 20 * MIB, 40_000 * MIB, base + 1172 * MIB),
+            1172 * MIB
+        );
+        // Small tensors inside the page: the whole page still (the allocation, natively).
+        assert_eq!(
+            bound_extent(base, 20 * MIB, 40_000 * MIB, base + 3 * MIB),
+            20 * MIB
+        );
+        // A block said to run past the mappings: only what is mapped.
+        assert_eq!(
+            bound_extent(base, 20 * MIB, 60 * MIB, base + 90 * MIB),
+            60 * MIB
+        );
+        // An answer before the base (not over the page): the page.
+        assert_eq!(bound_extent(base, 20 * MIB, 60 * MIB, base - MIB), 20 * MIB);
+    }
 }

@@ -10,7 +10,8 @@ use crate::stats::GLOBAL;
 pub(super) struct Mirror {
     pub(super) ptr: u64,
     pub(super) handle: IpcHandle,
-    size: u64,
+    /// Bytes copied from the run's start: the run, or less where PyTorch's blocks end sooner.
+    pub(super) size: u64,
 }
 
 impl Drop for Mirror {

@@ -1,0 +1,93 @@
+"""Preload test program (Python, on the fake runtime and driver): another allocator's VMM run of
+16 mappings of 2 MiB, a handle asked for its start, and the mirror's size read back from the
+live report. argv[1]: "torch" puts a stand-in `torch` module in sys.modules whose caching
+allocator has one live block over the first 5 MiB of the run (and a free one after it);
+"none" has no torch. Prints key=value lines."""
+import ctypes
+import json
+import sys
+import types
+
+MIB = 1 << 20
+PIECE, N = 2 * MIB, 16
+
+cu = ctypes.CDLL("libcuda.so.1")
+rt = ctypes.CDLL("libcudart.so.13")
+
+
+class Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class Prop(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("location", Loc),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_ubyte * 8)]
+
+
+class Access(ctypes.Structure):
+    _fields_ = [("location", Loc), ("flags", ctypes.c_int)]
+
+
+def foreign_run():
+    prop = Prop(type=1, handle_types=1, location=Loc(1, 0))
+    acc = Access(location=Loc(1, 0), flags=3)
+    va = ctypes.c_uint64(0)
+    assert cu.cuMemAddressReserve(ctypes.byref(va), ctypes.c_size_t(N * PIECE), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)) == 0
+    for i in range(N):
+        h = ctypes.c_uint64(0)
+        assert cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(PIECE), ctypes.byref(prop), ctypes.c_ulonglong(0)) == 0
+        assert cu.cuMemMap(ctypes.c_uint64(va.value + i * PIECE), ctypes.c_size_t(PIECE), ctypes.c_size_t(0), h, ctypes.c_ulonglong(0)) == 0
+    assert cu.cuMemSetAccess(ctypes.c_uint64(va.value), ctypes.c_size_t(N * PIECE), ctypes.byref(acc), ctypes.c_size_t(1)) == 0
+    return va.value
+
+
+def stand_in_torch(va):
+    """The parts of torch.cuda the extent query reads."""
+    calls = {"snapshots": 0}
+
+    def snapshot():
+        calls["snapshots"] += 1
+        return [{"address": va, "total_size": N * PIECE, "blocks": [
+            {"size": 5 * MIB, "state": "active_allocated"},
+            {"size": N * PIECE - 5 * MIB, "state": "inactive"},
+        ]}]
+
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        device_count=lambda: 1,
+        memory_stats=lambda d: {"allocation.all.allocated": 1, "allocation.all.freed": 0},
+        memory_snapshot=snapshot,
+    )
+    sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+    return calls
+
+
+def process_rows():
+    lib = ctypes.CDLL(None)
+    f = lib.expseg_stats_json
+    f.restype = ctypes.c_size_t
+    buf = ctypes.create_string_buffer(1 << 20)
+    f(buf, ctypes.c_size_t(len(buf)))
+    return json.loads(buf.value.decode()).get("process", {})
+
+
+def main():
+    rt.cudaSetDevice(0)
+    va = foreign_run()
+    calls = stand_in_torch(va) if sys.argv[1] == "torch" else None
+    h = (ctypes.c_ubyte * 64)()
+    rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va))
+    rc2 = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va + 1))
+    p = process_rows()
+    print(f"get_rc={rc}")
+    print(f"again_rc={rc2}")
+    print(f"mirror_bytes={p.get('foreign_mirror_bytes')}")
+    print(f"made_bytes={p.get('foreign_mirror_bytes_made')}")
+    print(f"bounded={p.get('foreign_mirrors_bounded')}")
+    print(f"spared={p.get('foreign_mirror_bytes_spared')}")
+    if calls is not None:
+        print(f"snapshots={calls['snapshots']}")
+
+
+if __name__ == "__main__":
+    main()
