@@ -22,7 +22,7 @@ build=$(mktemp -d)
 mkdir -p "$logs"
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -256,6 +256,18 @@ fi
 
 # The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under
 # expseg and writes its own report; the reports merge into one table; expseg doctor passes.
+# One process on two GPUs (issue 24), with two or more: the coalescing stress on both devices
+# (TWO_GPU_RUNS runs, default 1) and a model split over them trained against the native run.
+if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
+  for i in $(seq "${TWO_GPU_RUNS:-1}"); do
+    EXPSEG_REPORT="$logs/stress2_report_$i.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 16 >"$logs/stress2_$i.log" 2>&1
+    result torch_coalesce_stress_two_gpus_$i $? "$(grep '^{' "$logs/stress2_$i.log" | tail -n 1 | cut -c1-300)$(grep -m1 -i 'illegal' "$logs/stress2_$i.log")"
+  done
+  python3 "$here/torch_two_gpu_model.py" "$lib" 300 >"$logs/two_gpu_model.log" 2>&1
+  result torch_model_split_over_two_gpus $? "$(grep '^{' "$logs/two_gpu_model.log" || tail -n 2 "$logs/two_gpu_model.log")"
+elif want twogpu; then
+  echo "SKIP twogpu: fewer than two GPUs"
+fi
 if want torchrun && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   ngpu=$(nvidia-smi -L | wc -l)
   for n in 1 2; do

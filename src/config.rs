@@ -92,9 +92,6 @@ pub struct Config {
     /// `EXPSEG_TEST_SLOW_CHECK`: for tests only, milliseconds the one-time ticket check waits
     /// (a hanging helper).
     pub test_slow_check_ms: Option<u64>,
-    /// `EXPSEG_TEST_ALL_DEVICES`: for tests only, coalesce the pages of every device of a
-    /// process (the default serves the first device only).
-    pub test_all_devices: bool,
     /// `EXPSEG_TEST_FAIL_MOVE`: for tests only, the step of an IPC move that fails on purpose.
     pub test_fail_move: Option<String>,
 }
@@ -146,7 +143,6 @@ impl Default for Config {
             report: None,
             test_panic: None,
             test_slow_check_ms: None,
-            test_all_devices: false,
             test_fail_move: None,
         }
     }
@@ -346,11 +342,6 @@ const VARS: &[Var] = &[
             Ok(())
         },
         show: |c| c.test_panic.clone().unwrap_or_default(),
-    },
-    Var {
-        name: "EXPSEG_TEST_ALL_DEVICES",
-        set: |c, v| parse_bool(v).map(|b| c.test_all_devices = b),
-        show: |c| c.test_all_devices.to_string(),
     },
     Var {
         name: "EXPSEG_TEST_SLOW_CHECK",

@@ -137,7 +137,7 @@ int expandable(const char* what) {
     return 0;
   }
   if (!strcmp(what, "two")) {
-    /* Pages of a second device in the same process pass through (one handle per page). */
+    /* Pages of a second device in the same process are coalesced too (one handle per batch). */
     long c0 = fakecu_count("cuMemCreate");
     printf("dev0_rc=%d", grow(0, 8));
     printf(" dev0_creates=%ld", fakecu_count("cuMemCreate") - c0);
