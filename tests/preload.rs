@@ -1597,6 +1597,17 @@ fn two_devices_coalesced_in_one_process_keep_their_data() {
     assert_eq!(r.get("two_bad"), "0", "{}", r.stderr());
     assert_eq!(r.get("used_end"), "0");
     assert_eq!(r.get("wrong_context"), "0", "{}", r.stderr());
+    // The same with released handles kept (opt-in), as the defaults of 2026-11-23 did.
+    for delay in ["2", "60000"] {
+        let r = pages(
+            "libc10_cuda.so",
+            "two_random",
+            &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
+        );
+        assert!(r.out.status.success(), "{delay}: {:?}\n{}", r.out.status, r.stderr());
+        assert_eq!(r.get("two_bad"), "0", "{delay}: {}", r.stderr());
+        assert_eq!(r.get("wrong_context"), "0", "{delay}: {}", r.stderr());
+    }
 }
 
 /// `pages_main` with libc10_cuda.so as a user without ptrace rights over others: nobody
