@@ -22,7 +22,7 @@ filler process that holds the rest of the card:
          both; the step is the trainer's whole round;
   ddp_ec   two ranks (torchrun, one GPU each, NCCL) of DDP over the small GPT with varying
          shapes and torch.cuda.empty_cache() every step; rank 0's step time and device memory;
-         needs two GPUs (skipped with fewer), no filler;
+         needs two GPUs (skipped with fewer), no filler; ddp: the same without empty_cache();
   handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
          frees it, empties its cache and writes one line to a pipe; a second process reads
          the line and at once asks for 70 % of the free memory (one torch.empty). --rounds
@@ -68,6 +68,7 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "train_ec": (24, 120),
     "gpt2_ec": (40, 40),
     "rl": (40, 30),
+    "ddp": (0, 120),
     "ddp_ec": (0, 120),
 }
 # Trainer modes of the handoff workload: PyTorch ones (mode_env), and a plain CUDA program.
@@ -170,7 +171,7 @@ def worker(name):
     budget, steps = WORKLOADS[name]
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
-    if name == "ddp_ec":
+    if name in ("ddp", "ddp_ec"):
         import torch.distributed as dist
 
         local = int(os.environ["LOCAL_RANK"])
@@ -184,7 +185,7 @@ def worker(name):
     u8 = torch.uint8
     res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": []}
     state = {}
-    if name in ("train", "train_ec", "ddp_ec"):
+    if name in ("train", "train_ec", "ddp", "ddp_ec"):
         torch.manual_seed(0)
         torch.use_deterministic_algorithms(True)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -195,7 +196,7 @@ def worker(name):
         model = gpt(dim=512, layers=6, vocab=vocab, heads=8, positions=2048)
         model = model.cuda()
         gen = torch.Generator().manual_seed(1)
-        if name == "ddp_ec":
+        if name in ("ddp", "ddp_ec"):
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
             gen.manual_seed(1 + dist.get_rank())
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -262,7 +263,7 @@ def worker(name):
                 total += n
             del ts
             torch.cuda.empty_cache()
-        elif name in ("train", "train_ec", "ddp_ec"):
+        elif name in ("train", "train_ec", "ddp", "ddp_ec"):
             batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
             data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
             logits = model(data[:, :-1])
@@ -334,7 +335,7 @@ def worker(name):
     if name == "rl":
         state["q_in"].put(("stop", 0))
         state["proc"].join(timeout=60)
-    if name == "ddp_ec":
+    if name in ("ddp", "ddp_ec"):
         dist.barrier()
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -530,7 +531,7 @@ def run_all(args):
             continue
         budget, _ = WORKLOADS[w]
         launch = []
-        if w == "ddp_ec":
+        if w in ("ddp", "ddp_ec"):
             import torch
 
             if torch.cuda.device_count() < 2:
@@ -656,7 +657,7 @@ def table(results):
                 f"| {w} | {m} | {steps} | {pd:.2f} | {pr:.2f} | {st:.1f} | {ratio(r.get('peak_device', 0), ref.get('peak_device', 0))}"
                 f" | {ratio(st, ref.get('median_step_ms', 0))} | {ratio(st, dflt.get('median_step_ms', 0))} |"
             )
-    for w in ("train", "train_ec", "gpt2_ec", "rl", "ddp_ec"):
+    for w in ("train", "train_ec", "gpt2_ec", "rl", "ddp", "ddp_ec"):
         d = results.get(w, {}).get("default", {}).get("losses")
         for m, r in results.get(w, {}).items():
             if d and r.get("losses"):
