@@ -1604,7 +1604,12 @@ fn two_devices_coalesced_in_one_process_keep_their_data() {
             "two_random",
             &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
         );
-        assert!(r.out.status.success(), "{delay}: {:?}\n{}", r.out.status, r.stderr());
+        assert!(
+            r.out.status.success(),
+            "{delay}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
         assert_eq!(r.get("two_bad"), "0", "{delay}: {}", r.stderr());
         assert_eq!(r.get("wrong_context"), "0", "{delay}: {}", r.stderr());
     }
