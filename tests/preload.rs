@@ -2274,28 +2274,35 @@ fn extent_run(torch: &str, env: &[(&str, &str)]) -> Option<Run> {
 #[test]
 fn a_foreign_mirror_ends_where_pytorchs_live_blocks_over_its_page_end() {
     const MIB: u64 = 1 << 20;
-    let Some(r) = extent_run("torch", &[]) else {
-        return;
-    };
-    let r = r.ok();
-    assert_eq!(
-        (r.get("get_rc"), r.get("again_rc")),
-        ("0".into(), "0".into())
-    );
-    assert_eq!(
-        r.get("mirror_bytes"),
-        (5 * MIB).to_string(),
-        "the block's 5 MiB, not the 32 MiB run: {}",
-        r.stderr()
-    );
-    assert_eq!(r.get("made_bytes"), (5 * MIB).to_string(), "made once");
-    assert_eq!(r.get("bounded"), "1");
-    assert_eq!(r.get("spared"), (27 * MIB).to_string());
-    assert_eq!(
-        r.get("snapshots"),
-        "1",
-        "reused while nothing was allocated"
-    );
+    // Asked from a thread without the GIL (through the helper thread), and with it (at once).
+    for how in ["torch", "torch-gil"] {
+        let Some(r) = extent_run(how, &[]) else {
+            return;
+        };
+        let r = r.ok();
+        assert_eq!(
+            (r.get("get_rc"), r.get("again_rc")),
+            ("0".into(), "0".into())
+        );
+        assert_eq!(
+            r.get("mirror_bytes"),
+            (5 * MIB).to_string(),
+            "{how}: the block's 5 MiB, not the 32 MiB run: {}",
+            r.stderr()
+        );
+        assert_eq!(
+            r.get("made_bytes"),
+            (5 * MIB).to_string(),
+            "{how}: made once"
+        );
+        assert_eq!(r.get("bounded"), "1");
+        assert_eq!(r.get("spared"), (27 * MIB).to_string());
+        assert_eq!(
+            r.get("snapshots"),
+            "1",
+            "{how}: reused while nothing was allocated"
+        );
+    }
     // Without PyTorch, or with EXPSEG_IPC_EXTENT=run: the whole run.
     for (torch, env) in [
         ("none", &[][..]),

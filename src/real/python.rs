@@ -5,14 +5,20 @@
 //! the real `dlsym` in the process's global scope; a process without Python, or whose Python
 //! has not loaded `torch`, gets `None`.
 //!
-//! The caller must hold none of expseg's locks: taking the GIL may wait for another Python
-//! thread, which may be waiting in one of expseg's hooks.
+//! The caller must hold none of expseg's locks. A thread that holds the GIL asks at once; any
+//! other asks through a helper thread and waits at most [`WAIT`]: the thread holding the GIL
+//! may be waiting for the caller (a C++ extension that keeps the GIL while another thread
+//! works), and the caller must not wait for it in turn. A question not answered in time is
+//! answered `None` (its answer, when it comes, is dropped).
 
 use super::lookup;
+use crossbeam::channel::{bounded, unbounded, Sender};
 use libc::{c_char, c_int, c_void};
 use once_cell::sync::OnceCell;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
 
 type Obj = *mut c_void;
 
@@ -24,6 +30,7 @@ struct Api {
     is_initialized: IntFn,
     is_finalizing: Option<IntFn>,
     gil_ensure: IntFn,
+    gil_check: IntFn,
     gil_release: unsafe extern "C" fn(c_int),
     dict_new: ObjFn,
     dict_set: unsafe extern "C" fn(Obj, *const c_char, Obj) -> c_int,
@@ -101,6 +108,7 @@ fn api() -> Option<&'static Api> {
                 // SAFETY: as above (`int (void)`).
                 .map(|p| unsafe { std::mem::transmute::<*mut c_void, IntFn>(p) }),
             gil_ensure: f!(c"PyGILState_Ensure", IntFn),
+            gil_check: f!(c"PyGILState_Check", IntFn),
             gil_release: f!(c"PyGILState_Release", unsafe extern "C" fn(c_int)),
             dict_new: f!(c"PyDict_New", ObjFn),
             dict_set: f!(c"PyDict_SetItemString", Set),
@@ -132,22 +140,72 @@ fn api() -> Option<&'static Api> {
     .as_ref()
 }
 
+/// How long a thread without the GIL waits for the helper's answer.
+const WAIT: Duration = Duration::from_secs(1);
+
+/// A question for the helper thread: the range, and where the answer goes.
+type Ask = (u64, u64, Sender<Option<u64>>);
+
 /// How far PyTorch's live blocks overlapping `[start, end)` reach: `Some(end of the furthest)`,
-/// `None` when there is no Python, no PyTorch in use, or no live block there.
+/// `None` when there is no Python, no PyTorch in use, no live block there, or no answer in
+/// time.
 pub fn torch_block_extent(start: u64, end: u64) -> Option<u64> {
+    let a = api()?;
+    // SAFETY: `int (void)` functions of CPython, callable without the GIL.
+    unsafe {
+        if (a.is_initialized)() == 0 || a.is_finalizing.is_some_and(|f| f() != 0) {
+            return None;
+        }
+        if (a.gil_check)() != 0 {
+            return ask(a, start, end);
+        }
+    }
+    let (tx, rx) = bounded(1);
+    helper()?.send((start, end, tx)).ok()?;
+    rx.recv_timeout(WAIT).ok().flatten()
+}
+
+/// The helper thread's queue, started on first use in this process (a forked child starts its
+/// own: the parent's thread is not in it).
+fn helper() -> Option<Sender<Ask>> {
+    static HELPER: Mutex<Option<(u32, Sender<Ask>)>> = Mutex::new(None);
+    let mut h = HELPER.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some((p, tx)) = h.as_ref() {
+        if *p == pid {
+            return Some(tx.clone());
+        }
+    }
+    let (tx, rx) = unbounded::<Ask>();
+    std::thread::Builder::new()
+        .name("expseg-py".into())
+        .spawn(move || {
+            let Some(a) = api() else { return };
+            for (start, end, back) in rx {
+                // SAFETY: `ask` takes the GIL itself.
+                let _ = back.send(unsafe { ask(a, start, end) });
+            }
+        })
+        .ok()?;
+    *h = Some((pid, tx.clone()));
+    Some(tx)
+}
+
+/// The question itself, on a thread that may or may not hold the GIL (it is taken and given
+/// back with `PyGILState_Ensure`/`Release`, which nest).
+///
+/// # Safety
+/// The interpreter is initialized and not finalizing; `a` is its API.
+unsafe fn ask(a: &Api, start: u64, end: u64) -> Option<u64> {
     // The compiled `expseg_extent`, made on first use and kept for the process's life (with
     // its globals). No lock of expseg's is held while Python runs: the interpreter may hand
     // the GIL to another thread that then comes here; two first uses both compile, one wins.
     static FUNC: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-    let a = api()?;
     // SAFETY: CPython calls made as its C API documents: the GIL taken with PyGILState_Ensure
     // (any thread, held already or not) and released with what it returned; every new
     // reference released once (but the kept function's globals); borrowed ones not; errors
     // cleared before the GIL goes.
     unsafe {
-        if (a.is_initialized)() == 0 || a.is_finalizing.is_some_and(|f| f() != 0) {
-            return None;
-        }
         let gil = (a.gil_ensure)();
         let far = (|| {
             let mut f = FUNC.load(Ordering::Acquire);

@@ -1,8 +1,10 @@
 """Preload test program (Python, on the fake runtime and driver): another allocator's VMM run of
 16 mappings of 2 MiB, a handle asked for its start, and the mirror's size read back from the
 live report. argv[1]: "torch" puts a stand-in `torch` module in sys.modules whose caching
-allocator has one live block over the first 5 MiB of the run (and a free one after it);
-"none" has no torch. Prints key=value lines."""
+allocator has one live block over the first 5 MiB of the run (and a free one after it),
+asked by a thread without the GIL (ctypes.CDLL releases it: expseg asks through its helper
+thread); "torch-gil" the same through ctypes.PyDLL (the caller keeps the GIL: expseg asks at
+once); "none" has no torch. Prints key=value lines."""
 import ctypes
 import json
 import sys
@@ -74,10 +76,11 @@ def process_rows():
 def main():
     rt.cudaSetDevice(0)
     va = foreign_run()
-    calls = stand_in_torch(va) if sys.argv[1] == "torch" else None
+    calls = stand_in_torch(va) if sys.argv[1].startswith("torch") else None
+    lib = ctypes.PyDLL("libcudart.so.13") if sys.argv[1] == "torch-gil" else rt
     h = (ctypes.c_ubyte * 64)()
-    rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va))
-    rc2 = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va + 1))
+    rc = lib.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va))
+    rc2 = lib.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(va + 1))
     p = process_rows()
     print(f"get_rc={rc}")
     print(f"again_rc={rc2}")
