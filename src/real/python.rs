@@ -251,8 +251,14 @@ unsafe fn ask(a: &Api, start: u64, end: u64) -> Option<u64> {
             if args.is_null() {
                 return None;
             }
-            (a.tuple_set)(args, 0, (a.long_from)(start));
-            (a.tuple_set)(args, 1, (a.long_from)(end));
+            // PyTuple_SetItem steals each item (and releases it when it fails).
+            for (i, v) in [start, end].into_iter().enumerate() {
+                let item = (a.long_from)(v);
+                if item.is_null() || (a.tuple_set)(args, i as isize, item) != 0 {
+                    (a.dec_ref)(args);
+                    return None;
+                }
+            }
             let r = (a.call)(f, args);
             (a.dec_ref)(args);
             if r.is_null() {
