@@ -22,7 +22,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from torch_ipc import ctypes_handle  # noqa: E402
-from torch_ipc_trained import SHAPES  # noqa: E402
+from torch_ipc_trained import ballast_arg, trained  # noqa: E402
 
 cu = ctypes.CDLL("libcuda.so.1")
 
@@ -55,19 +55,8 @@ def block_end(ptr, snapshot):
 
 
 def main():
-    ballast_gib = float(sys.argv[sys.argv.index("--ballast-gib") + 1]) if "--ballast-gib" in sys.argv else 30
-    torch.manual_seed(0)
-    torch.cuda.set_device(0)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.01) for s in SHAPES]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    for step in range(3):
-        tmp = [torch.randn(int(n) << 18, device="cuda") for n in (3, 40, 200 * (step + 1), 7)]
-        loss = sum((p * p).sum() for p in params) + sum(t.sum() for t in tmp) * 0
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        del tmp
-    ballast = torch.empty(int(ballast_gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+    ballast_gib = ballast_arg()
+    params, ballast = trained(ballast_gib)
     torch.cuda.synchronize()
     snap = torch.cuda.memory_snapshot()
     rows = []

@@ -32,8 +32,12 @@ def process_rows():
     return {k: p.get(k) for k in keys}
 
 
-def main():
-    ballast_gib = float(sys.argv[sys.argv.index("--ballast-gib") + 1]) if "--ballast-gib" in sys.argv else 30
+def ballast_arg():
+    return float(sys.argv[sys.argv.index("--ballast-gib") + 1]) if "--ballast-gib" in sys.argv else 30
+
+
+def trained(ballast_gib):
+    """The 7 parameters after 3 AdamW steps with temporaries, and the ballast after them."""
     torch.manual_seed(0)
     torch.cuda.set_device(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.01) for s in SHAPES]
@@ -46,6 +50,12 @@ def main():
         opt.zero_grad()
         del tmp
     ballast = torch.empty(int(ballast_gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+    return params, ballast
+
+
+def main():
+    ballast_gib = ballast_arg()
+    params, ballast = trained(ballast_gib)
     tensors = [p.data.view(-1) for p in params]
     for i, t in enumerate(tensors):
         t.fill_(float(i + 1))
