@@ -277,31 +277,16 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_IPC_PEERS",
-        set: |c, v| match v.trim() {
-            "any" | "" => {
-                c.ipc_peers_expseg = false;
-                Ok(())
-            }
-            "expseg" => {
-                c.ipc_peers_expseg = true;
-                Ok(())
-            }
-            _ => Err("any or expseg"),
+        set: |c, v| {
+            parse_choice(v, ["any", "expseg"], false, "any or expseg")
+                .map(|b| c.ipc_peers_expseg = b)
         },
         show: |c| if c.ipc_peers_expseg { "expseg" } else { "any" }.to_string(),
     },
     Var {
         name: "EXPSEG_IPC_EXTENT",
-        set: |c, v| match v.trim() {
-            "torch" | "" => {
-                c.ipc_extent_torch = true;
-                Ok(())
-            }
-            "run" => {
-                c.ipc_extent_torch = false;
-                Ok(())
-            }
-            _ => Err("torch or run"),
+        set: |c, v| {
+            parse_choice(v, ["run", "torch"], true, "torch or run").map(|b| c.ipc_extent_torch = b)
         },
         show: |c| if c.ipc_extent_torch { "torch" } else { "run" }.to_string(),
     },
@@ -460,6 +445,22 @@ fn parse_bool(v: &str) -> Result<bool, &'static str> {
     }
 }
 
+/// One of two words: `Ok(false)` for the first, `Ok(true)` for the second, `Ok(default)` for
+/// an empty value.
+fn parse_choice(
+    v: &str,
+    words: [&str; 2],
+    default: bool,
+    expected: &'static str,
+) -> Result<bool, &'static str> {
+    match v.trim() {
+        "" => Ok(default),
+        w if w == words[0] => Ok(false),
+        w if w == words[1] => Ok(true),
+        _ => Err(expected),
+    }
+}
+
 /// Bytes, with an optional suffix: K, M, G, T (powers of 1024; `KiB`, `MB`... also accepted).
 pub fn parse_size(v: &str) -> Result<u64, &'static str> {
     const EXPECTED: &str = "a byte count such as 0, 4096, 512M or 2G";
@@ -581,6 +582,18 @@ mod tests {
             bad.is_empty() && c.report.is_none(),
             "none is off, as for expseg-run"
         );
+    }
+
+    #[test]
+    fn two_word_variables_take_either_word_or_nothing() {
+        assert!(Config::default().ipc_extent_torch && !Config::default().ipc_peers_expseg);
+        let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "run"), ("EXPSEG_IPC_PEERS", "expseg")]);
+        assert!(bad.is_empty() && !c.ipc_extent_torch && c.ipc_peers_expseg);
+        let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", " "), ("EXPSEG_IPC_PEERS", "")]);
+        assert!(bad.is_empty() && c.ipc_extent_torch && !c.ipc_peers_expseg);
+        let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "all")]);
+        assert_eq!(bad.len(), 1, "{bad:?}");
+        assert!(c.ipc_extent_torch, "the default kept");
     }
 
     #[test]
