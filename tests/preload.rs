@@ -1615,6 +1615,31 @@ fn two_devices_coalesced_in_one_process_keep_their_data() {
     }
 }
 
+#[test]
+fn two_devices_whose_segment_ranges_travel_between_them_keep_their_data() {
+    // A device's freed segment range reserved again by the other device (as the driver may
+    // hand it out), at release at once and with released handles kept.
+    for delay in ["0", "60000"] {
+        let r = pages(
+            "libc10_cuda.so",
+            "two_recycle",
+            &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
+        );
+        assert!(
+            r.out.status.success(),
+            "{delay}: {:?}\n{}",
+            r.out.status,
+            r.stderr()
+        );
+        assert_eq!(r.get("recycle_steps"), "300", "{delay}");
+        assert_eq!(r.get("recycle_bad"), "0", "{delay}: {}", r.stderr());
+        assert_eq!(r.get("wrong_context"), "0", "{delay}");
+        assert_eq!(r.get("used_end"), "0", "{delay}");
+        let moved: u32 = r.get("moved").parse().unwrap();
+        assert!(moved > 0, "{delay}: no range travelled: {}", r.stdout());
+    }
+}
+
 /// `pages_main` with libc10_cuda.so as a user without ptrace rights over others: nobody
 /// (through setpriv) when the tests run as root, else the user itself. `None`: cannot drop
 /// root here.

@@ -152,6 +152,49 @@ int expandable(const char* what) {
     printf(" used_end=%ld\n", fakecu_used());
     return 0;
   }
+  if (!strcmp(what, "two_recycle")) {
+    /* Two devices' segments grown and shrunk at random; a segment left with no page is freed
+     * (cuMemAddressFree) and the device reserves a new one at the address the other device's
+     * last freed segment had, so ranges travel between devices as the driver may hand them
+     * out. Data checked after every step; cudaMemGetInfo now and then (which settles). */
+    uint64_t seg[2], gone[2] = {0, 0}; seg[0] = va;
+    if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
+    static uint64_t hh[2][NP]; static unsigned char tagv[2][NP];
+    unsigned r = 11; int bad = 0, steps = 0, recycled = 0, moved = 0;
+    for (int step = 0; step < 300; step++) {
+      r = r * 1103515245u + 12345u; int d = (r >> 16) & 1;
+      r = r * 1103515245u + 12345u; int at = (r >> 16) % 6; /* few pages: segments empty often */
+      r = r * 1103515245u + 12345u; int n = 1 + (r >> 16) % 5;
+      va = seg[d]; dev_ = d;
+      int free_run = 1; for (int i = at; i < at + n; i++) if (hh[d][i]) free_run = 0;
+      if (free_run) {
+        for (int i = at; i < at + n; i++) h[i] = 0;
+        if (grow(at, n) == 0) for (int i = at; i < at + n; i++) { hh[d][i] = h[i]; tagv[d][i] = (unsigned char)(1 + (r >> 8) % 250); memset((char*)(va + i * PAGE), tagv[d][i], PAGE); }
+      } else {
+        for (int i = at; i < at + n; i++) if (hh[d][i]) { if (unmap(va + i * PAGE, PAGE) || release(hh[d][i])) bad++; hh[d][i] = 0; }
+        int empty = 1; for (int i = 0; i < NP; i++) if (hh[d][i]) empty = 0;
+        if (empty && (r >> 4) % 3 == 0) {
+          /* The new range first (at the other device's last freed one, when it is free), then
+           * the old one goes: the next recycle of the other device may land on it. */
+          uint64_t nv = 0, hint = gone[1 - d] != seg[1 - d] ? gone[1 - d] : 0;
+          if (reserve(&nv, NP * PAGE, 0, hint, 0)) return 3;
+          moved += hint && nv == hint;
+          if (addrfree(seg[d], NP * PAGE)) bad++;
+          gone[d] = seg[d]; seg[d] = nv; recycled++;
+        }
+      }
+      if (step % 5 == 0) { size_t fr, tot; cudaMemGetInfo(&fr, &tot); }
+      for (int e = 0; e < 2; e++) for (int i = 0; i < NP; i++) if (hh[e][i]) {
+        const unsigned char* q = (const unsigned char*)(seg[e] + i * PAGE);
+        for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != tagv[e][i]) { bad++; break; }
+      }
+      steps++;
+    }
+    for (int e = 0; e < 2; e++) { va = seg[e]; dev_ = e; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
+    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
+    printf("recycle_steps=%d recycle_bad=%d recycled=%d moved=%d used_end=%ld wrong_context=%ld\n", steps, bad, recycled, moved, fakecu_used(), fakecu_count("wrong_context"));
+    return 0;
+  }
   if (!strcmp(what, "two_random")) {
     /* Two devices' segments in one process, each grown and shrunk at random page runs, data
      * checked after every step and after cudaMemGetInfo (which compacts). */
