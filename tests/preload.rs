@@ -1585,33 +1585,42 @@ fn a_mirror_refresh_waits_for_the_device_without_holding_up_allocations_or_frees
     }
 }
 
+/// `pages_main` with libc10_cuda.so, two fake devices, the scenario `two_random` or
+/// `two_recycle` at release delay `delay`: every step, every page checked, books empty at the
+/// end, no driver call made from another device's context.
+fn two_devices(scenario: &str, delay: &str, steps: &str) -> Run {
+    let r = pages(
+        "libc10_cuda.so",
+        scenario,
+        &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
+    );
+    assert!(
+        r.out.status.success(),
+        "{scenario} {delay}: {:?}\n{}",
+        r.out.status,
+        r.stderr()
+    );
+    assert_eq!(r.get("two_steps"), steps, "{scenario} {delay}");
+    assert_eq!(r.get("two_bad"), "0", "{scenario} {delay}: {}", r.stderr());
+    assert_eq!(r.get("used_end"), "0", "{scenario} {delay}");
+    assert_eq!(
+        r.get("wrong_context"),
+        "0",
+        "{scenario} {delay}: {}",
+        r.stderr()
+    );
+    r
+}
+
 #[test]
 fn two_devices_coalesced_in_one_process_keep_their_data() {
     // Both devices coalesced (the default since 2026-11-24): the bookkeeping across devices,
     // checked granule by granule on the fake driver. The program never switches devices (as
     // PyTorch empties every device's cache from one thread): every driver call for a
-    // device's memory is still made in that device's context.
-    let r = pages("libc10_cuda.so", "two_random", &[("FAKE_DEVICES", "2")]);
-    assert!(r.out.status.success(), "{:?}\n{}", r.out.status, r.stderr());
-    assert_eq!(r.get("two_steps"), "400");
-    assert_eq!(r.get("two_bad"), "0", "{}", r.stderr());
-    assert_eq!(r.get("used_end"), "0");
-    assert_eq!(r.get("wrong_context"), "0", "{}", r.stderr());
-    // The same with released handles kept (opt-in), as the defaults of 2026-11-23 did.
-    for delay in ["2", "60000"] {
-        let r = pages(
-            "libc10_cuda.so",
-            "two_random",
-            &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
-        );
-        assert!(
-            r.out.status.success(),
-            "{delay}: {:?}\n{}",
-            r.out.status,
-            r.stderr()
-        );
-        assert_eq!(r.get("two_bad"), "0", "{delay}: {}", r.stderr());
-        assert_eq!(r.get("wrong_context"), "0", "{delay}: {}", r.stderr());
+    // device's memory is still made in that device's context. At release at once, and with
+    // released handles kept (opt-in), as the defaults of 2026-11-23 did.
+    for delay in ["0", "2", "60000"] {
+        two_devices("two_random", delay, "400");
     }
 }
 
@@ -1620,21 +1629,7 @@ fn two_devices_whose_segment_ranges_travel_between_them_keep_their_data() {
     // A device's freed segment range reserved again by the other device (as the driver may
     // hand it out), at release at once and with released handles kept.
     for delay in ["0", "60000"] {
-        let r = pages(
-            "libc10_cuda.so",
-            "two_recycle",
-            &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", delay)],
-        );
-        assert!(
-            r.out.status.success(),
-            "{delay}: {:?}\n{}",
-            r.out.status,
-            r.stderr()
-        );
-        assert_eq!(r.get("recycle_steps"), "300", "{delay}");
-        assert_eq!(r.get("recycle_bad"), "0", "{delay}: {}", r.stderr());
-        assert_eq!(r.get("wrong_context"), "0", "{delay}");
-        assert_eq!(r.get("used_end"), "0", "{delay}");
+        let r = two_devices("two_recycle", delay, "300");
         let moved: u32 = r.get("moved").parse().unwrap();
         assert!(moved > 0, "{delay}: no range travelled: {}", r.stdout());
     }

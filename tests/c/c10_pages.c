@@ -65,6 +65,49 @@ static int shrink(int at, int n) {
 static void fill(int i) { memset((char*)(va + i * PAGE), 'A' + i, PAGE); }
 static int holds(const char* p, int i) { for (size_t k = 0; k < PAGE; k += 4096) if (p[k] != 'A' + i) return 0; return p[PAGE - 1] == 'A' + i; }
 
+/* Two devices' segments in one process, each grown and shrunk at random runs of pages
+ * starting within the first `span`, data checked after every step and after cudaMemGetInfo
+ * (which settles). With `recycle`, a segment left with no page is replaced: the device
+ * reserves a new range at the one the other device freed last (when it is free), then frees
+ * its own, so ranges travel between devices as the driver may hand them out. */
+static int two_devices(int nsteps, int span, int recycle) {
+  uint64_t seg[2], gone[2] = {0, 0}; seg[0] = va;
+  if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
+  static uint64_t hh[2][NP]; static unsigned char tagv[2][NP];
+  unsigned r = recycle ? 11 : 7; int bad = 0, steps = 0, recycled = 0, moved = 0;
+  for (int step = 0; step < nsteps; step++) {
+    r = r * 1103515245u + 12345u; int d = (r >> 16) & 1;
+    r = r * 1103515245u + 12345u; int at = (r >> 16) % span;
+    r = r * 1103515245u + 12345u; int n = 1 + (r >> 16) % 5;
+    va = seg[d]; dev_ = d;
+    int free_run = 1; for (int i = at; i < at + n; i++) if (hh[d][i]) free_run = 0;
+    if (free_run) {
+      for (int i = at; i < at + n; i++) h[i] = 0;
+      if (grow(at, n) == 0) for (int i = at; i < at + n; i++) { hh[d][i] = h[i]; tagv[d][i] = (unsigned char)(1 + (r >> 8) % 250); memset((char*)(va + i * PAGE), tagv[d][i], PAGE); }
+    } else {
+      for (int i = at; i < at + n; i++) if (hh[d][i]) { if (unmap(va + i * PAGE, PAGE) || release(hh[d][i])) bad++; hh[d][i] = 0; }
+      int empty = 1; for (int i = 0; i < NP; i++) if (hh[d][i]) empty = 0;
+      if (recycle && empty && (r >> 4) % 3 == 0) {
+        uint64_t nv = 0, hint = gone[1 - d] != seg[1 - d] ? gone[1 - d] : 0;
+        if (reserve(&nv, NP * PAGE, 0, hint, 0)) return 3;
+        moved += hint && nv == hint;
+        if (addrfree(seg[d], NP * PAGE)) bad++;
+        gone[d] = seg[d]; seg[d] = nv; recycled++;
+      }
+    }
+    if (step % (recycle ? 5 : 7) == 0) { size_t fr, tot; cudaMemGetInfo(&fr, &tot); }
+    for (int e = 0; e < 2; e++) for (int i = 0; i < NP; i++) if (hh[e][i]) {
+      const unsigned char* q = (const unsigned char*)(seg[e] + i * PAGE);
+      for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != tagv[e][i]) { bad++; break; }
+    }
+    steps++;
+  }
+  for (int e = 0; e < 2; e++) { va = seg[e]; dev_ = e; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
+  size_t fr, tot; cudaMemGetInfo(&fr, &tot);
+  printf("two_steps=%d two_bad=%d recycled=%d moved=%d used_end=%ld wrong_context=%ld\n", steps, bad, recycled, moved, fakecu_used(), fakecu_count("wrong_context"));
+  return 0;
+}
+
 int expandable(const char* what) {
   create = get("cuMemCreate"); release = get("cuMemRelease"); reserve = get("cuMemAddressReserve");
   addrfree = get("cuMemAddressFree"); map = get("cuMemMap"); unmap = get("cuMemUnmap");
@@ -152,80 +195,8 @@ int expandable(const char* what) {
     printf(" used_end=%ld\n", fakecu_used());
     return 0;
   }
-  if (!strcmp(what, "two_recycle")) {
-    /* Two devices' segments grown and shrunk at random; a segment left with no page is freed
-     * (cuMemAddressFree) and the device reserves a new one at the address the other device's
-     * last freed segment had, so ranges travel between devices as the driver may hand them
-     * out. Data checked after every step; cudaMemGetInfo now and then (which settles). */
-    uint64_t seg[2], gone[2] = {0, 0}; seg[0] = va;
-    if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
-    static uint64_t hh[2][NP]; static unsigned char tagv[2][NP];
-    unsigned r = 11; int bad = 0, steps = 0, recycled = 0, moved = 0;
-    for (int step = 0; step < 300; step++) {
-      r = r * 1103515245u + 12345u; int d = (r >> 16) & 1;
-      r = r * 1103515245u + 12345u; int at = (r >> 16) % 6; /* few pages: segments empty often */
-      r = r * 1103515245u + 12345u; int n = 1 + (r >> 16) % 5;
-      va = seg[d]; dev_ = d;
-      int free_run = 1; for (int i = at; i < at + n; i++) if (hh[d][i]) free_run = 0;
-      if (free_run) {
-        for (int i = at; i < at + n; i++) h[i] = 0;
-        if (grow(at, n) == 0) for (int i = at; i < at + n; i++) { hh[d][i] = h[i]; tagv[d][i] = (unsigned char)(1 + (r >> 8) % 250); memset((char*)(va + i * PAGE), tagv[d][i], PAGE); }
-      } else {
-        for (int i = at; i < at + n; i++) if (hh[d][i]) { if (unmap(va + i * PAGE, PAGE) || release(hh[d][i])) bad++; hh[d][i] = 0; }
-        int empty = 1; for (int i = 0; i < NP; i++) if (hh[d][i]) empty = 0;
-        if (empty && (r >> 4) % 3 == 0) {
-          /* The new range first (at the other device's last freed one, when it is free), then
-           * the old one goes: the next recycle of the other device may land on it. */
-          uint64_t nv = 0, hint = gone[1 - d] != seg[1 - d] ? gone[1 - d] : 0;
-          if (reserve(&nv, NP * PAGE, 0, hint, 0)) return 3;
-          moved += hint && nv == hint;
-          if (addrfree(seg[d], NP * PAGE)) bad++;
-          gone[d] = seg[d]; seg[d] = nv; recycled++;
-        }
-      }
-      if (step % 5 == 0) { size_t fr, tot; cudaMemGetInfo(&fr, &tot); }
-      for (int e = 0; e < 2; e++) for (int i = 0; i < NP; i++) if (hh[e][i]) {
-        const unsigned char* q = (const unsigned char*)(seg[e] + i * PAGE);
-        for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != tagv[e][i]) { bad++; break; }
-      }
-      steps++;
-    }
-    for (int e = 0; e < 2; e++) { va = seg[e]; dev_ = e; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
-    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
-    printf("recycle_steps=%d recycle_bad=%d recycled=%d moved=%d used_end=%ld wrong_context=%ld\n", steps, bad, recycled, moved, fakecu_used(), fakecu_count("wrong_context"));
-    return 0;
-  }
-  if (!strcmp(what, "two_random")) {
-    /* Two devices' segments in one process, each grown and shrunk at random page runs, data
-     * checked after every step and after cudaMemGetInfo (which compacts). */
-    uint64_t seg[2]; seg[0] = va;
-    if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
-    static uint64_t hh[2][NP]; static unsigned char tagv[2][NP];
-    unsigned r = 7; int bad = 0, steps = 0;
-    for (int step = 0; step < 400; step++) {
-      r = r * 1103515245u + 12345u; int d = (r >> 16) & 1;
-      r = r * 1103515245u + 12345u; int at = (r >> 16) % (NP - 6);
-      r = r * 1103515245u + 12345u; int n = 1 + (r >> 16) % 5;
-      va = seg[d]; dev_ = d;
-      int free_run = 1; for (int i = at; i < at + n; i++) if (hh[d][i]) free_run = 0;
-      if (free_run) {
-        for (int i = at; i < at + n; i++) h[i] = 0;
-        if (grow(at, n) == 0) for (int i = at; i < at + n; i++) { hh[d][i] = h[i]; tagv[d][i] = (unsigned char)(1 + (r >> 8) % 250); memset((char*)(va + i * PAGE), tagv[d][i], PAGE); }
-      } else {
-        for (int i = at; i < at + n; i++) if (hh[d][i]) { if (unmap(va + i * PAGE, PAGE) || release(hh[d][i])) bad++; hh[d][i] = 0; }
-      }
-      if (step % 7 == 0) { size_t fr, tot; cudaMemGetInfo(&fr, &tot); }
-      for (int e = 0; e < 2; e++) for (int i = 0; i < NP; i++) if (hh[e][i]) {
-        const unsigned char* q = (const unsigned char*)(seg[e] + i * PAGE);
-        for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != tagv[e][i]) { bad++; break; }
-      }
-      steps++;
-    }
-    for (int e = 0; e < 2; e++) { va = seg[e]; for (int i = 0; i < NP; i++) if (hh[e][i]) { unmap(va + i * PAGE, PAGE); release(hh[e][i]); } }
-    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
-    printf("two_steps=%d two_bad=%d used_end=%ld wrong_context=%ld\n", steps, bad, fakecu_used(), fakecu_count("wrong_context"));
-    return 0;
-  }
+  if (!strcmp(what, "two_random")) return two_devices(400, NP - 6, 0);
+  if (!strcmp(what, "two_recycle")) return two_devices(300, 6, 1);
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
   printf("grow_rc=%d\n", grow(0, 8));
   printf("batch_creates=%ld batch_maps=%ld\n", fakecu_count("cuMemCreate") - c0, fakecu_count("cuMemMap") - m0);
