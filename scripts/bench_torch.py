@@ -32,7 +32,10 @@ filler process that holds the rest of the card:
 Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
 large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), noec (not
 run unless asked: the default allocator with torch.cuda.empty_cache() a no-op, the floor of
-the workloads that empty the cache), expseg
+the workloads that empty the cache), floor-now and floor-late (not run unless asked: noec plus,
+at each empty_cache(), the bytes the default allocator gives back there given back to the driver
+and made again as one handle, right away or after the next forward pass: the driver's floor
+under the contract, see DriverFloor), expseg
 (scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
 expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
 EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse); not run unless
@@ -94,6 +97,9 @@ def mode_env(mode, lib):
         # The floor: the default allocator with torch.cuda.empty_cache() a no-op, so nothing
         # is given back and nothing made again; no allocator that gives memory back is faster.
         env["BENCH_NO_EC"] = "1"
+    elif mode in ("floor-now", "floor-late"):
+        env["BENCH_NO_EC"] = "1"
+        env["BENCH_FLOOR"] = mode.split("-")[1]
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
@@ -150,12 +156,116 @@ def cpu_list(text):
     return out
 
 
+class DriverFloor:
+    """Modes floor-now and floor-late: the driver's floor for a workload that empties the cache
+    every step, under the contract (every byte given back is back in the driver when the call
+    returns). The default allocator keeps its cache (noec), and at each empty_cache() the bytes
+    the step needed beyond what stays allocated (its peak of allocated bytes minus the bytes
+    allocated at that call, rounded up to the 2 MiB granularity: the least any allocator that
+    gives everything back must make again) are given back to the driver as one handle (unmap,
+    release) and made again as one (create, map, set access): the fewest driver calls any
+    allocator that gives that memory back and makes it again can make. floor-now makes it right after the release
+    (the next step's first pages), floor-late after the next step's forward pass (the driver
+    has had the forward's time to make released memory ready; gpt2_ec and the small-GPT
+    workloads mark that point). The step time is the floor's; the driver calls' own times go
+    into the result as floor_ms (per call, medians over steps) and floor_gib."""
+
+    def __init__(self, when):
+        import ctypes
+
+        import torch
+
+        self.when, self.ct, self.torch = when, ctypes, torch
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        self.ck(self.cu.cuCtxGetDevice(ctypes.byref(dev)))
+        self.dev = dev.value
+        # CUmemAllocationProp: pinned (1), no shareable handle, location device (1) dev.
+        self.prop = (ctypes.c_int * 8)(1, 0, 1, self.dev, 0, 0, 0, 0)
+        self.desc = (ctypes.c_int * 3)(1, self.dev, 3)  # device dev, read and write
+        self.span = 64 * GIB
+        self.va = ctypes.c_uint64()
+        self.ck(self.cu.cuMemAddressReserve(ctypes.byref(self.va), ctypes.c_size_t(self.span), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)))
+        self.handle, self.size, self.want = None, 0, 0
+        self.times = {k: [] for k in ("unmap", "release", "create", "map", "access")}
+        self.sizes = []
+        self.max_reserved = 0
+
+    def ck(self, r):
+        if r != 0:
+            raise RuntimeError(f"driver floor: CUresult {r}")
+
+    def timed(self, name, f):
+        t0 = time.perf_counter()
+        self.ck(f())
+        self.times[name].append((time.perf_counter() - t0) * 1e3)
+
+    def give_back(self):
+        ct, cu = self.ct, self.cu
+        if self.handle is not None:
+            self.timed("unmap", lambda: cu.cuMemUnmap(ct.c_uint64(self.va.value), ct.c_size_t(self.size)))
+            self.timed("release", lambda: cu.cuMemRelease(ct.c_uint64(self.handle)))
+            self.handle = None
+        # What the step needed beyond what stays allocated: the least any allocator that gives
+        # everything back at empty_cache() must make again next step.
+        gran = 2 << 20
+        cuda = self.torch.cuda
+        need = cuda.max_memory_allocated() - cuda.memory_allocated()
+        self.max_reserved = max(self.max_reserved, cuda.max_memory_reserved())
+        cuda.reset_peak_memory_stats()
+        self.want = min(self.span, (need + gran - 1) // gran * gran)
+        self.sizes.append(self.want)
+
+    def make(self):
+        ct, cu = self.ct, self.cu
+        if self.handle is not None or not self.want:
+            return
+        h = ct.c_uint64()
+        size = self.want
+        self.timed("create", lambda: cu.cuMemCreate(ct.byref(h), ct.c_size_t(size), ct.byref(self.prop), ct.c_uint64(0)))
+        self.timed("map", lambda: cu.cuMemMap(ct.c_uint64(self.va.value), ct.c_size_t(size), ct.c_size_t(0), h, ct.c_uint64(0)))
+        self.timed("access", lambda: cu.cuMemSetAccess(ct.c_uint64(self.va.value), ct.c_size_t(size), ct.byref(self.desc), ct.c_size_t(1)))
+        self.handle, self.size = h.value, size
+
+    def empty_cache(self):
+        self.give_back()
+        if self.when == "now":
+            self.make()
+
+    def point(self):
+        """The next step's forward pass has been launched."""
+        if self.when == "late":
+            self.make()
+
+    def result(self):
+        med = statistics.median
+        return {k: round(med(v), 3) for k, v in self.times.items() if v}, round(med(self.sizes) / GIB, 3) if self.sizes else 0
+
+
+FLOOR = [None]
+
+
 def no_ec():
-    """Mode noec: torch.cuda.empty_cache() does nothing in this process."""
+    """Mode noec: torch.cuda.empty_cache() does nothing in this process (floor modes: it gives
+    back and makes again as DriverFloor says)."""
     if os.environ.get("BENCH_NO_EC"):
         import torch
 
         torch.cuda.empty_cache = lambda: None
+        if os.environ.get("BENCH_FLOOR"):
+
+            def floor_ec():
+                # Made at the first call, on the device the workload has chosen by then.
+                if FLOOR[0] is None:
+                    FLOOR[0] = DriverFloor(os.environ["BENCH_FLOOR"])
+                FLOOR[0].empty_cache()
+
+            torch.cuda.empty_cache = floor_ec
+
+
+def floor_point():
+    if FLOOR[0]:
+        FLOOR[0].point()
 
 
 def worker(name):
@@ -267,6 +377,7 @@ def worker(name):
             batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
             data = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to("cuda")
             logits = model(data[:, :-1])
+            floor_point()
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), data[:, 1:].reshape(-1))
             loss.backward()
             opt.step()
@@ -279,6 +390,7 @@ def worker(name):
             data = torch.randint(0, 50257, (8, seq), generator=gen).to("cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=data, labels=data).loss
+            floor_point()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -343,6 +455,9 @@ def worker(name):
     res["peak_device"] = max([peak["v"]] + [m[0] for m in res["mem"]])
     res["peak_reserved"] = torch.cuda.max_memory_reserved()
     res["median_step_ms"] = statistics.median(res["step_ms"][1:] or res["step_ms"] or [0])
+    if FLOOR[0]:
+        res["floor_ms"], res["floor_gib"] = FLOOR[0].result()
+        res["peak_reserved"] = max(res["peak_reserved"], FLOOR[0].max_reserved)
     print("RESULT " + json.dumps(res))
 
 
@@ -576,7 +691,8 @@ def run_all(args):
                 # short by a time limit keeps what it measured.
                 print(
                     f"{w:6} {m:11} steps {r['steps']:4} median {runs[-1]:.2f} ms peak {r['peak_device'] / GIB:.2f} GiB"
-                    f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[:200]}",
+                    f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[-300:]}"
+                    + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else ""),
                     flush=True,
                 )
                 json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
@@ -628,6 +744,7 @@ def summary(results, args):
                 "run_medians_ms": r.get("run_medians_ms", []),
                 "peak_reserved_gib": round(r.get("peak_reserved", 0) / GIB, 3),
                 "peak_device_gib": round(r.get("peak_device", 0) / GIB, 3),
+                **({"floor_driver_ms": r["floor_ms"], "floor_gib": r["floor_gib"]} if r.get("floor_ms") else {}),
             }
             for m, r in modes.items()
         }
