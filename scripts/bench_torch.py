@@ -33,9 +33,10 @@ Modes: default, expandable (expandable_segments:True), expandable_256 (the same 
 large_segment_size_mb:256), max_split (max_split_size_mb:64, not run unless asked), noec (not
 run unless asked: the default allocator with torch.cuda.empty_cache() a no-op, the floor of
 the workloads that empty the cache), floor-now and floor-late (not run unless asked: noec plus,
-at each empty_cache(), the bytes the default allocator gives back there given back to the driver
-and made again as one handle, right away or after the next forward pass: the driver's floor
-under the contract, see DriverFloor), expseg
+at each empty_cache(), the bytes the step needed beyond what stays allocated given back to the
+driver and made again as one handle, right away or after the next forward pass (floor-late:
+gpt2_ec and the small-GPT workloads only): the driver's floor under the contract, see
+DriverFloor), expseg
 (scripts/expseg-run, the launch path), expseg-preload (LD_PRELOAD alone, which applies
 expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
 EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse); not run unless
@@ -164,8 +165,9 @@ class DriverFloor:
     allocated at that call, rounded up to the 2 MiB granularity: the least any allocator that
     gives everything back must make again) are given back to the driver as one handle (unmap,
     release) and made again as one (create, map, set access): the fewest driver calls any
-    allocator that gives that memory back and makes it again can make. floor-now makes it right after the release
-    (the next step's first pages), floor-late after the next step's forward pass (the driver
+    allocator that gives that memory back and makes it again can make. floor-now makes it
+    right after the release (the next step's first pages), floor-late after the next step's
+    forward pass (the driver
     has had the forward's time to make released memory ready; gpt2_ec and the small-GPT
     workloads mark that point). The step time is the floor's; the driver calls' own times go
     into the result as floor_ms (per call, medians over steps) and floor_gib."""
@@ -279,6 +281,8 @@ def worker(name):
     pynvml.nvmlInit()
     no_ec()
     budget, steps = WORKLOADS[name]
+    if os.environ.get("BENCH_FLOOR") == "late" and name not in ("train_ec", "ddp_ec", "gpt2_ec"):
+        raise SystemExit(f"floor-late: {name} marks no point after its forward pass")
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
     if name in ("ddp", "ddp_ec"):
