@@ -5,7 +5,9 @@ empty_cache() (which unmaps pages and strands parts of coalesced handles, compac
 forces out-of-memory retries (PyTorch frees its cache and retries; expseg compacts before a
 create would fail), and shares tensors (ctypes cudaIpcGetMemHandle, and PyTorch's own
 expandable-segment export, _share_cuda_). After every compaction point and every 100
-operations each live tensor's every byte is checked.
+operations each live tensor's every byte is checked (its smallest and largest byte against its
+value, one reduction a tensor and one wait a device for them all; STRESS_SELFTEST=1 changes one
+byte of a live tensor at the end and fails unless the check finds it).
 
     LD_PRELOAD=libexpseg.so python3 torch_coalesce_stress.py [OPS] [DEVICES] [LIVE_GIB]
 
@@ -16,6 +18,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import torch
 
@@ -27,6 +30,7 @@ SYNC_ALL = os.environ.get("STRESS_SYNC_ALL") == "1"
 # handles back), so released handles live on into the next allocations: kept handles serve
 # new pages, parked ones where they are mapped (run with a long EXPSEG_RELEASE_DELAY).
 KEEP = os.environ.get("STRESS_KEEP") == "1"
+SELFTEST = os.environ.get("STRESS_SELFTEST") == "1"
 GIB = 1 << 30
 
 
@@ -41,20 +45,31 @@ def main():
     nxt = 0
     stats = {"ops": 0, "allocs": 0, "frees": 0, "rewrites": 0, "empty_cache": 0, "oom_forced": 0,
              "oom_retry_ok": 0, "ipc_ctypes": 0, "ipc_ctypes_fail": 0, "ipc_ctypes_oom": 0, "share_cuda": 0,
-             "share_cuda_fail": 0, "checks": 0, "checked_bytes": 0, "mismatches": 0, "errors": []}
+             "share_cuda_fail": 0, "checks": 0, "checked_bytes": 0, "mismatches": 0, "errors": [],
+             "check_s": 0.0}
+    start = time.perf_counter()
 
     def live_bytes(dev=None):
         return sum(t.numel() for t, _ in live.values() if dev is None or t.device == dev)
 
     def check_all():
+        t0 = time.perf_counter()
+        # Every byte equals the value iff the smallest and the largest do: one reduction a
+        # tensor (no temporary the size of the tensor), read back once a device.
+        ends = {}
         for k, (t, v) in live.items():
-            # In slices, with a boolean reduction: the temporaries stay small under pressure.
-            bad = sum(bool((t[o : o + 64 * MIB] != v).any().item()) for o in range(0, t.numel(), 64 * MIB))
-            stats["checks"] += 1
-            stats["checked_bytes"] += t.numel()
-            if bad:
-                stats["mismatches"] += 1
-                stats["errors"].append(f"tensor {k}: {bad} of {t.numel() // (64 * MIB) + 1} 64 MiB slices differ")
+            ends.setdefault(t.device, []).append((k, torch.stack(torch.aminmax(t))))
+        for dev_ends in ends.values():
+            got = torch.stack([e for _, e in dev_ends]).cpu().tolist()
+            for (k, _), (lo, hi) in zip(dev_ends, got):
+                t, v = live[k]
+                stats["checks"] += 1
+                stats["checked_bytes"] += t.numel()
+                if lo != v or hi != v:
+                    bad = sum(bool((t[o : o + 64 * MIB] != v).any().item()) for o in range(0, t.numel(), 64 * MIB))
+                    stats["mismatches"] += 1
+                    stats["errors"].append(f"tensor {k}: {bad} of {t.numel() // (64 * MIB) + 1} 64 MiB slices differ")
+        stats["check_s"] += time.perf_counter() - t0
 
     def size():
         r = rng.random()
@@ -165,6 +180,21 @@ def main():
         if i % 100 == 99:
             check_all()
     check_all()
+    if SELFTEST and live:
+        # The check must see one changed byte in the middle of a live tensor.
+        k = rng.choice(list(live))
+        t, v = live[k]
+        t[t.numel() // 2] = (v + 1) % 256
+        before = stats["mismatches"]
+        check_all()
+        stats["selftest"] = "detected" if stats["mismatches"] == before + 1 else "missed"
+        if stats["selftest"] == "detected":
+            stats["mismatches"] = before
+            stats["errors"].pop()
+        else:
+            stats["errors"].append("selftest: a changed byte went unseen")
+    stats["check_s"] = round(stats["check_s"], 2)
+    stats["wall_s"] = round(time.perf_counter() - start, 2)
     stats["errors"] = stats["errors"][:10]
     stats["live_at_end"] = len(live)
     print(json.dumps(stats))
