@@ -187,6 +187,9 @@ fi
 # forced out-of-memory retries, IPC exports; every live tensor checked after each compaction.
 if want coalesce && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   ngpu=$(nvidia-smi -L | wc -l)
+  # The check itself: one byte changed at the end must be found.
+  STRESS_SELFTEST=1 LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" 300 1 >"$logs/stress_selftest.log" 2>&1
+  result torch_coalesce_stress_check_finds_a_changed_byte $? "$(grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -o '"selftest": "[a-z]*"')"
   EXPSEG_REPORT="$logs/stress_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 1 >"$logs/stress.log" 2>&1
   rc=$?
   python3 - "$logs/stress_report.txt.json" <<'PY' || rc=1
