@@ -22,20 +22,7 @@
 #include <unistd.h>
 #include <algorithm>
 #include <vector>
-
-static double now_ms() {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-#define CK(x)                                                      \
-  do {                                                             \
-    CUresult r_ = (x);                                             \
-    if (r_) {                                                      \
-      printf("%s:%d %s -> %d\n", __FILE__, __LINE__, #x, (int)r_); \
-      exit(1);                                                     \
-    }                                                              \
-  } while (0)
+#include "probe.cuh"
 
 static double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

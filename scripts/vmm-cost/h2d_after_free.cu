@@ -12,28 +12,15 @@
 #include <unistd.h>
 #include <algorithm>
 #include <vector>
-
-static double now_ms() {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t r_ = (x);                                                            \
-    if (r_) {                                                                        \
-      printf("%s:%d %s -> %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(r_));    \
-      exit(1);                                                                       \
-    }                                                                                \
-  } while (0)
+#include "probe.cuh"
 
 int main(int argc, char** argv) {
   if (argc > 2 && !strcmp(argv[1], "hog")) {  // the other process: take, write, exit
     size_t n = (size_t)(atof(argv[2]) * (1ull << 30));
     void* b;
-    CK(cudaMalloc(&b, n));
-    CK(cudaMemset(b, 1, n));
-    CK(cudaDeviceSynchronize());
+    CKRT(cudaMalloc(&b, n));
+    CKRT(cudaMemset(b, 1, n));
+    CKRT(cudaDeviceSynchronize());
     return 0;
   }
   char hog[4096];
@@ -42,7 +29,7 @@ int main(int argc, char** argv) {
   size_t big = (size_t)(atof(argc > 2 ? argv[2] : "60") * (1ull << 30));
   int quiet = argc > 3 ? atoi(argv[3]) : 2000;
   void* host;
-  CK(cudaMallocHost(&host, copy));
+  CKRT(cudaMallocHost(&host, copy));
   for (size_t i = 0; i < copy; i += 4096) ((char*)host)[i] = 1;
   std::vector<double> after, later, existing;
   for (int rep = 0; rep < 3; rep++) {
@@ -52,19 +39,19 @@ int main(int argc, char** argv) {
     }
     double t0 = now_ms();
     void* d;
-    CK(cudaMalloc(&d, copy));
-    CK(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
+    CKRT(cudaMalloc(&d, copy));
+    CKRT(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
     after.push_back(now_ms() - t0);
     t0 = now_ms();
-    CK(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
+    CKRT(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
     existing.push_back(now_ms() - t0);
-    CK(cudaFree(d));
+    CKRT(cudaFree(d));
     usleep(quiet * 1000);
     t0 = now_ms();
-    CK(cudaMalloc(&d, copy));
-    CK(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
+    CKRT(cudaMalloc(&d, copy));
+    CKRT(cudaMemcpy(d, host, copy, cudaMemcpyHostToDevice));
     later.push_back(now_ms() - t0);
-    CK(cudaFree(d));
+    CKRT(cudaFree(d));
   }
   auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
   printf("%.1f GiB copied after %.1f GiB were freed: allocate+copy at once %.1f ms, after %d ms %.1f ms, "

@@ -21,20 +21,8 @@
 #include <time.h>
 #include <thread>
 #include <vector>
+#include "probe.cuh"
 
-static double now_ms() {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-#define CK(x)                                                      \
-  do {                                                             \
-    CUresult r_ = (x);                                             \
-    if (r_) {                                                      \
-      printf("%s:%d %s -> %d\n", __FILE__, __LINE__, #x, (int)r_); \
-      exit(1);                                                     \
-    }                                                              \
-  } while (0)
 static const size_t PIECE = 256ull << 20;
 static CUcontext ctx;
 static int nthreads = 8;

@@ -40,22 +40,10 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#include "probe.cuh"
 
-static double now_ms() {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
 #define PG (20ull << 20)
 #define GR (2ull << 20)
-#define CK(x)                                                              \
-  do {                                                                     \
-    CUresult r_ = (x);                                                     \
-    if (r_) {                                                              \
-      printf("%s:%d %s -> %d\n", __FILE__, __LINE__, #x, (int)r_);         \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
 
 enum { CREATE, MAP, ACCESS, WRITE, SYNC, UNMAP, RELEASE, NOPS };
 static const char* OPS[NOPS] = {"create", "map", "access", "write", "sync", "unmap", "release"};

@@ -14,20 +14,8 @@
 #include <unistd.h>
 #include <algorithm>
 #include <vector>
+#include "probe.cuh"
 
-static double now_ms() {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-#define CK(x)                                                      \
-  do {                                                             \
-    CUresult r_ = (x);                                             \
-    if (r_) {                                                      \
-      printf("%s:%d %s -> %d\n", __FILE__, __LINE__, #x, (int)r_); \
-      exit(1);                                                     \
-    }                                                              \
-  } while (0)
 static const size_t G = 1ull << 30;
 
 int main(int argc, char** argv) {
