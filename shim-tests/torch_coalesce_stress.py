@@ -47,6 +47,7 @@ def main():
              "oom_retry_ok": 0, "ipc_ctypes": 0, "ipc_ctypes_fail": 0, "ipc_ctypes_oom": 0, "share_cuda": 0,
              "share_cuda_fail": 0, "checks": 0, "checked_bytes": 0, "mismatches": 0, "errors": [],
              "check_s": 0.0}
+    op_s = {}  # seconds spent in each kind of operation, checks included
     start = time.perf_counter()
 
     def live_bytes(dev=None):
@@ -83,6 +84,7 @@ def main():
         stats["ops"] += 1
         dev = rng.choice(devices)
         op = rng.random()
+        t_op = time.perf_counter()
         try:
             if op < 0.40:
                 n = size()
@@ -177,8 +179,12 @@ def main():
         except Exception as e:  # noqa: BLE001
             stats["errors"].append(f"op {i}: {type(e).__name__}: {str(e)[:200]}")
             break
+        kind = ("alloc" if op < 0.40 else "free" if op < 0.75 else "rewrite" if op < 0.80 else "empty_cache"
+                if op < 0.87 else "oom_forced" if op < 0.89 else "oom_retry" if op < 0.91 else "ipc_ctypes"
+                if op < 0.92 else "share_cuda")
         if i % 100 == 99:
             check_all()
+        op_s[kind] = op_s.get(kind, 0.0) + time.perf_counter() - t_op
     check_all()
     if SELFTEST and live:
         # The check must see one changed byte in the middle of a live tensor.
@@ -194,6 +200,7 @@ def main():
         else:
             stats["errors"].append("selftest: a changed byte went unseen")
     stats["check_s"] = round(stats["check_s"], 2)
+    stats["op_s"] = {k: round(v, 2) for k, v in sorted(op_s.items(), key=lambda kv: -kv[1])}
     stats["wall_s"] = round(time.perf_counter() - start, 2)
     stats["errors"] = stats["errors"][:10]
     stats["live_at_end"] = len(live)
