@@ -2338,3 +2338,76 @@ fn a_foreign_mirror_ends_where_pytorchs_live_blocks_over_its_page_end() {
         assert_eq!(r.get("bounded"), "0");
     }
 }
+
+/// `two_inflight` (tests/c/c10_pages.c) on two fake devices: PyTorch's empty_cache() waits on
+/// the current device's default stream only, then unmaps every device's freed pages while the
+/// other device still has work on them (issue 24). Pages expseg holds must not be unmapped
+/// under that work.
+fn inflight(whole: bool, env: &[(&str, &str)]) -> Run {
+    let mut all = vec![
+        ("FAKE_DEVICES", "2"),
+        ("INFLIGHT_WHOLE", if whole { "1" } else { "0" }),
+    ];
+    all.extend_from_slice(env);
+    let r = pages("libc10_cuda.so", "two_inflight", &all);
+    assert!(
+        r.out.status.success(),
+        "{env:?}: {:?}\n{}",
+        r.out.status,
+        r.stderr()
+    );
+    assert_eq!(r.get("inflight_bad"), "0", "{env:?}\n{}", r.stdout());
+    assert_eq!(r.get("live_intact"), "1", "{env:?}\n{}", r.stdout());
+    assert_eq!(r.get("used_end"), "0", "{env:?}\n{}", r.stdout());
+    r
+}
+
+const KEEPING: [&[(&str, &str)]; 3] = [
+    &[],
+    &[("EXPSEG_RELEASE_DELAY", "2")],
+    &[("EXPSEG_RELEASE_DELAY", "60000")],
+];
+
+#[test]
+fn a_partly_freed_batch_of_either_device_is_not_unmapped_under_work_in_flight() {
+    // At c904993 the second device's pages passed through (first device only), and PyTorch's
+    // own unmap ran under device 1's work (illegal_address=2 there).
+    for env in KEEPING {
+        let r = inflight(false, env);
+        assert_eq!(r.get("illegal_address"), "0", "{env:?}\n{}", r.stdout());
+        assert_eq!(r.get("wrong_context"), "0", "{env:?}\n{}", r.stdout());
+    }
+}
+
+#[test]
+fn a_wholly_freed_batch_waits_for_its_device_before_it_leaves() {
+    // Before the wait (up to 728e8aa) a handle all of whose pages were freed left its address
+    // at once (or when a kept one was given back) under device 1's work: illegal_address=1.
+    for env in KEEPING {
+        let r = inflight(true, env);
+        assert_eq!(r.get("illegal_address"), "0", "{env:?}\n{}", r.stdout());
+        assert_eq!(
+            r.get("waits"),
+            "1",
+            "device 1's handle: {env:?}\n{}",
+            r.stdout()
+        );
+        assert_eq!(r.get("wrong_context"), "0", "{env:?}\n{}", r.stdout());
+    }
+}
+
+#[test]
+fn pages_freed_with_their_own_device_current_add_no_wait() {
+    for whole in [true, false] {
+        let r = inflight(whole, &[("INFLIGHT_GUARDED", "1")]);
+        assert_eq!(r.get("illegal_address"), "0", "{}", r.stdout());
+        assert_eq!(r.get("waits"), "0", "{}", r.stdout());
+    }
+}
+
+#[test]
+fn natively_the_race_is_pytorchs() {
+    // The control: without coalescing the program's own unmaps run under device 1's work.
+    let r = inflight(false, &[("EXPSEG_COALESCE", "off")]);
+    assert_eq!(r.get("illegal_address"), "2", "{}", r.stdout());
+}

@@ -564,6 +564,10 @@ pub(super) mod coalescers {
             ),
             ("coalesce_access_fallbacks", sum(&|s| s.access_fallbacks)),
             ("coalesce_exports_split", sum(&|s| s.exports_split)),
+            (
+                "coalesce_cross_device_waits",
+                sum(&|s| s.cross_device_waits),
+            ),
             ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),

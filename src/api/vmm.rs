@@ -103,10 +103,15 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         if !started() || wraps(va, size) {
             return None;
         }
+        // Whose stream the caller waited on: its current primary context's device, asked before
+        // `in_context` makes the memory's device current.
+        let caller = crate::real::driver()
+            .ok()
+            .and_then(crate::gpu::cuda::primary_device);
         let mut v = lock();
         let mut answer = None;
         for c in v.all().filter(|c| c.maps_in(va, size)) {
-            match in_context(c, |c| c.unmap(va, size)) {
+            match in_context(c, |c| c.unmap_from(va, size, caller)) {
                 Ok(false) => continue,
                 Ok(true) => answer = Some(0),
                 Err(e) => answer = Some(e.0),

@@ -328,9 +328,22 @@ impl<D: Driver> Coalescer<D> {
         Ok(())
     }
 
-    /// `cuMemUnmap(va, size)`: Ok(false) if no page of ours is mapped there (pass through).
+    /// `cuMemUnmap(va, size)` from a thread whose current context is this device's primary
+    /// one: Ok(false) if no page of ours is mapped there (pass through).
     pub fn unmap(&mut self, va: u64, size: u64) -> DrvResult<bool> {
+        self.unmap_from(va, size, Some(self.drv.device()))
+    }
+
+    /// `cuMemUnmap(va, size)` from a thread whose current context is the primary context of
+    /// device `caller` (None: no context, or one of the program's own). A program waits for
+    /// its work on the memory before unmapping it; PyTorch waits on the default stream of the
+    /// current context, which is not this device's when `empty_cache()` frees every device's
+    /// pages from one thread. So when the caller is elsewhere, a handle whose last page goes
+    /// waits for this device's default stream before it leaves its address (natively that
+    /// unmap runs under the kernels still using the memory: an illegal address, issue 24).
+    pub fn unmap_from(&mut self, va: u64, size: u64, caller: Option<i32>) -> DrvResult<bool> {
         self.last_call = Instant::now();
+        let elsewhere = caller != Some(self.drv.device());
         let inside = self.mapped_in(va, size);
         if inside.is_empty() {
             return self.none_of_the_programs(va, size);
@@ -350,6 +363,9 @@ impl<D: Driver> Coalescer<D> {
             let p = self.pages.get_mut(&vh).unwrap();
             p.va = None;
             if let Some((pid, _)) = p.slot {
+                if elsewhere {
+                    self.wait_before_unmap(pid);
+                }
                 self.unmap_phys_if_idle(pid);
             }
             self.drop_if_dead(vh);
@@ -488,6 +504,27 @@ impl<D: Driver> Coalescer<D> {
                 Some(next) => pid = *next,
                 None => return Ok(()),
             }
+        }
+    }
+
+    /// The program unmapped a page of `pid` after waiting on another device's stream: if no
+    /// page of the handle is mapped any more (it leaves its address now, or is kept parked
+    /// there for reuse, and unparked later), this device's default stream ends first. A failed
+    /// wait (the context already in error) is logged; the unmap goes on as it would natively.
+    fn wait_before_unmap(&mut self, pid: u64) {
+        let ph = &self.phys[&pid];
+        if ph.base.is_none()
+            || ph.asleep.is_some()
+            || ph.slots.values().any(|v| self.pages[v].va.is_some())
+        {
+            return;
+        }
+        self.stats.cross_device_waits += 1;
+        if let Err(e) = self.drv.wait_default_stream() {
+            log::warn!(
+                "device {}: waiting for the default stream before giving a handle back failed ({e})",
+                self.drv.device()
+            );
         }
     }
 

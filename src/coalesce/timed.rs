@@ -71,6 +71,9 @@ impl<D: Driver> Driver for Timed<D> {
     fn synchronize(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.synchronize())
     }
+    fn wait_default_stream(&mut self) -> DrvResult<()> {
+        self.count(Op::Sync.index(), |d| d.wait_default_stream())
+    }
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.synchronize_peer(dev))
     }

@@ -6,7 +6,7 @@
 use super::{ChunkHandle, Driver, DrvError, DrvResult, IpcHandle};
 pub use crate::real::primary::{
     make_primary_current, pop_primary, primary_device, push_primary, synchronize_primary,
-    with_primary,
+    synchronize_primary_default_stream, with_primary,
 };
 use crate::real::{runtime, DriverTable};
 use cudarc::driver::sys::{
@@ -610,6 +610,10 @@ impl Driver for CudaDriver {
             0 => Ok(()),
             e => Err(rt(e)),
         }
+    }
+
+    fn wait_default_stream(&mut self) -> DrvResult<()> {
+        check(synchronize_primary_default_stream(self.t, self.dev))
     }
 
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {

@@ -63,6 +63,14 @@ pub struct FakeDriver {
     pub calls: [u64; Op::ALL.len()],
     /// Other devices waited for (`synchronize_peer`), in order.
     pub peers_synced: Vec<i32>,
+    /// Work in flight on the default stream (`launch`): ranges a kernel still uses until the
+    /// device or its default stream is waited for.
+    in_flight: Vec<(u64, u64)>,
+    /// Unmaps of a range with work in flight on it: what faults a real GPU with an illegal
+    /// address.
+    pub unmapped_in_flight: u64,
+    /// `wait_default_stream` calls.
+    pub default_stream_waits: u64,
     /// Page-locked host buffers: start -> per-granule data (host addresses are a range of
     /// their own, `HOST_BASE` up).
     host: BTreeMap<u64, Vec<u64>>,
@@ -92,11 +100,19 @@ impl FakeDriver {
             reserve_floor: VA_BASE,
             calls: [0; Op::ALL.len()],
             peers_synced: Vec::new(),
+            in_flight: Vec::new(),
+            unmapped_in_flight: 0,
+            default_stream_waits: 0,
             host: BTreeMap::new(),
             next_host: HOST_BASE,
             host_capacity: u64::MAX,
             inject: Vec::new(),
         }
+    }
+
+    /// A kernel on the default stream uses `[va, va+size)` until the device is waited for.
+    pub fn launch(&mut self, va: u64, size: u64) {
+        self.in_flight.push((va, size));
     }
 
     /// Make the next call of `op` fail with `err`.
@@ -438,6 +454,13 @@ impl Driver for FakeDriver {
 
     fn unmap(&mut self, va: u64, size: u64) -> DrvResult<()> {
         self.enter(Op::Unmap)?;
+        if self
+            .in_flight
+            .iter()
+            .any(|&(s, n)| s < va + size && va < s + n)
+        {
+            self.unmapped_in_flight += 1;
+        }
         for s in self.mappings_covering(va, size)? {
             let (_, h) = self.mappings.remove(&s).unwrap();
             self.access.remove(&s);
@@ -528,7 +551,16 @@ impl Driver for FakeDriver {
     }
 
     fn synchronize(&mut self) -> DrvResult<()> {
-        self.enter(Op::Sync)
+        self.enter(Op::Sync)?;
+        self.in_flight.clear();
+        Ok(())
+    }
+
+    fn wait_default_stream(&mut self) -> DrvResult<()> {
+        self.enter(Op::Sync)?;
+        self.default_stream_waits += 1;
+        self.in_flight.clear();
+        Ok(())
     }
 
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {

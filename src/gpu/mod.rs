@@ -145,6 +145,11 @@ pub trait Driver {
     fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle>;
     /// Wait for all work on the device.
     fn synchronize(&mut self) -> DrvResult<()>;
+    /// Wait for the work queued on the device's legacy default stream (the runtime's stream 0,
+    /// where PyTorch's default stream runs), not for other streams: what a program that frees
+    /// memory of this device meant to wait for when it waited on another device's stream
+    /// (PyTorch's `empty_cache()` with another device current).
+    fn wait_default_stream(&mut self) -> DrvResult<()>;
     /// Wait for all work on another device `dev`: one that was given access to this device's
     /// memory (peer access), whose kernels may be reading it.
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()>;

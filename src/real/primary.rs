@@ -145,6 +145,29 @@ pub fn with_primary<T>(t: &DriverTable, dev: i32, f: impl FnOnce() -> T) -> T {
     r
 }
 
+/// Wait for the work queued on the legacy default stream of `dev`'s primary context (what the
+/// runtime's stream 0 is), not for other streams: the wait the program meant to make before
+/// freeing memory of `dev` (see `Driver::wait_default_stream`). Returns the driver's code; an
+/// inactive primary context has no work: 0.
+pub fn synchronize_primary_default_stream(t: &DriverTable, dev: i32) -> u32 {
+    const CU_STREAM_LEGACY: usize = 0x1;
+    let Some(sync) = t.cuStreamSynchronize else {
+        return synchronize_primary(t, dev);
+    };
+    match push_primary(t, dev) {
+        Ok(pushed) => {
+            // SAFETY: CU_STREAM_LEGACY names the current context's (dev's primary) legacy stream.
+            let r = unsafe { sync(CU_STREAM_LEGACY as _) };
+            if pushed {
+                pop_primary(t);
+            }
+            r
+        }
+        Err(_) if !primary_active(t, dev) => 0,
+        Err(e) => e,
+    }
+}
+
 /// Wait for the work of `dev`'s primary context (the driver's `cuCtxSynchronize`), from
 /// whatever context the calling thread has: the primary context is pushed for the wait if it
 /// is not current (an inactive one has no work: 0). Returns the driver's code.

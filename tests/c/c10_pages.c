@@ -108,6 +108,55 @@ static int two_devices(int nsteps, int span, int recycle) {
   return 0;
 }
 
+/* torch.cuda.empty_cache() on two devices from a thread whose current device is 0, with the
+ * freed blocks' last kernels still running on each device (a tensor filled, then deleted, as
+ * torch_coalesce_stress.py does): PyTorch's unmapHandles waits on the segment's stream, for the
+ * default stream cudaStreamSynchronize(nullptr), i.e. the legacy stream of the *current* device,
+ * then unmaps and releases page by page, device after device. Each device has one
+ * batch of 4 pages; INFLIGHT_WHOLE=1 frees all 4, else pages 2-3 (pages 0-1 stay live). */
+void fakecu_launch(int, uint64_t, size_t);
+int cudaDeviceSynchronize(void);
+int cudaStreamSynchronize(void*);
+int cudaSetDevice(int);
+static int two_inflight(void) {
+  int whole = getenv("INFLIGHT_WHOLE") && atoi(getenv("INFLIGHT_WHOLE"));
+  /* INFLIGHT_GUARDED=1: each device's pages are freed with that device current (a caller whose
+   * wait covered them). */
+  int guarded = getenv("INFLIGHT_GUARDED") && atoi(getenv("INFLIGHT_GUARDED"));
+  cudaSetDevice(0);
+  uint64_t seg[2], hh[2][4]; seg[0] = va;
+  if (reserve(&seg[1], NP * PAGE, 0, 0, 0)) return 2;
+  for (int d = 0; d < 2; d++) {
+    va = seg[d]; dev_ = d;
+    if (grow(0, 4)) return 3;
+    for (int i = 0; i < 4; i++) { hh[d][i] = h[i]; memset((char*)(va + i * PAGE), 'a' + 4 * d + i, PAGE); }
+  }
+  int from = whole ? 0 : 2, bad = 0;
+  for (int d = 0; d < 2; d++) fakecu_launch(d, seg[d] + from * PAGE, (4 - from) * PAGE);
+  long w0 = fakecu_count("legacy_sync");
+  for (int d = 0; d < 2; d++) {
+    if (guarded) cudaSetDevice(d);
+    cudaStreamSynchronize(0); /* PyTorch's wait: the legacy stream of the current device (0) */
+    for (int i = from; i < 4; i++) if (unmap(seg[d] + i * PAGE, PAGE) || release(hh[d][i])) bad++;
+  }
+  size_t fr, tot;
+  long waits = fakecu_count("legacy_sync") - w0;
+  for (int d = 0; d < 2; d++) { cudaSetDevice(d); cudaMemGetInfo(&fr, &tot); } /* torch.cuda.mem_get_info(d) */
+  cudaSetDevice(0);
+  usleep(20 * 1000); /* quiet: a releaser thread (kept handles) has its turn */
+  long faults = fakecu_count("illegal_address");
+  int intact = 1;
+  for (int d = 0; d < 2; d++) for (int i = 0; i < from; i++) {
+    const unsigned char* q = (const unsigned char*)(seg[d] + i * PAGE);
+    for (size_t k = 0; k < PAGE; k += 1 << 20) if (q[k] != 'a' + 4 * d + i) { intact = 0; break; }
+  }
+  for (int d = 1; d >= 0; d--) { cudaSetDevice(d); cudaDeviceSynchronize(); }
+  for (int d = 0; d < 2; d++) for (int i = 0; i < from; i++) if (unmap(seg[d] + i * PAGE, PAGE) || release(hh[d][i])) bad++;
+  cudaMemGetInfo(&fr, &tot);
+  printf("inflight_bad=%d illegal_address=%ld live_intact=%d used_end=%ld wrong_context=%ld waits=%ld\n", bad, faults, intact, fakecu_used(), fakecu_count("wrong_context"), waits);
+  return 0;
+}
+
 int expandable(const char* what) {
   create = get("cuMemCreate"); release = get("cuMemRelease"); reserve = get("cuMemAddressReserve");
   addrfree = get("cuMemAddressFree"); map = get("cuMemMap"); unmap = get("cuMemUnmap");
@@ -115,6 +164,7 @@ int expandable(const char* what) {
   import_ = get("cuMemImportFromShareableHandle"); retain = get("cuMemRetainAllocationHandle");
   props = get("cuMemGetAllocationPropertiesFromHandle");
   if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
+  if (!strcmp(what, "two_inflight")) return two_inflight();
   if (!strcmp(what, "consume_fd")) {
     /* torch.multiprocessing's consumer: the producer's descriptor by pidfd_getfd (PRODUCER_PID,
      * PRODUCER_FD); the page behind it must hold 'B'. Then a descriptor the producer never

@@ -28,13 +28,18 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 #define GRAN (2u << 20)
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_NCOUNT };
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
                               /* cuMemCreate/Map/Unmap/Release of one device's memory while no context or another
                                * device's is current (allowed by the driver; expseg makes its own calls in the
                                * memory's device's context) */
-                              "wrong_context"};
+                              "wrong_context",
+                              /* cuMemUnmap of a range a device still has work in flight on (fakecu_launch, not
+                               * yet synchronised): what faults a real GPU with an illegal address */
+                              "illegal_address",
+                              /* cuStreamSynchronize of the legacy default stream (NULL or CU_STREAM_LEGACY) */
+                              "legacy_sync"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -88,9 +93,29 @@ CUresult cuCtxCreate_v2(CUcontext* c, unsigned flags, CUdevice d) {
   *c = (CUcontext)(uintptr_t)(0x200 + i);
   return cuCtxPushCurrent_v2(*c);
 }
+/* Work in flight: a test launches work of device `dev` over [va, va+n); it ends only when that
+ * device is synchronised (cuCtxSynchronize in its context, the runtime's cudaDeviceSynchronize
+ * on it). Deterministic stand-in for a kernel still running when its memory is unmapped. */
+#define MAXW 256
+static struct { int dev; uint64_t va; size_t n; } work[MAXW];
+void fakecu_launch(int dev, uint64_t va, size_t n) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXW; i++) if (!work[i].n) { work[i].dev = dev; work[i].va = va; work[i].n = n; break; }
+  pthread_mutex_unlock(&mu);
+}
+void fakecu_sync_dev(int dev) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXW; i++) if (work[i].n && work[i].dev == dev) work[i].n = 0;
+  pthread_mutex_unlock(&mu);
+}
+/* Under mu: count an unmap of [va, va+n) while work is in flight on it. */
+static void check_inflight(uint64_t va, size_t n) {
+  for (int i = 0; i < MAXW; i++) if (work[i].n && work[i].va < va + n && va < work[i].va + work[i].n) { counts[C_FAULT]++; return; }
+}
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 CUresult cuCtxSynchronize(void) {
   if (!current()) return 201;
+  fakecu_sync_dev(ctx_device(current()));
   count(C_SYNC);
   const char* ms = getenv("FAKE_SYNC_MS");
   if (ms) usleep((useconds_t)atoi(ms) * 1000);
@@ -289,7 +314,7 @@ CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAllocatio
   pthread_mutex_unlock(&mu); return r;
 }
 CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
-  pthread_mutex_lock(&mu); counts[C_UNMAP]++;
+  pthread_mutex_lock(&mu); counts[C_UNMAP]++; check_inflight(va, size);
   size_t covered = 0;
   for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
     covered += maps[i].size; handles[maps[i].h].mapped--; maps[i].size = 0; check_ctx(handles[maps[i].h].dev);
@@ -434,7 +459,15 @@ static long host_registered;
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { (void)p; (void)flags; __atomic_add_fetch(&host_registered, (long)n, __ATOMIC_SEQ_CST); return 0; }
 CUresult cuMemHostUnregister(void* p) { (void)p; return 0; }
 CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(uintptr_t)0x5e; return 0; }
-CUresult cuStreamSynchronize(void* st) { (void)st; return 0; }
+/* The legacy default stream (NULL or CU_STREAM_LEGACY) of the current context: its device's work
+ * in flight ends (fakecu_launch models only default-stream work). Other streams: nothing. */
+CUresult cuStreamSynchronize(void* st) {
+  if (st && st != (void*)1) return 0;
+  if (!current()) return 201;
+  count(C_LEGACY_SYNC);
+  fakecu_sync_dev(ctx_device(current()));
+  return 0;
+}
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { (void)st; memmove((void*)(uintptr_t)d, s, n); return 0; }
 

@@ -92,10 +92,18 @@ int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
 int cudaGetDevice(int* d) { int c = fakecu_current_device(); *d = c >= 0 ? c : cur_dev; return 0; }
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind_dev(d); return 0; }
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
+void fakecu_sync_dev(int);
 int cudaDeviceSynchronize(void) {
   __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
+  { int c = fakecu_current_device(); fakecu_sync_dev(c >= 0 ? c : cur_dev); }
   const char* ms = getenv("FAKE_SYNC_MS");
   if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  return 0;
+}
+/* The legacy default stream (0) of the current device: its work in flight ends (fakecu_launch).
+ * Other streams are not modelled. */
+int cudaStreamSynchronize(void* s) {
+  if (!s) { int c = fakecu_current_device(); fakecu_sync_dev(c >= 0 ? c : cur_dev); }
   return 0;
 }
 int cudaMemGetInfo(size_t* f, size_t* t) {

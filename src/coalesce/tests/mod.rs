@@ -4,6 +4,7 @@
 
 mod api;
 mod compact;
+mod inflight;
 mod plan;
 mod randomized;
 mod reuse;
