@@ -22,7 +22,7 @@ build=$(mktemp -d)
 mkdir -p "$logs"
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce crossctx twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -261,6 +261,26 @@ fi
 # expseg and writes its own report; the reports merge into one table; expseg doctor passes.
 # One process on two GPUs (issue 24), with two or more: the coalescing stress on both devices
 # (TWO_GPU_RUNS runs, default 1) and a model split over them trained against the native run.
+# empty_cache() while a freed tensor's kernels still run, with another context current
+# (PyTorch waits on the current context's stream before unmapping, issue 24): natively an
+# illegal memory access (printed, not counted: it is PyTorch's); under expseg the handle's
+# device is waited for (coalesce_cross_device_waits), also with kept handles; the control with
+# the primary context current adds no wait; device1 (two GPUs) is the case of one thread
+# emptying every device's cache.
+if want crossctx && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_cross_context_free.py" own >"$logs/crossctx_native.log" 2>&1
+  echo "INFO natively (expandable segments, no expseg), rc=$?: $(grep '^{' "$logs/crossctx_native.log" | cut -c1-250)"
+  for c in own:1 own_kept:1 primary:0 device1:1; do
+    name=${c%%:*} waits=${c##*:} where=${name%_kept}
+    env $([ "$name" = own_kept ] && echo EXPSEG_RELEASE_DELAY=2) EXPSEG_REPORT="$logs/crossctx_$name.txt" LD_PRELOAD="$lib" \
+      python3 "$here/torch_cross_context_free.py" "$where" >"$logs/crossctx_$name.log" 2>&1
+    rc=$?
+    if grep -q '"skipped"' "$logs/crossctx_$name.log"; then echo "SKIP cross_context_free_$name: one GPU"; continue; fi
+    got=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["process"].get("coalesce_cross_device_waits", -1))' "$logs/crossctx_$name.txt.json" 2>/dev/null)
+    if [ "$waits" = 1 ]; then [ "${got:-0}" -ge 1 ] 2>/dev/null || rc=1; else [ "$got" = 0 ] || rc=1; fi
+    result "cross_context_free_$name" $rc "waits $got: $(grep '^{' "$logs/crossctx_$name.log" | cut -c1-250)"
+  done
+fi
 if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
   for i in $(seq "${TWO_GPU_RUNS:-1}"); do
     EXPSEG_REPORT="$logs/stress2_report_$i.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 16 >"$logs/stress2_$i.log" 2>&1
