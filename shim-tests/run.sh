@@ -22,7 +22,7 @@ build=$(mktemp -d)
 mkdir -p "$logs"
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce crossctx twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce crossctx reclaim twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -280,6 +280,13 @@ if want crossctx && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
     if [ "$waits" = 1 ]; then [ "${got:-0}" -ge 1 ] 2>/dev/null || rc=1; else [ "$got" = 0 ] || rc=1; fi
     result "cross_context_free_$name" $rc "waits $got: $(grep '^{' "$logs/crossctx_$name.log" | cut -c1-250)"
   done
+fi
+# Another expseg process's reclaim while this one adds to a tensor in a handle grown ahead:
+# answered on the socket thread, it may move no live page (a copy would miss the additions
+# made meanwhile; 728e8aa's library faulted the worker with an illegal address, 3 of 3).
+if want reclaim && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  python3 "$here/torch_reclaim_race.py" both "$lib" >"$logs/reclaim_race.log" 2>&1
+  result torch_reclaim_while_the_program_works $? "$(grep '^{' "$logs/reclaim_race.log" | cut -c1-300)"
 fi
 if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
   for i in $(seq "${TWO_GPU_RUNS:-1}"); do

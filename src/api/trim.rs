@@ -58,8 +58,9 @@ pub fn held_beyond_live() -> u64 {
 }
 
 /// Give back everything held beyond live memory on the devices `which` accepts: the bytes
-/// given back.
-fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
+/// given back. `outside`: the caller is not one of the program's calls (a reclaim another
+/// process asked for): no live page of the program moves (`Coalescer::trim_unmoved`).
+fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
     let mut freed = 0;
     if state::forked() {
         return 0; // a forked child's CUDA state is not its own
@@ -78,7 +79,10 @@ fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
             .all()
             .filter(|c| which(c.driver().device()))
         {
-            freed += in_context(c, |c| c.trim());
+            freed += match outside {
+                true => in_context(c, |c| c.trim_unmoved()),
+                false => in_context(c, |c| c.trim()),
+            };
             c.release_host();
         }
     }
@@ -88,13 +92,15 @@ fn trim_devices(which: impl Fn(i32) -> bool) -> u64 {
 
 /// `expseg.trim()`: give back everything held beyond live memory, on every device.
 pub fn trim_all() -> u64 {
-    trim_devices(|_| true)
+    trim_devices(|_| true, false)
 }
 
 /// Another expseg process found no memory on the GPU of `key`: what this process holds beyond
-/// live memory there goes back.
+/// live memory there goes back, as far as it can without moving a live page (this runs on the
+/// socket thread, while the program's threads may be launching work); the rest at the
+/// program's next call.
 pub fn trim_gpu(key: u64) -> u64 {
-    let freed = trim_devices(|d| key_of(d) == key);
+    let freed = trim_devices(|d| key_of(d) == key, true);
     if freed > 0 {
         log::info!("gave back {freed} bytes another expseg process asked for");
     }
@@ -106,7 +112,7 @@ pub fn trim_gpu(key: u64) -> u64 {
 /// theirs on the same GPU. True if any bytes came back (worth asking the driver again).
 pub fn make_room(dev: Option<i32>) -> bool {
     let own = match dev {
-        Some(d) => trim_devices(|x| x == d),
+        Some(d) => trim_devices(|x| x == d, false),
         None => trim_all(),
     };
     own + reclaim_from_peers(dev) > 0

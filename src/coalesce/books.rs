@@ -205,6 +205,9 @@ pub struct Coalescer<D: Driver> {
     /// The program unmapped pages since its last other call (it is giving memory back):
     /// memory grown ahead goes back when that ends, unless its own handle's pages go first.
     pub(super) giving_back: bool,
+    /// A trim from outside the program's calls (`trim_unmoved`) left memory that only moving
+    /// live pages gives back: its next call does.
+    pub(super) trim_owed: bool,
     /// Host buffers of paused handles.
     pub(super) host: HostCopies,
     pub(super) stats: CoalesceStats,
@@ -240,6 +243,7 @@ impl<D: Driver> Coalescer<D> {
             grown: false,
             no_ahead: false,
             giving_back: false,
+            trim_owed: false,
             host: HostCopies::default(),
             stats: CoalesceStats::default(),
         }

@@ -112,12 +112,58 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
+    /// `trim` for a caller outside the program's own calls (another process asking for memory,
+    /// on the socket thread): what goes back without moving a live page (kept handles,
+    /// handles none of whose bytes are a live page's, handles the driver refused before), the
+    /// bytes given back. Moving live pages is safe only inside the program's own calls: now
+    /// its threads may be launching work on them, whose writes a copy would miss. What only
+    /// moving them gives back (bytes grown ahead of live pages, pages stranded by a release
+    /// loop in progress) goes back at the program's next call (`giving_back_ended`).
+    pub fn trim_unmoved(&mut self) -> u64 {
+        let before = self.physical_bytes();
+        for (va, size) in std::mem::take(&mut self.stray) {
+            self.drop_tmp(va, size);
+        }
+        for (h, size) in std::mem::take(&mut self.unreleased) {
+            self.release_or_hold(h, size);
+        }
+        let idle: Vec<u64> = self
+            .phys
+            .iter()
+            .filter(|(pid, p)| {
+                p.slots.is_empty()
+                    && p.asleep.is_none()
+                    && (p.ahead > 0 || self.dirty.contains(pid))
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in idle {
+            let ahead = self.phys[&pid].ahead;
+            match self.release_idle(pid) {
+                Ok(()) => self.stats.ahead_returned += ahead,
+                Err(e) => log::warn!("releasing an idle handle failed ({e}); tried again later"),
+            }
+        }
+        self.release_kept();
+        if self.stranded() > 0 || self.phys.values().any(|p| p.ahead > 0) {
+            self.trim_owed = true;
+        }
+        before.saturating_sub(self.physical_bytes())
+    }
+
     /// A call other than an unmap or a release: if the program was giving memory back, that
     /// has ended, and memory grown ahead before it goes back now (its handles compacted with
     /// the pages the release loops left stranded). Handles whose own pages the program
     /// released took theirs back then, with no copy; waiting for the end spares a copy of
     /// handles whose pages a later loop of the same `empty_cache()` releases.
     pub fn giving_back_ended(&mut self) {
+        if std::mem::take(&mut self.trim_owed) {
+            // What a trim from outside left to this call (`trim_unmoved`).
+            self.giving_back = false;
+            self.drop_ahead();
+            self.settle(true);
+            return;
+        }
         if std::mem::take(&mut self.giving_back) {
             self.drop_ahead();
             self.settle(false);

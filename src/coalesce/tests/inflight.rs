@@ -1,6 +1,7 @@
 //! Pages freed while their device still has work on them, by a thread whose current device is
 //! another (PyTorch's `empty_cache()` over two devices waits on the current device's default
-//! stream only): no handle leaves its address under that work.
+//! stream only): no handle leaves its address under that work. And a trim from outside the
+//! program's calls (another process's reclaim) moves no live page.
 
 use super::*;
 
@@ -80,5 +81,87 @@ fn a_failed_wait_still_gives_the_handle_back() {
     let hs = grow(&mut c, va, 4).unwrap();
     c.driver_mut().fail(Op::Sync, DrvError(700));
     shrink_from(&mut c, va, &hs, Some(1));
+    all_given_back(&mut c);
+}
+
+/// Growing ahead: up to `n` pages.
+fn ahead(n: u64) -> CoalesceConfig {
+    let mut k = cfg();
+    k.ahead = n * PAGE;
+    k
+}
+
+#[test]
+fn a_trim_from_outside_moves_no_live_page_and_leaves_that_to_the_programs_next_call() {
+    // Another process's reclaim runs on the socket thread while the program's threads may be
+    // launching work: bytes grown ahead of live pages stay until the program's next call.
+    let (mut c, va) = setup(100 * PAGE, ahead(6));
+    c.peak_held = u64::MAX;
+    let a = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    assert_eq!(c.ahead_bytes(), 6 * PAGE);
+    c.driver_mut().launch(va, 2 * PAGE); // the program at work on its pages
+    let (copies, unmaps) = (
+        c.driver().calls_of(Op::Copy),
+        c.driver().calls_of(Op::Unmap),
+    );
+    assert_eq!(c.trim_unmoved(), 0, "nothing goes back without a move");
+    assert_eq!(c.driver().calls_of(Op::Copy), copies);
+    assert_eq!(c.driver().calls_of(Op::Unmap), unmaps);
+    assert_eq!(c.driver().unmapped_in_flight, 0);
+    assert_eq!(
+        c.ahead_bytes(),
+        6 * PAGE,
+        "still the program's to grow into"
+    );
+    // The program's next call (here: a create) gives them back first, moving the live pages
+    // inside it, as a release loop's stranded pages are.
+    c.driver_mut().synchronize().unwrap();
+    let b = grow(&mut c, va + 2 * PAGE, 1).unwrap();
+    assert_eq!(c.stats().ahead_returned, 6 * PAGE);
+    assert!(c.driver().calls_of(Op::Copy) > copies);
+    assert!(intact(&c, va, 2));
+    shrink(&mut c, va + 2 * PAGE, &b);
+    shrink(&mut c, va, &a);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn a_trim_from_outside_gives_back_kept_and_idle_handles_at_once() {
+    // Kept handles (parked where their pages were) and handles with no live page need no
+    // move: they go back in the reclaim; stranded pages of a partly released handle wait.
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let a = grow(&mut c, va, 4).unwrap();
+    let b = grow(&mut c, va + 4 * PAGE, 4).unwrap();
+    fill(&mut c, va + 4 * PAGE, 4);
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 6 * PAGE, &b[2..]);
+    assert_eq!(c.kept_bytes(), 4 * PAGE);
+    c.driver_mut().launch(va + 4 * PAGE, 2 * PAGE);
+    let copies = c.driver().calls_of(Op::Copy);
+    assert_eq!(c.trim_unmoved(), 4 * PAGE, "the kept handle");
+    assert_eq!(c.kept_bytes(), 0);
+    assert_eq!(c.driver().calls_of(Op::Copy), copies, "no live page moved");
+    assert_eq!(c.driver().unmapped_in_flight, 0);
+    assert!(c.stranded() > 0, "the released half waits for the program");
+    c.driver_mut().synchronize().unwrap();
+    c.giving_back_ended();
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), 2 * PAGE);
+    assert!(intact(&c, va + 4 * PAGE, 2));
+    shrink(&mut c, va + 4 * PAGE, &b[..2]);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn a_trim_from_inside_still_gives_back_everything_at_once() {
+    let (mut c, va) = setup(100 * PAGE, ahead(6));
+    c.peak_held = u64::MAX;
+    let a = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    assert_eq!(c.trim(), 6 * PAGE);
+    assert_eq!(c.held_beyond_live(), 0);
+    assert!(intact(&c, va, 2));
+    shrink(&mut c, va, &a);
     all_given_back(&mut c);
 }
