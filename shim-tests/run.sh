@@ -283,10 +283,14 @@ if want crossctx && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
 fi
 # Another expseg process's reclaim while this one adds to a tensor in a handle grown ahead:
 # answered on the socket thread, it may move no live page (a copy would miss the additions
-# made meanwhile; 728e8aa's library faulted the worker with an illegal address, 3 of 3).
+# made meanwhile; 728e8aa's library faulted the worker with an illegal address, 3 of 3). The
+# same for a monitor thread's torch.cuda.mem_get_info() in the worker itself.
 if want reclaim && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   python3 "$here/torch_reclaim_race.py" both "$lib" >"$logs/reclaim_race.log" 2>&1
   result torch_reclaim_while_the_program_works $? "$(grep '^{' "$logs/reclaim_race.log" | cut -c1-300)"
+  d=$(mktemp -d)
+  LD_PRELOAD="$lib" python3 "$here/torch_reclaim_race.py" monitor "$d" 6 >"$logs/monitor_race.log" 2>&1
+  result torch_mem_get_info_from_a_monitor_thread_while_the_program_works $? "$(grep '^{' "$logs/monitor_race.log" | cut -c1-300)"
 fi
 if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
   for i in $(seq "${TWO_GPU_RUNS:-1}"); do

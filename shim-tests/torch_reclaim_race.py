@@ -1,4 +1,5 @@
-"""A reclaim from another expseg process while the program is at work: no write of its is lost.
+"""A reclaim from another expseg process, or a monitor thread's mem_get_info(), while the
+program is at work: no write of its is lost.
 
 expseg answers a reclaim (another expseg process of the user found no memory on the GPU) on
 its socket thread, while the program's threads may be launching work. Giving back bytes grown
@@ -6,11 +7,14 @@ ahead of live pages would take moving those pages (a copy, then a remap), and a 
 while kernels keep writing misses their writes. The worker holds a tensor in a handle grown
 ahead and adds 1 to it in a loop; the asker, meanwhile, asks again and again for more than the
 GPU has free (its allocations fail into reclaims of the worker). The worker's tensor must hold
-exactly its count of additions at the end.
+exactly its count of additions at the end. `monitor` is the same in one process: a thread of the
+worker's asks torch.cuda.mem_get_info() every 20 ms (cudaMemGetInfo gives back what expseg
+holds, but from a thread other than the allocator's it may move no live page either).
 
     LD_PRELOAD=libexpseg.so python3 torch_reclaim_race.py worker DIR [SECONDS]
     LD_PRELOAD=libexpseg.so python3 torch_reclaim_race.py asker DIR [TRIES]
     python3 torch_reclaim_race.py both LIBEXPSEG        (runs the two, prints one JSON line)
+    LD_PRELOAD=libexpseg.so python3 torch_reclaim_race.py monitor DIR [SECONDS]
 
 The worker writes DIR/ready when it is adding and prints one JSON line; exit 1 when the count
 is wrong or CUDA raised an error.
@@ -26,7 +30,9 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-def worker(d, seconds):
+def worker(d, seconds, monitor=False):
+    import threading
+
     import torch
 
     # A high mark first, so that a later handle may grow ahead (up to 1/64 of the most held).
@@ -36,6 +42,16 @@ def worker(d, seconds):
     x = torch.zeros(64 * MIB, dtype=torch.int32, device="cuda")  # 256 MiB
     torch.cuda.synchronize()
     open(os.path.join(d, "ready"), "w").close()
+    stop, asked = threading.Event(), [0]
+
+    def watch():
+        while not stop.wait(0.02):
+            torch.cuda.mem_get_info()
+            asked[0] += 1
+
+    watcher = threading.Thread(target=watch)
+    if monitor:
+        watcher.start()
     n, t0, err = 0, time.perf_counter(), None
     try:
         while time.perf_counter() - t0 < seconds:
@@ -43,13 +59,17 @@ def worker(d, seconds):
                 x.add_(1)
             n += 100
             time.sleep(0)  # let the other threads (expseg's socket) run
+        stop.set()
+        if monitor:
+            watcher.join()
         torch.cuda.synchronize()
         lo, hi = (int(v) for v in torch.aminmax(x))
     except Exception as e:  # noqa: BLE001
         lo = hi = -1
         err = str(e).splitlines()[0][:200]
+    stop.set()
     ok = err is None and lo == n and hi == n
-    print(json.dumps({"adds": n, "min": lo, "max": hi, "ok": ok, "cuda_error": err}))
+    print(json.dumps({"adds": n, "min": lo, "max": hi, "ok": ok, "cuda_error": err, "mem_get_info": asked[0]}))
     return 0 if ok else 1
 
 
@@ -102,6 +122,8 @@ if __name__ == "__main__":
     what = sys.argv[1]
     if what == "worker":
         sys.exit(worker(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 6))
+    if what == "monitor":
+        sys.exit(worker(sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 6, monitor=True))
     if what == "asker":
         sys.exit(asker(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 12))
     sys.exit(both(sys.argv[2]))

@@ -1292,6 +1292,18 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         r.stderr(),
         "expseg: PyTorch allocator set to expandable_segments:True (EXPSEG_TORCH_DEFAULTS=0 keeps PyTorch's default)\n"
     );
+    // A monitor thread's cudaMemGetInfo moves no live page (the allocator's thread may be
+    // launching work on them); the allocator's thread's next call compacts.
+    let m = pages("libc10_cuda.so", "full", &[("MEMINFO_THREAD", "1")]).ok();
+    for (k, v) in [
+        ("used_stranded_mib", "160"),
+        ("used_after_other_thread_mib", "160"),
+        ("used_compacted_mib", "80"),
+        ("live_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(m.get(k), v, "{k}\n{}", m.stdout());
+    }
     let quiet = pages("libc10_cuda.so", "full", &[("EXPSEG_TORCH_DEFAULTS", "0")]).ok();
     assert_eq!(quiet.stderr(), "");
     assert_eq!(

@@ -9,6 +9,7 @@ use super::state::coalescers::{in_context, lock, started, VMM};
 use crate::coalesce::is_virtual;
 use crate::gpu::{ChunkHandle, DrvError, PageProps};
 use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Register a read of another allocator's memory (an IPC mirror refresh) while no coalescer
 /// call is running.
@@ -24,6 +25,27 @@ pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
 /// answers it).
 fn wraps(va: u64, size: u64) -> bool {
     va.checked_add(size).is_none()
+}
+
+/// The thread of the program's last VMM call: its allocator's (PyTorch's caller, or its
+/// autograd thread). Moving live pages is safe only inside that thread's calls: another
+/// thread's `cudaMemGetInfo` (a monitor) runs while the allocator's thread may be launching
+/// work on them (`settle`). 0: none yet.
+static ALLOCATOR_THREAD: AtomicU64 = AtomicU64::new(0);
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static THREAD_NO: u64 = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+}
+
+/// This thread's number (0 while its thread-locals are being torn down).
+fn thread_no() -> u64 {
+    THREAD_NO.try_with(|n| *n).unwrap_or(0)
+}
+
+/// A VMM call of the program: its thread is the allocator's.
+fn allocator_call() {
+    ALLOCATOR_THREAD.store(thread_no(), Ordering::Relaxed);
 }
 
 /// A driver result as the C code.
@@ -45,6 +67,7 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
         tag: super::sleep::current_tag(),
         ..props
     };
+    allocator_call();
     time_vmm(VMM_CREATE, || {
         let once = || {
             let mut v = lock();
@@ -68,6 +91,7 @@ pub fn release(vh: u64) -> Option<u32> {
         if !is_virtual(vh) || !started() {
             return None;
         }
+        allocator_call();
         let mut v = lock();
         let c = v.owner(vh)?;
         Some(code(in_context(c, |c| c.release(vh))))
@@ -79,6 +103,7 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
         if !is_virtual(vh) || !started() {
             return None;
         }
+        allocator_call();
         let mut v = lock();
         let c = v.owner(vh)?;
         if flags != 0 || wraps(va, size) {
@@ -103,6 +128,7 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         if !started() || wraps(va, size) {
             return None;
         }
+        allocator_call();
         // Whose stream the caller waited on: its current primary context's device, asked before
         // `in_context` makes the memory's device current.
         let caller = crate::real::driver()
@@ -132,6 +158,7 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
         if !started() || wraps(va, size) {
             return None;
         }
+        allocator_call();
         let once = || {
             let mut v = lock();
             for c in v.all().filter(|c| c.maps_in(va, size)) {
@@ -238,16 +265,24 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
 }
 
 /// At `cudaMemGetInfo`: what the program is told is free should be free. Compact what the
-/// bound asks for and give kept handles back.
+/// bound asks for and give kept handles back. From a thread other than the allocator's (a
+/// monitor's, while the allocator's thread may be launching work): only what goes back
+/// without moving a live page, the rest at the allocator's next call.
 pub fn settle() {
     if !started() {
         return;
     }
+    let inside = ALLOCATOR_THREAD.load(Ordering::Relaxed) == thread_no();
     for c in lock().all() {
-        in_context(c, |c| {
-            c.drop_ahead();
-            c.settle(false);
-            c.release_kept();
+        in_context(c, |c| match inside {
+            true => {
+                c.drop_ahead();
+                c.settle(false);
+                c.release_kept();
+            }
+            false => {
+                c.trim_unmoved();
+            }
         });
     }
 }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -47,6 +48,8 @@ static void* get(const char* name) {
   return f;
 }
 static int dev_ = 0;
+/* A monitor's cudaMemGetInfo, from a thread that is not the allocator's. */
+static void* meminfo_thread(void* arg) { size_t f, t; (void)arg; cudaMemGetInfo(&f, &t); return 0; }
 static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = dev_; return p; }
 static int grow(int at, int n) {
   Prop p = prop();
@@ -261,6 +264,12 @@ int expandable(const char* what) {
   for (int i = 0; i < 8; i++) fill(i);
   printf("shrink_rc=%d\n", shrink(2, 4));
   printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
+  if (getenv("MEMINFO_THREAD")) {
+    /* Another thread asks first: it may be running while this one launches work on the live
+     * pages, so nothing that needs them moved goes back then. */
+    pthread_t t; pthread_create(&t, 0, meminfo_thread, 0); pthread_join(t, 0);
+    printf("used_after_other_thread_mib=%ld\n", fakecu_used() >> 20);
+  }
   size_t fr, tot; cudaMemGetInfo(&fr, &tot); /* expseg compacts before answering */
   printf("used_compacted_mib=%ld\n", fakecu_used() >> 20);
   int ok = 1; for (int i = 0; i < 8; i++) if (i < 2 || i >= 6) ok &= holds((char*)(va + i * PAGE), i);
