@@ -84,13 +84,6 @@ fn a_failed_wait_still_gives_the_handle_back() {
     all_given_back(&mut c);
 }
 
-/// Growing ahead: up to `n` pages.
-fn ahead(n: u64) -> CoalesceConfig {
-    let mut k = cfg();
-    k.ahead = n * PAGE;
-    k
-}
-
 #[test]
 fn a_trim_from_outside_moves_no_live_page_and_leaves_that_to_the_programs_next_call() {
     // Another process's reclaim runs on the socket thread while the program's threads may be

@@ -88,6 +88,13 @@ pub(super) fn intact(c: &Coalescer<FakeDriver>, at: u64, n: u64) -> bool {
     })
 }
 
+/// Growing ahead: up to `n` pages, whatever the coalescer has held so far.
+pub(super) fn ahead(n: u64) -> CoalesceConfig {
+    let mut k = cfg();
+    k.ahead = n * PAGE;
+    k
+}
+
 pub(super) fn delayed() -> CoalesceConfig {
     let mut k = cfg();
     k.release_delay = std::time::Duration::from_secs(3600);

@@ -81,13 +81,6 @@ fn pages_over_part_of_a_parked_handle_move_it_first() {
     all_given_back(&mut c);
 }
 
-/// Growing ahead: up to `n` pages, whatever the coalescer has held so far.
-fn ahead(n: u64) -> CoalesceConfig {
-    let mut k = cfg();
-    k.ahead = n * PAGE;
-    k
-}
-
 #[test]
 fn pages_grown_into_memory_made_ahead_cost_no_driver_call() {
     let (mut c, va) = setup(100 * PAGE, ahead(6));
