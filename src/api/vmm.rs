@@ -129,15 +129,18 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
             return None;
         }
         allocator_call();
-        // Whose stream the caller waited on: its current primary context's device, asked before
-        // `in_context` makes the memory's device current.
-        let caller = crate::real::driver()
-            .ok()
-            .and_then(crate::gpu::cuda::primary_device);
+        // Whose stream the caller waited on: its current primary context's device, asked (for
+        // pages of ours only) before `in_context` makes the memory's device current.
+        let caller = std::cell::OnceCell::new();
         let mut v = lock();
         let mut answer = None;
         for c in v.all().filter(|c| c.maps_in(va, size)) {
-            match in_context(c, |c| c.unmap_from(va, size, caller)) {
+            let who = *caller.get_or_init(|| {
+                crate::real::driver()
+                    .ok()
+                    .and_then(crate::gpu::cuda::primary_device)
+            });
+            match in_context(c, |c| c.unmap_from(va, size, who)) {
                 Ok(false) => continue,
                 Ok(true) => answer = Some(0),
                 Err(e) => answer = Some(e.0),

@@ -88,8 +88,8 @@ pub struct CoalesceStats {
     pub access_skipped: u64,
     /// Batches admitted without asking the driver for its free memory (kept handles cover them).
     pub meminfo_skipped: u64,
-    /// Handles given back by a thread whose current device was another one, after waiting
-    /// for their device's default stream (`Coalescer::unmap_from`).
+    /// Handles given back from a thread whose current context was not their device's primary
+    /// one, after waiting for their device's default stream (`Coalescer::unmap_from`).
     pub cross_device_waits: u64,
 }
 

@@ -31,12 +31,7 @@ impl<D: Driver> Coalescer<D> {
     /// are within the bound. Failures leave memory stranded (and are counted), never lost.
     pub fn settle(&mut self, force: bool) {
         self.deferred = None;
-        for (va, size) in std::mem::take(&mut self.stray) {
-            self.drop_tmp(va, size);
-        }
-        for (h, size) in std::mem::take(&mut self.unreleased) {
-            self.release_or_hold(h, size);
-        }
+        self.retry_leftovers();
         if self.dirty.is_empty() {
             return;
         }
@@ -58,6 +53,16 @@ impl<D: Driver> Coalescer<D> {
                     log::warn!("compaction of a partly released handle failed ({e}); its free pages stay held");
                 }
             }
+        }
+    }
+
+    /// Temporary mappings and handles the driver would not take down before: once more.
+    pub(super) fn retry_leftovers(&mut self) {
+        for (va, size) in std::mem::take(&mut self.stray) {
+            self.drop_tmp(va, size);
+        }
+        for (h, size) in std::mem::take(&mut self.unreleased) {
+            self.release_or_hold(h, size);
         }
     }
 

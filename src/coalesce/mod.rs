@@ -121,12 +121,7 @@ impl<D: Driver> Coalescer<D> {
     /// loop in progress) goes back at the program's next call (`giving_back_ended`).
     pub fn trim_unmoved(&mut self) -> u64 {
         let before = self.physical_bytes();
-        for (va, size) in std::mem::take(&mut self.stray) {
-            self.drop_tmp(va, size);
-        }
-        for (h, size) in std::mem::take(&mut self.unreleased) {
-            self.release_or_hold(h, size);
-        }
+        self.retry_leftovers();
         let idle: Vec<u64> = self
             .phys
             .iter()
