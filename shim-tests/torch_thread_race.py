@@ -1,0 +1,128 @@
+"""A thread that launches kernels on its tensors while another thread's allocation moves them
+(expseg's compaction): the limit README and docs/contract.md state, measured.
+
+PyTorch runs a CUDA backward pass on its autograd device thread, and its Python bindings let
+go of the GIL while an operation runs, so another Python thread of the program launches
+kernels meanwhile. Here the worker thread adds 1 to its tensors in a loop. Each round the main
+thread makes a pad and a new worker tensor `x` in one coalesced handle (grown ahead after a
+high mark), runs a forward pass, frees the pad and calls empty_cache(): the pad's pages are
+released while `x`'s page after them lives, so the handle's live pages move (at once, or at
+the next allocation, the first of the backward pass) while the worker launches adds on `x`.
+Natively (expandable segments) nothing moves. Under expseg's defaults this ends in an illegal
+memory access (a kernel finds `x` unmapped for the moment of the move), which is why a
+program whose threads use a device's tensors while another thread allocates or empties the
+cache must run with EXPSEG_COALESCE=off; run.sh checks that it passes that way. (The launch
+gate and the default-stream fence tried against this race: docs/failed-approaches.md.)
+
+    [LD_PRELOAD=libexpseg.so] python3 torch_thread_race.py [ROUNDS]
+
+Prints one JSON line; exit 0 when every worker tensor holds exactly its count of additions
+and CUDA raised no error.
+"""
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def expseg_figures():
+    """The moves and the gate's waits so far, from expseg's live report (None without expseg)."""
+    try:
+        f = ctypes.CDLL(None).expseg_stats_json
+    except AttributeError:
+        return None
+    f.restype = ctypes.c_size_t
+    buf = ctypes.create_string_buffer(1 << 20)
+    f(buf, len(buf))
+    try:
+        p = json.loads(buf.value.decode())["process"]
+    except (ValueError, KeyError):
+        return None
+    keys = ("coalesce_compactions", "coalesce_compaction_failures")
+    return {k: p.get(k) for k in keys}
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    dev = torch.device("cuda", 0)
+    # A high mark: later handles grow ahead (up to 1/64 of the most held), so the pad and the
+    # worker's tensor made next share one handle.
+    big = torch.empty(40 * GIB, dtype=torch.uint8, device=dev)
+    del big
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, device=dev) for _ in range(4)])
+    inp = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+
+    xs, adds = [], []  # the worker's tensors and their additions
+    stop, err = threading.Event(), []
+
+    def worker():
+        try:
+            while not stop.is_set():
+                for i in range(len(xs)):
+                    xs[i].add_(1)
+                    adds[i] += 1
+                time.sleep(0)
+        except Exception as e:  # noqa: BLE001
+            err.append(f"worker: {str(e).splitlines()[0][:200]}")
+
+    # RACE_NO_WORKER=1: the same rounds with no other thread (diagnosis); RACE_MARKS=1: each
+    # step of a round on stderr, between expseg's debug lines.
+    marks = os.environ.get("RACE_MARKS") == "1"
+    t = threading.Thread(target=worker)
+    if os.environ.get("RACE_NO_WORKER") != "1":
+        t.start()
+    out = {"rounds": rounds}
+    try:
+        for _ in range(rounds):
+            pad = torch.empty(100 * MIB, dtype=torch.uint8, device=dev)
+            x = torch.zeros(64 * MIB, dtype=torch.int32, device=dev)  # 256 MiB
+            adds.append(0)
+            xs.append(x)
+            del x
+            loss = model(inp).square().mean()
+            del pad
+            if marks:
+                print(f"MARK empty_cache {len(xs)}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()  # the pad's pages go; x's stay in their handle
+            if marks:
+                print("MARK backward", file=sys.stderr, flush=True)
+            loss.backward()  # first allocation: on the autograd thread, the move
+            if marks:
+                print("MARK backward done", file=sys.stderr, flush=True)
+            model.zero_grad(set_to_none=True)
+            time.sleep(0.01)
+        stop.set()
+        if t.is_alive():
+            t.join()
+        torch.cuda.synchronize()
+        bad = 0
+        for x, n in zip(xs, adds):
+            lo, hi = (int(v) for v in torch.aminmax(x))
+            bad += lo != n or hi != n
+        out["wrong_tensors"] = bad
+        out["adds"] = adds
+    except Exception as e:  # noqa: BLE001
+        stop.set()
+        err.append(str(e).splitlines()[0][:200])
+    if t.is_alive():
+        t.join()
+    out["cuda_error"] = err[0] if err else None
+    out["expseg"] = expseg_figures()
+    out["ok"] = not err and out.get("wrong_tensors") == 0
+    print(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0 if out["ok"] else 1)  # no teardown after a sticky CUDA error
+
+
+if __name__ == "__main__":
+    main()
