@@ -36,6 +36,11 @@ pub struct Config {
     /// `EXPSEG_IPC_MOVE_MAX`: allocations up to this size are moved into standard memory in
     /// place when an IPC handle is asked for; larger ones get a mirror. 0: always a mirror.
     pub ipc_move_max: u64,
+    /// `EXPSEG_MOVE_FENCE`: a compaction copies the live pages it moves and holds the device's
+    /// legacy default stream until they are back at their address, so kernels other threads
+    /// queue there meanwhile run after the move. Off: it copies after waiting for the device,
+    /// and another thread's kernel may meet the pages while they are away.
+    pub move_fence: bool,
     /// `EXPSEG_IPC_TICKETS`: put tickets in mirror handles, so consumers running expseg map the
     /// original memory (two-way) instead of the mirror.
     pub ipc_tickets: bool,
@@ -117,6 +122,7 @@ impl Default for Config {
             // reservations, ../shared/notes/driver-facts.md).
             ipc_move_max: 0,
             ipc_tickets: true,
+            move_fence: true,
             control: true,
             pause_keep_host: false,
             ipc_peers_expseg: false,
@@ -259,6 +265,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_IPC_MOVE_MAX",
         set: |c, v| parse_size(v).map(|s| c.ipc_move_max = s),
         show: |c| fmt_size(c.ipc_move_max),
+    },
+    Var {
+        name: "EXPSEG_MOVE_FENCE",
+        set: |c, v| parse_bool(v).map(|b| c.move_fence = b),
+        show: |c| c.move_fence.to_string(),
     },
     Var {
         name: "EXPSEG_IPC_TICKETS",

@@ -2423,3 +2423,61 @@ fn natively_the_race_is_pytorchs() {
     let r = inflight(false, &[("EXPSEG_COALESCE", "off")]);
     assert_eq!(r.get("illegal_address"), "2", "{}", r.stdout());
 }
+
+/// `launch_race` (tests/c/c10_pages.c): a thread launches kernels on the legacy default stream
+/// over live pages while the allocator's thread releases the rest of their batch and asks
+/// cudaMemGetInfo, which moves them (compaction). The fake kernel runs in the launching thread
+/// on host memory: one that meets the pages while they are away faults the process, one
+/// beside the copy loses its additions. The fake driver runs a launched graph on a thread of
+/// its own and holds the legacy stream while its host function runs.
+fn launch_race(env: &[(&str, &str)]) -> Run {
+    pages("libc10_cuda.so", "launch_race", env)
+}
+
+#[test]
+fn kernels_another_thread_queues_on_the_default_stream_wait_for_a_move() {
+    let r = launch_race(&[]);
+    assert!(
+        r.out.status.success(),
+        "{:?}\n{}\n{}",
+        r.out.status,
+        r.stdout(),
+        r.stderr()
+    );
+    assert_eq!(r.get("race_bad"), "0", "{}", r.stdout());
+    assert_eq!(
+        r.get("race_moved"),
+        "20",
+        "every cycle moved the pages: {}",
+        r.stdout()
+    );
+    assert_eq!(
+        r.get("graphs"),
+        "20",
+        "one fenced move a cycle: {}",
+        r.stdout()
+    );
+    assert_eq!(
+        r.get("fence_deadlock"),
+        "0",
+        "nothing waited for the fence it was inside: {}",
+        r.stdout()
+    );
+    assert!(
+        r.get("race_launches").parse::<u64>().unwrap() > 20,
+        "{}",
+        r.stdout()
+    );
+}
+
+#[test]
+fn without_the_fence_the_same_race_faults_or_loses_additions() {
+    // The control (the behaviour before the fence): the launcher meets the pages while they
+    // are away (a segmentation fault here, an illegal address on a GPU), or beside the copy.
+    let r = launch_race(&[("EXPSEG_MOVE_FENCE", "0")]);
+    assert!(
+        !r.out.status.success() || r.get("race_bad") != "0",
+        "the race did not show: {}",
+        r.stdout()
+    );
+}

@@ -23,6 +23,7 @@ pub const UNKNOWN: i32 = 999;
 static CONFIG: Lazy<Config> = Lazy::new(|| {
     let c = Config::from_env();
     init_logger(&c.log);
+    crate::gpu::cuda::set_move_fence(c.move_fence);
     if c.report.is_some() {
         extern "C" fn at_exit() {
             write_exit_report();
@@ -568,6 +569,7 @@ pub(super) mod coalescers {
                 "coalesce_cross_device_waits",
                 sum(&|s| s.cross_device_waits),
             ),
+            ("coalesce_held_moves", sum(&|s| s.held_moves)),
             ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),

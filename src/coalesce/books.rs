@@ -91,6 +91,9 @@ pub struct CoalesceStats {
     /// Handles given back from a thread whose current context was not their device's primary
     /// one, after waiting for their device's default stream (`Coalescer::unmap_from`).
     pub cross_device_waits: u64,
+    /// Compactions whose copies and remapping ran behind a hold on the device's default
+    /// stream (`Driver::copy_and_hold`).
+    pub held_moves: u64,
 }
 
 #[derive(Debug)]

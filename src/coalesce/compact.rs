@@ -24,6 +24,8 @@ pub(super) struct Work {
     /// The old handle's temporary mapping, when it was not mapped.
     pub(super) src_tmp: Option<(u64, u64)>,
     pub(super) host: Vec<Option<Vec<u8>>>,
+    /// The driver's hold on the device's default stream while the pages move (dropped last).
+    pub(super) held: crate::gpu::Held,
 }
 
 impl<D: Driver> Coalescer<D> {
@@ -296,7 +298,6 @@ impl<D: Driver> Coalescer<D> {
         own: &[(i32, u32)],
         w: &mut Work,
     ) -> DrvResult<()> {
-        self.drv.synchronize()?;
         for g in groups {
             match self.create_room(g.len, props) {
                 Ok(h) => w.new.push((h, true)),
@@ -304,6 +305,22 @@ impl<D: Driver> Coalescer<D> {
                 Err(e) => return Err(e),
             }
         }
+        if let (Some(b), true) = (base, w.new.iter().all(|(_, on_device)| *on_device)) {
+            // Mapped pages, all copied on the device: the copies and the hold on the default
+            // stream in one (another thread's kernels queued meanwhile run after the move).
+            let mut copies = Vec::with_capacity(groups.len());
+            for (i, g) in groups.iter().enumerate() {
+                let t = self.temp_map(w.new[i].0, g.len, own, w)?;
+                copies.push((t, b + g.off, g.len));
+                w.host.push(None);
+            }
+            w.held = self.drv.copy_and_hold(&copies)?;
+            if w.held.holds() {
+                self.stats.held_moves += 1;
+            }
+            return Ok(());
+        }
+        self.drv.synchronize()?;
         let src = match base {
             Some(b) => b,
             None => {

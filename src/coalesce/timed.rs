@@ -1,7 +1,7 @@
 //! The driver as the coalescer sees it: every call counted and timed per operation, for the
 //! exit report (calls and nanoseconds per `Op`, then `cuMemGetInfo`).
 
-use crate::gpu::{ChunkHandle, Driver, DrvResult, IpcHandle, Op, PageProps};
+use crate::gpu::{ChunkHandle, Driver, DrvResult, Held, IpcHandle, Op, PageProps};
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
@@ -70,6 +70,9 @@ impl<D: Driver> Driver for Timed<D> {
     }
     fn synchronize(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.synchronize())
+    }
+    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
+        self.count(Op::Copy.index(), |d| d.copy_and_hold(copies))
     }
     fn wait_default_stream(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.wait_default_stream())

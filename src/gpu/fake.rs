@@ -71,6 +71,8 @@ pub struct FakeDriver {
     pub unmapped_in_flight: u64,
     /// `wait_default_stream` calls.
     pub default_stream_waits: u64,
+    /// `copy_and_hold` calls and the copies they made (a move of mapped pages).
+    pub held_copies: Vec<usize>,
     /// Page-locked host buffers: start -> per-granule data (host addresses are a range of
     /// their own, `HOST_BASE` up).
     host: BTreeMap<u64, Vec<u64>>,
@@ -103,6 +105,7 @@ impl FakeDriver {
             in_flight: Vec::new(),
             unmapped_in_flight: 0,
             default_stream_waits: 0,
+            held_copies: Vec::new(),
             host: BTreeMap::new(),
             next_host: HOST_BASE,
             host_capacity: u64::MAX,
@@ -561,6 +564,12 @@ impl Driver for FakeDriver {
         self.default_stream_waits += 1;
         self.in_flight.clear();
         Ok(())
+    }
+
+    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<super::Held> {
+        self.held_copies.push(copies.len());
+        super::copy_after_wait(self, copies)?;
+        Ok(super::Held::default())
     }
 
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {

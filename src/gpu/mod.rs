@@ -104,8 +104,33 @@ pub struct PageProps {
     pub tag: u32,
 }
 
+/// Wait for the device, then copy each `(dst, src, size)`: a move's copies without a hold.
+pub fn copy_after_wait<D: Driver + ?Sized>(d: &mut D, copies: &[(u64, u64, u64)]) -> DrvResult<()> {
+    d.synchronize()?;
+    for &(dst, src, size) in copies {
+        d.copy(dst, src, size)?;
+    }
+    Ok(())
+}
+
 /// A legacy (`cudaIpcMemHandle_t`) IPC handle.
 pub type IpcHandle = [u8; 64];
+
+/// Whatever a driver holds for a move until the move is done (the fence on the device's
+/// default stream, [`Driver::copy_and_hold`]); released when dropped.
+#[derive(Default)]
+pub struct Held(Option<Box<dyn Send>>);
+
+impl Held {
+    pub fn new(what: Box<dyn Send>) -> Held {
+        Held(Some(what))
+    }
+
+    /// Whether something is held (not the fake's nothing).
+    pub fn holds(&self) -> bool {
+        self.0.is_some()
+    }
+}
 
 /// The VMM operations of one device that the pool uses. Sizes and addresses are bytes; sizes
 /// are multiples of the device's granularity.
@@ -145,6 +170,15 @@ pub trait Driver {
     fn legacy_handle(&mut self, ptr: u64) -> DrvResult<IpcHandle>;
     /// Wait for all work on the device.
     fn synchronize(&mut self) -> DrvResult<()>;
+    /// For a move of live pages: once all work queued on the device so far has ended, copy
+    /// each `(dst, src, size)` (device to device), and hold the device's default stream from
+    /// then until the returned guard drops, so that work any thread of the program queues
+    /// there (or on a stream that waits for it) meanwhile starts after the pages are back at
+    /// their address. This default waits, copies and holds nothing.
+    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
+        copy_after_wait(self, copies)?;
+        Ok(Held::default())
+    }
     /// Wait for the work queued on the device's legacy default stream (the runtime's stream 0,
     /// where PyTorch's default stream runs), not for other streams: what a program that frees
     /// memory of this device meant to wait for when it waited on another device's stream

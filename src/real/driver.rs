@@ -87,6 +87,14 @@ driver_table! {
         cuStreamSynchronize(CUstream);
         cuMemcpyDtoHAsync_v2(*mut c_void, CUdeviceptr, size_t, CUstream);
         cuMemcpyHtoDAsync_v2(CUdeviceptr, *const c_void, size_t, CUstream);
+        cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+        cuLaunchHostFunc(CUstream, unsafe extern "C" fn(*mut c_void), *mut c_void);
+        cuStreamBeginCapture_v2(CUstream, c_uint);
+        cuStreamEndCapture(CUstream, *mut *mut c_void);
+        cuGraphInstantiateWithFlags(*mut *mut c_void, *mut c_void, u64);
+        cuGraphLaunch(*mut c_void, CUstream);
+        cuGraphExecDestroy(*mut c_void);
+        cuGraphDestroy(*mut c_void);
     }
 }
 

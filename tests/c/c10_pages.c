@@ -160,6 +160,58 @@ static int two_inflight(void) {
   return 0;
 }
 
+/* Another thread launches kernels on live pages (pages 0-1 of a batch of 8, every launch adds 1
+ * to a word of every 4 KiB, on the legacy default stream) while this one, the allocator's,
+ * releases the rest of the batch and asks cudaMemGetInfo, which compacts: the live pages move.
+ * Every word must hold the number of launches at the end of each cycle, and the process must
+ * not fault. */
+typedef CUresult (*Launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
+static Launch launch_;
+static uint64_t race_at;
+static int race_busy, race_stop;
+static long race_done;
+static void* launcher(void* arg) {
+  (void)arg;
+  while (!__atomic_load_n(&race_stop, __ATOMIC_SEQ_CST)) {
+    __atomic_store_n(&race_busy, 1, __ATOMIC_SEQ_CST);
+    uint64_t at = __atomic_load_n(&race_at, __ATOMIC_SEQ_CST);
+    if (at) {
+      void* params[1] = {&at};
+      if (launch_(0, 2 * PAGE / 4096, 1, 1, 1, 1, 1, 0, 0, params, 0) == 0) __atomic_add_fetch(&race_done, 1, __ATOMIC_SEQ_CST);
+    }
+    __atomic_store_n(&race_busy, 0, __ATOMIC_SEQ_CST);
+    if (!at) usleep(50);
+  }
+  return 0;
+}
+static int launch_race(int cycles) {
+  launch_ = (Launch)get("cuLaunchKernel");
+  pthread_t t; pthread_create(&t, 0, launcher, 0);
+  int bad = 0, moved = 0; long launches = 0;
+  for (int c = 0; c < cycles; c++) {
+    if (grow(0, 8)) return 3;
+    memset((void*)va, 0, 2 * PAGE);
+    __atomic_store_n(&race_done, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&race_at, va, __ATOMIC_SEQ_CST);
+    usleep(2000);
+    if (shrink(2, 6)) return 4;
+    size_t fr, tot; cudaMemGetInfo(&fr, &tot); /* the allocator's thread: compacts */
+    moved += fakecu_used() == (long)(2 * PAGE);
+    usleep(2000);
+    __atomic_store_n(&race_at, 0, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&race_busy, __ATOMIC_SEQ_CST)) usleep(10);
+    long n = __atomic_load_n(&race_done, __ATOMIC_SEQ_CST);
+    launches += n;
+    for (uint64_t o = 0; o < 2 * PAGE; o += 4096) if (*(volatile uint32_t*)(uintptr_t)(va + o) != (uint32_t)n) { bad++; break; }
+    if (shrink(0, 2)) return 5;
+  }
+  __atomic_store_n(&race_stop, 1, __ATOMIC_SEQ_CST);
+  pthread_join(t, 0);
+  printf("race_cycles=%d race_bad=%d race_moved=%d race_launches=%ld fence_deadlock=%ld graphs=%ld\n", cycles, bad, moved, launches,
+         fakecu_count("fence_deadlock"), fakecu_count("cuGraphLaunch"));
+  return 0;
+}
+
 int expandable(const char* what) {
   create = get("cuMemCreate"); release = get("cuMemRelease"); reserve = get("cuMemAddressReserve");
   addrfree = get("cuMemAddressFree"); map = get("cuMemMap"); unmap = get("cuMemUnmap");
@@ -168,6 +220,7 @@ int expandable(const char* what) {
   props = get("cuMemGetAllocationPropertiesFromHandle");
   if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
   if (!strcmp(what, "two_inflight")) return two_inflight();
+  if (!strcmp(what, "launch_race")) return launch_race(20);
   if (!strcmp(what, "consume_fd")) {
     /* torch.multiprocessing's consumer: the producer's descriptor by pidfd_getfd (PRODUCER_PID,
      * PRODUCER_FD); the page behind it must hold 'B'. Then a descriptor the producer never

@@ -28,7 +28,7 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 #define GRAN (2u << 20)
 static int initialised = 0;
 static long counts[16];
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_NCOUNT };
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
                               /* cuMemCreate/Map/Unmap/Release of one device's memory while no context or another
@@ -39,7 +39,11 @@ static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserv
                                * yet synchronised): what faults a real GPU with an illegal address */
                               "illegal_address",
                               /* cuStreamSynchronize of the legacy default stream (NULL or CU_STREAM_LEGACY) */
-                              "legacy_sync"};
+                              "legacy_sync", "cuLaunchKernel",
+                              /* a wait for the device or its legacy stream while a graph's host function
+                               * held that stream: on a GPU that wait never ends when the waiter is the one
+                               * to release it; here it gives up after 2 s */
+                              "fence_deadlock", "cuGraphLaunch"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -112,9 +116,58 @@ void fakecu_sync_dev(int dev) {
 static void check_inflight(uint64_t va, size_t n) {
   for (int i = 0; i < MAXW; i++) if (work[i].n && work[i].va < va + n && va < work[i].va + work[i].n) { counts[C_FAULT]++; return; }
 }
+/* The legacy default stream, as far as moves see it: a graph launched there (cuGraphLaunch of
+ * a captured [copies, host function]) runs on a thread of its own, after the kernels running
+ * on it, and holds the stream while its host function runs: kernels launched meanwhile wait,
+ * and a wait for the device counts as a deadlock after 2 s. */
+static int legacy_holds, legacy_running;
+static int legacy_wait(int deadlock) {
+  for (int i = 0; i < 2000 && __atomic_load_n(&legacy_holds, __ATOMIC_SEQ_CST); i++) usleep(1000);
+  if (__atomic_load_n(&legacy_holds, __ATOMIC_SEQ_CST)) { if (deadlock) count(C_FENCE_DEADLOCK); return 1; }
+  return 0;
+}
+void fakecu_legacy_wait(void) { legacy_wait(1); }
+/* Stream capture: one capturing stream at a time, nodes recorded in order. */
+typedef struct { int host; void (*fn)(void*); void* data; CUdeviceptr d, s; size_t n; } Node;
+typedef struct { int n; Node nodes[64]; } Graph;
+static void* capturing;
+static Graph* capture;
+CUresult cuStreamBeginCapture_v2(void* st, unsigned mode) {
+  (void)mode;
+  if (capturing || !st) return 900;
+  capture = calloc(1, sizeof(Graph)); capturing = st; return 0;
+}
+CUresult cuStreamEndCapture(void* st, void** g) { if (st != capturing) return 901; *g = capture; capturing = 0; capture = 0; return 0; }
+CUresult cuGraphInstantiateWithFlags(void** e, void* g, unsigned long long f) { (void)f; Graph* c = malloc(sizeof(Graph)); *c = *(Graph*)g; *e = c; return 0; }
+CUresult cuGraphDestroy(void* g) { free(g); return 0; }
+CUresult cuGraphExecDestroy(void* e) { free(e); return 0; }
+static void* graph_thread(void* a) {
+  Graph* g = a;
+  while (__atomic_load_n(&legacy_running, __ATOMIC_SEQ_CST)) usleep(10); /* earlier kernels end first */
+  for (int i = 0; i < g->n; i++) {
+    if (g->nodes[i].host) g->nodes[i].fn(g->nodes[i].data);
+    else memmove((void*)(uintptr_t)g->nodes[i].d, (void*)(uintptr_t)g->nodes[i].s, g->nodes[i].n);
+  }
+  free(g);
+  __atomic_sub_fetch(&legacy_holds, 1, __ATOMIC_SEQ_CST);
+  return 0;
+}
+CUresult cuGraphLaunch(void* e, void* st) {
+  if (st && st != (void*)1) return 1; /* only the legacy stream is modelled */
+  Graph* g = malloc(sizeof(Graph)); *g = *(Graph*)e;
+  __atomic_add_fetch(&legacy_holds, 1, __ATOMIC_SEQ_CST);
+  count(C_GRAPH);
+  pthread_t t; pthread_create(&t, 0, graph_thread, g); pthread_detach(t);
+  return 0;
+}
+CUresult cuLaunchHostFunc(void* st, void (*fn)(void*), void* data) {
+  if (st && st == capturing && capture->n < 64) { Node* x = &capture->nodes[capture->n++]; x->host = 1; x->fn = fn; x->data = data; return 0; }
+  return 801;
+}
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 CUresult cuCtxSynchronize(void) {
   if (!current()) return 201;
+  legacy_wait(1);
   fakecu_sync_dev(ctx_device(current()));
   count(C_SYNC);
   const char* ms = getenv("FAKE_SYNC_MS");
@@ -464,12 +517,39 @@ CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(
 CUresult cuStreamSynchronize(void* st) {
   if (st && st != (void*)1) return 0;
   if (!current()) return 201;
+  legacy_wait(1);
   count(C_LEGACY_SYNC);
   fakecu_sync_dev(ctx_device(current()));
   return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { (void)st; memmove((void*)(uintptr_t)d, s, n); return 0; }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
+  if (st && st == capturing && capture->n < 64) { Node* x = &capture->nodes[capture->n++]; x->host = 0; x->d = d; x->s = s; x->n = n; return 0; }
+  memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0;
+}
+
+/* A kernel, run at once by the launching thread: adds 1 to the first 32-bit word of every
+ * 4 KiB of [p, p + gx * 4096), p being the kernel's first parameter. On the legacy stream it
+ * waits while a graph holds the stream. Touching memory that is not mapped faults the process
+ * (SIGSEGV), as an illegal address ends a real one. */
+CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem, void* st,
+                        void** params, void** extra) {
+  (void)f; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)extra;
+  if (!params || !params[0]) return 1;
+  int legacy = !st || st == (void*)1;
+  for (;;) {
+    if (legacy) legacy_wait(0);
+    __atomic_add_fetch(&legacy_running, 1, __ATOMIC_SEQ_CST);
+    if (!legacy || !__atomic_load_n(&legacy_holds, __ATOMIC_SEQ_CST)) break;
+    __atomic_sub_fetch(&legacy_running, 1, __ATOMIC_SEQ_CST);
+  }
+  uint64_t p = *(uint64_t*)params[0];
+  for (unsigned i = 0; i < gx; i++) { volatile uint32_t* w = (volatile uint32_t*)(uintptr_t)(p + i * 4096ull); *w = *w + 1; }
+  __atomic_sub_fetch(&legacy_running, 1, __ATOMIC_SEQ_CST);
+  count(C_LAUNCH);
+  return 0;
+}
 
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr);
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
@@ -488,6 +568,7 @@ static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2}, {"cuMemAllocPitch", 3020, (void*)cuMemAllocPitch_v2},
   {"cuIpcGetMemHandle", 4010, (void*)cuIpcGetMemHandle}, {"cuIpcOpenMemHandle", 11000, (void*)cuIpcOpenMemHandle_v2},
   {"cuIpcCloseMemHandle", 4010, (void*)cuIpcCloseMemHandle},
+  {"cuLaunchKernel", 4000, (void*)cuLaunchKernel},
   {"cuMemcpyHtoD", 3020, (void*)cuMemcpyHtoD_v2}, {"cuMemcpyDtoH", 3020, (void*)cuMemcpyDtoH_v2}, {"cuMemcpyDtoD", 3020, (void*)cuMemcpyDtoD_v2},
 #ifndef NO_VMM
   {"cuMemGetAddressRange", 3020, (void*)cuMemGetAddressRange_v2}, {"cuPointerGetAttribute", 4000, (void*)cuPointerGetAttribute},

@@ -93,8 +93,10 @@ int cudaGetDevice(int* d) { int c = fakecu_current_device(); *d = c >= 0 ? c : c
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind_dev(d); return 0; }
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 void fakecu_sync_dev(int);
+void fakecu_legacy_wait(void);
 int cudaDeviceSynchronize(void) {
   __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
+  fakecu_legacy_wait();
   { int c = fakecu_current_device(); fakecu_sync_dev(c >= 0 ? c : cur_dev); }
   const char* ms = getenv("FAKE_SYNC_MS");
   if (ms) usleep((useconds_t)atoi(ms) * 1000);
@@ -103,6 +105,7 @@ int cudaDeviceSynchronize(void) {
 /* The legacy default stream (0) of the current device: its work in flight ends (fakecu_launch).
  * Other streams are not modelled. */
 int cudaStreamSynchronize(void* s) {
+  if (!s || s == (void*)1) fakecu_legacy_wait();
   if (!s) { int c = fakecu_current_device(); fakecu_sync_dev(c >= 0 ? c : cur_dev); }
   return 0;
 }

@@ -306,3 +306,25 @@ fn trim_gives_back_kept_handles_and_stranded_pages() {
     shrink(&mut c, va + 5 * PAGE, &hs[5..]);
     all_given_back(&mut c);
 }
+
+#[test]
+fn mapped_live_pages_move_through_one_copy_and_hold() {
+    // The copies of a move of mapped pages and the hold on the default stream are one driver
+    // call (the real driver launches them as one graph, so another thread's kernels queue
+    // behind the move); pages that are not mapped need no hold.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 8).unwrap();
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(
+        c.driver().held_copies,
+        vec![2],
+        "pages 0-1 and 6-7: two copies, one hold"
+    );
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+}
