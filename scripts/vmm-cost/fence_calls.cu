@@ -4,7 +4,10 @@
 // an argument N > 0, another thread launches empty kernels on the legacy stream meanwhile (N
 // of them before the steps begin: the launch queue fills behind the fence). With a second
 // argument "ctx", the copies go through a context of the probe's own on the same device;
-// "green": through a green context of the fewest SMs (ctx_cost.cu: 6 MiB against 524).
+// "green": through a green context of the fewest SMs (ctx_cost.cu: 6 MiB against 524);
+// "graph": the copy and the fence are one graph (captured on an own stream: the copy, then the
+// host function) launched on the legacy stream, so that under the fence only the driver's
+// VMM calls remain.
 //
 //   nvcc -O2 -o fence_calls fence_calls.cu -lcuda -lpthread && ./fence_calls [N] [ctx]
 #include <pthread.h>
@@ -57,7 +60,9 @@ static void* watchdog(void*) {
 int main(int argc, char** argv) {
   long pre = argc > 1 ? atol(argv[1]) : 0;
   int own_ctx = argc > 2 && (argv[2][0] == 'c' || argv[2][0] == 'g');
-  int green = argc > 2 && argv[2][0] == 'g';
+  int green = argc > 2 && argv[2][0] == 'g' && argv[2][1] == 'r' && argv[2][2] == 'e';
+  int graph = argc > 2 && argv[2][0] == 'g' && argv[2][2] == 'a';
+  if (graph) own_ctx = 0;
   CK(cuInit(0));
   CUdevice dev;
   CK(cuDeviceGet(&dev, 0));
@@ -112,8 +117,28 @@ int main(int argc, char** argv) {
   }
   CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
   CK(cuCtxSetCurrent(ctx));
-  CK(cuLaunchHostFunc(CU_STREAM_LEGACY, hold, 0));
+  CUmemGenericAllocationHandle gb = 0;
+  CUdeviceptr gtmp = 0;
   double t0 = now_ms();
+  if (graph) {
+    // The new handle and its temporary mapping first; then [copy, hold] as one launch.
+    CK(cuMemCreate(&gb, sz, &prop, 0));
+    CK(cuMemAddressReserve(&gtmp, sz, 0, 0, 0));
+    CK(cuMemMap(gtmp, sz, 0, gb, 0));
+    CK(cuMemSetAccess(gtmp, sz, &acc, 1));
+    double tg = now_ms();
+    CK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    CK(cuMemcpyDtoDAsync_v2(gtmp, va, sz, s));
+    CK(cuLaunchHostFunc(s, hold, 0));
+    CUgraph g;
+    CK(cuStreamEndCapture(s, &g));
+    CUgraphExec ge;
+    CK(cuGraphInstantiate(&ge, g, 0));
+    CK(cuGraphLaunch(ge, CU_STREAM_LEGACY));
+    printf("graph captured, made and launched in %.3f ms\n", now_ms() - tg);
+  } else {
+    CK(cuLaunchHostFunc(CU_STREAM_LEGACY, hold, 0));
+  }
   while (!running) usleep(10);
   printf("fence running after %.3f ms\n", now_ms() - t0);
   pthread_t lt;
@@ -122,6 +147,26 @@ int main(int argc, char** argv) {
     double t1 = now_ms();
     while (launched < pre && now_ms() - t1 < 2000) usleep(100);
     printf("launcher: %ld launches queued behind the fence in %.1f ms\n", (long)launched, now_ms() - t1);
+  }
+  if (graph) {
+    STEP("cuMemUnmap va", cuMemUnmap(va, sz));
+    STEP("cuMemUnmap tmp", cuMemUnmap(gtmp, sz));
+    STEP("cuMemMap va", cuMemMap(va, sz, 0, gb, 0));
+    STEP("cuMemSetAccess va", cuMemSetAccess(va, sz, &acc, 1));
+    STEP("cuMemAddressFree tmp", cuMemAddressFree(gtmp, sz));
+    STEP("cuMemRelease a", cuMemRelease(a));
+    size_t f, t;
+    STEP("cuMemGetInfo", cuMemGetInfo_v2(&f, &t));
+    released = 1;
+    stop_launcher = 1;
+    if (pre > 0) pthread_join(lt, 0);
+    printf("launcher: %ld launches in all\n", (long)launched);
+    char host[4096];
+    CK(cuCtxSynchronize());
+    CK(cuMemcpyDtoH_v2(host, va + sz - sizeof host, sizeof host));
+    printf("data %s\n", host[0] == 7 && host[4095] == 7 ? "intact" : "WRONG");
+    printf("done\n");
+    return 0;
   }
   STEP("cuMemCreate", cuMemCreate(&b, sz, &prop, 0));
   STEP("cuMemAddressReserve", cuMemAddressReserve(&tmp, sz, 0, 0, 0));
