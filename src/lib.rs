@@ -19,7 +19,7 @@
 //! | pool | [`pool`] | safe pool logic: reservations, physical chunks, the cache, accounting, IPC export |
 //! | coalesce | [`coalesce`] | safe logic behind PyTorch's VMM pages: virtual handles, one physical handle per run, compaction, reuse |
 //! | ipc | [`ipc`] | tickets: two-way sharing with consumers that run expseg (Unix socket, `SCM_RIGHTS`) |
-//! | gpu | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation and a fake for tests |
+//! | gpu | [`gpu`] | the small [`gpu::Driver`] trait the pool talks to, its CUDA implementation (with [`gpu::fence`], the hold on the default stream while live pages move) and a fake for tests |
 //! | real | [`real`] | the next runtime's functions, the driver's function table (`real::driver`), primary contexts ([`real::primary`]), the hosting Python's PyTorch allocator ([`real::python`]) |
 //! | lookup | [`real::lookup`] | the only `dlsym`/`dlvsym` code: glibc's own `dlsym`, never redirected |
 //! | beside | [`config`] | the `EXPSEG_*` table |
@@ -32,7 +32,7 @@
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
 //! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver`,
-//! `real::primary` and `real::python`), `pyapi`, `gpu::cuda` and `ipc::transport`.
+//! `real::primary` and `real::python`), `pyapi`, `gpu::cuda`, `gpu::fence` and `ipc::transport`.
 #![deny(unsafe_code)]
 
 pub mod api;

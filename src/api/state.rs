@@ -23,7 +23,7 @@ pub const UNKNOWN: i32 = 999;
 static CONFIG: Lazy<Config> = Lazy::new(|| {
     let c = Config::from_env();
     init_logger(&c.log);
-    crate::gpu::cuda::set_move_fence(c.move_fence);
+    crate::gpu::fence::set_move_fence(c.move_fence);
     if c.report.is_some() {
         extern "C" fn at_exit() {
             write_exit_report();

@@ -23,12 +23,7 @@ const POSIX_FD: u32 = 1;
 /// `CUDA_ERROR_NOT_FOUND`: an optional driver function is missing.
 const NOT_FOUND: u32 = 500;
 
-fn check(code: u32) -> DrvResult<()> {
-    match code {
-        0 => Ok(()),
-        e => Err(DrvError(e)),
-    }
-}
+use super::{check, NOT_SUPPORTED};
 
 /// A runtime error as a driver error (out of memory is 2 in both).
 fn rt(code: i32) -> DrvError {
@@ -126,70 +121,10 @@ impl CudaDriver {
         })
     }
 
-    /// The copies and the fence of a move as one graph (captured on this driver's own stream:
-    /// the copies, then the host function), launched on the legacy default stream: one
-    /// launch, so no other thread's work falls between the copies and the fence. Under the
-    /// fence only VMM calls remain, which the driver answers even while another thread is
-    /// blocked on a full launch queue behind it (`scripts/vmm-cost/fence_calls.cu`); a copy
-    /// made there would never end.
+    /// A move's copies and the hold on the default stream ([`super::fence`]).
     fn fenced_copies(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
-        let t = self.t;
-        let missing = DrvError(NOT_SUPPORTED);
-        let begin = t.cuStreamBeginCapture_v2.ok_or(missing)?;
-        let end = t.cuStreamEndCapture.ok_or(missing)?;
-        let instantiate = t.cuGraphInstantiateWithFlags.ok_or(missing)?;
-        let launch = t.cuGraphLaunch.ok_or(missing)?;
-        let destroy_exec = t.cuGraphExecDestroy.ok_or(missing)?;
-        let destroy = t.cuGraphDestroy.ok_or(missing)?;
-        let host = t.cuLaunchHostFunc.ok_or(missing)?;
-        let copy = t.cuMemcpyDtoDAsync_v2.ok_or(missing)?;
         let s = self.copy_stream()?;
-        const RELAXED: u32 = 2; // CU_STREAM_CAPTURE_MODE_RELAXED: other threads unaffected
-        const CU_STREAM_LEGACY: CUstream = 1 as CUstream;
-        let fence = std::sync::Arc::new(Fence::default());
-        let raw = std::sync::Arc::into_raw(fence.clone()) as *mut c_void;
-        // SAFETY: a stream of this driver's; the copies' ranges are device memory mapped for
-        // their sizes (the caller's); `raw` is taken back by the host function's one run, or
-        // below when the graph is not launched.
-        let launched = unsafe {
-            let mut graph: *mut c_void = std::ptr::null_mut();
-            let mut rc = begin(s, RELAXED);
-            let captured = rc == 0;
-            for &(dst, src, size) in copies {
-                if rc == 0 {
-                    rc = copy(dst, src, size as usize, s);
-                }
-            }
-            if rc == 0 {
-                rc = host(s, fence_runs, raw);
-            }
-            if captured {
-                let e = end(s, &mut graph);
-                if rc == 0 {
-                    rc = e;
-                }
-            }
-            let mut exec: *mut c_void = std::ptr::null_mut();
-            if rc == 0 {
-                rc = instantiate(&mut exec, graph, 0);
-            }
-            if rc == 0 {
-                rc = launch(exec, CU_STREAM_LEGACY);
-            }
-            if !exec.is_null() {
-                destroy_exec(exec); // freed once it has run
-            }
-            if !graph.is_null() {
-                destroy(graph);
-            }
-            if rc != 0 {
-                drop(std::sync::Arc::from_raw(raw as *const Fence));
-            }
-            check(rc)
-        };
-        launched?;
-        fence.wait_running(self.dev);
-        Ok(Held::new(Box::new(FenceHeld(fence))))
+        super::fence::copies_then_hold(self.t, s, self.dev, copies)
     }
 
     /// The stream host copies go on (a non-blocking one of the current context, made once).
@@ -205,87 +140,6 @@ impl CudaDriver {
         Ok(self.copies as CUstream)
     }
 }
-
-/// Whether moves hold the default stream (`EXPSEG_MOVE_FENCE`, set from the configuration).
-static MOVE_FENCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Turn the fence of moves on or off (`EXPSEG_MOVE_FENCE`).
-pub fn set_move_fence(on: bool) {
-    MOVE_FENCE.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// A host function queued on a device's legacy default stream behind a move's copies: once it
-/// runs, the copies and every earlier operation of that stream (and of the blocking streams it
-/// waits for) have ended, and until it returns no later one starts. States: 0 queued, 1
-/// running, 2 released.
-#[derive(Default)]
-struct Fence {
-    state: std::sync::Mutex<u8>,
-    changed: std::sync::Condvar,
-}
-
-impl Fence {
-    fn lock(&self) -> std::sync::MutexGuard<'_, u8> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Wait until the stream reached the fence (no bound: the copies before it must have run
-    /// before anything they wrote to is touched again; a warning every 10 s).
-    fn wait_running(&self, dev: i32) {
-        let t0 = std::time::Instant::now();
-        let mut s = self.lock();
-        while *s == 0 {
-            s = match self
-                .changed
-                .wait_timeout(s, std::time::Duration::from_secs(10))
-            {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-            if *s == 0 {
-                log::warn!(
-                    "device {dev}: a move waits for the default stream's earlier work ({:.0} s)",
-                    t0.elapsed().as_secs_f64()
-                );
-            }
-        }
-    }
-
-    fn release(&self) {
-        *self.lock() = 2;
-        self.changed.notify_all();
-    }
-}
-
-/// The fence's host function: says it runs, then holds the stream until released.
-unsafe extern "C" fn fence_runs(p: *mut c_void) {
-    // SAFETY: `p` is the `Arc::into_raw` reference `copy_and_hold` put in the graph it
-    // launched once; this one run takes it back.
-    let f = unsafe { std::sync::Arc::from_raw(p as *const Fence) };
-    let mut s = f.lock();
-    if *s == 0 {
-        *s = 1;
-        f.changed.notify_all();
-    }
-    while *s != 2 {
-        s = match f.changed.wait(s) {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-    }
-}
-
-/// The fence held for a move; dropped, the stream goes on.
-struct FenceHeld(std::sync::Arc<Fence>);
-
-impl Drop for FenceHeld {
-    fn drop(&mut self) {
-        self.0.release();
-    }
-}
-
-/// `CUDA_ERROR_NOT_SUPPORTED`: the driver lacks a call.
-const NOT_SUPPORTED: u32 = 801;
 
 /// One page-locked host buffer of `size` bytes, made on a thread with `dev`'s primary context
 /// current: anonymous memory on transparent huge pages, its pages touched here (the kernel
@@ -761,7 +615,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
-        if MOVE_FENCE.load(std::sync::atomic::Ordering::Relaxed) {
+        if super::fence::enabled() {
             // Work already queued on any stream ends first (the fence holds the default
             // stream only).
             self.synchronize()?;

@@ -7,6 +7,7 @@
 
 pub mod cuda;
 pub mod fake;
+pub mod fence;
 
 use std::fmt;
 
@@ -32,6 +33,17 @@ impl fmt::Display for DrvError {
 }
 
 pub type DrvResult<T> = Result<T, DrvError>;
+
+/// A driver call's `CUresult` as a result.
+pub(crate) fn check(code: u32) -> DrvResult<()> {
+    match code {
+        0 => Ok(()),
+        e => Err(DrvError(e)),
+    }
+}
+
+/// `CUDA_ERROR_NOT_SUPPORTED`: the driver lacks a call.
+pub(crate) const NOT_SUPPORTED: u32 = 801;
 
 /// A physical allocation made by `cuMemCreate`.
 pub type ChunkHandle = u64;
