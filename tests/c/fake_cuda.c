@@ -27,8 +27,8 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 
 #define GRAN (2u << 20)
 static int initialised = 0;
-static long counts[16];
 enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_NCOUNT };
+static long counts[C_NCOUNT];
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
                               /* cuMemCreate/Map/Unmap/Release of one device's memory while no context or another
