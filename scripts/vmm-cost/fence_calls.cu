@@ -12,11 +12,9 @@
 //   nvcc -O2 -o fence_calls fence_calls.cu -lcuda -lpthread && ./fence_calls [N] [ctx]
 #include <pthread.h>
 #include <unistd.h>
-#include "probe.cuh"
+#include "watch.cuh"
 
 static volatile int running = 0, released = 0;
-static const char* volatile step = "start";
-static volatile double step_t0 = 0;
 
 static void CUDA_CB hold(void*) {
   running = 1;
@@ -36,25 +34,12 @@ static void* launch_loop(void*) {
   return 0;
 }
 
-static void* watchdog(void*) {
-  for (;;) {
-    usleep(100000);
-    if (step_t0 > 0 && now_ms() - step_t0 > 3000) {
-      printf("HANG at %s\n", step);
-      fflush(stdout);
-      _exit(3);
-    }
-  }
-}
-
-#define STEP(name, call)                                                        \
-  do {                                                                          \
-    step = name;                                                                \
-    step_t0 = now_ms();                                                         \
-    CUresult r_ = (call);                                                       \
-    printf("%-28s rc=%d %.3f ms\n", name, (int)r_, now_ms() - step_t0);         \
-    fflush(stdout);                                                             \
-    step_t0 = 0;                                                                \
+#define STEP(name, call)                                           \
+  do {                                                             \
+    probe_begin(name);                                             \
+    CUresult r_ = (call);                                          \
+    printf("%-28s rc=%d %.3f ms\n", name, (int)r_, probe_end());   \
+    fflush(stdout);                                                \
   } while (0)
 
 int main(int argc, char** argv) {
@@ -73,8 +58,7 @@ int main(int argc, char** argv) {
   CKRT(cudaSetDevice(0));
   empty_kernel<<<1, 1>>>();
   CKRT(cudaDeviceSynchronize());
-  pthread_t w;
-  pthread_create(&w, 0, watchdog, 0);
+  probe_watch(3000);
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -32,7 +32,7 @@
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
-#include "probe.cuh"
+#include "watch.cuh"
 
 __global__ void add1(int* p, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] += 1;
@@ -59,24 +59,12 @@ static void* worker(void*) {
   return 0;
 }
 
-static const char* volatile step = "start";
-static volatile double step_t0 = 0;
-static void* watchdog(void*) {
-  for (;;) {
-    usleep(100000);
-    if (step_t0 > 0 && now_ms() - step_t0 > 5000) {
-      printf("HANG at %s (worker launched %ld)\n", step, (long)launched);
-      fflush(stdout);
-      _exit(3);
-    }
-  }
-}
-#define STEP(name, call)     \
-  do {                       \
-    step = name;             \
-    step_t0 = now_ms();      \
-    CK(call);                \
-    step_t0 = 0;             \
+static void note_launched(void) { printf(" (worker launched %ld)", (long)launched); }
+#define STEP(name, call) \
+  do {                   \
+    probe_begin(name);   \
+    CK(call);            \
+    probe_end();         \
   } while (0)
 
 static volatile int running = 0, released = 0;
@@ -105,8 +93,8 @@ int main(int argc, char** argv) {
   int memops = -1;
   cuDeviceGetAttribute(&memops, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR, dev);
   printf("mode %s, %d moves of %zu MiB; stream wait value NOR attribute %d\n", mode, moves, sz >> 20, memops);
-  pthread_t wd;
-  pthread_create(&wd, 0, watchdog, 0);
+  probe_hang_note = note_launched;
+  probe_watch(5000);
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -207,10 +195,9 @@ int main(int argc, char** argv) {
         }
       }
       if (!late) STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
-      step = "wait for the hold";
-      step_t0 = now_ms();
+      probe_begin("wait for the hold");
       while (!running) usleep(10);
-      step_t0 = 0;
+      probe_end();
     }
     double tv = now_ms();
     t_hold += tv - th;
@@ -232,10 +219,9 @@ int main(int argc, char** argv) {
   }
   stop_worker = 1;
   pthread_join(wt, 0);
-  step = "final synchronize";
-  step_t0 = now_ms();
+  probe_begin("final synchronize");
   CUresult fin = cuCtxSynchronize();
-  step_t0 = 0;
+  probe_end();
   long bad = -1;
   if (fin == 0 && !worker_err) {
     int* host = (int*)malloc(sz);
