@@ -110,6 +110,11 @@ static int t_sizes() {
     if (!share(p, s, seed, &both)) return 0;
     printf("  %5zu MiB: consumer (%s) read every word; its write %s\n", s / MIB,
            strcmp(consumer_preload, "-") ? "expseg" : "plain", both ? "reached the producer (both ways)" : "did not reach the producer (one-way)");
+    // Natively and to a consumer under expseg (which maps the memory itself) sharing is both
+    // ways; only a plain consumer of expseg's memory may get a one-way mirror.
+    const char* pre = getenv("LD_PRELOAD");
+    int producer_expseg = pre && strstr(pre, "expseg");
+    CHECK(both || (producer_expseg && !strcmp(consumer_preload, "-")), "%zu MiB: the consumer's write did not reach the producer", s / MIB);
     CHECK(cuMemFree(p) == CUDA_SUCCESS, "cuMemFree");
   }
   CHECK(cuMemFree((CUdeviceptr)0x1000) != CUDA_SUCCESS, "a bad pointer is refused");

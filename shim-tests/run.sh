@@ -5,7 +5,8 @@
 #
 # The library defaults to $EXPSEG_LIB, then target/release/libexpseg.so. Without a GPU this
 # prints SKIP and exits 0; with a GPU but no library or no nvcc it fails. Logs and reports go
-# to $LOG_DIR (default: a temporary folder). The last line is "N passed, M failed".
+# to a new folder inside $LOG_DIR (default: a temporary folder), so that an earlier run's
+# reports can never pass this run's checks. The last line is "N passed, M failed".
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -17,9 +18,12 @@ lib=${1:-${EXPSEG_LIB:-$root/target/release/libexpseg.so}}
 lib=$(readlink -f "$lib" 2>/dev/null || echo "$lib")
 [ -f "$lib" ] || { echo "FAIL: $lib is missing: run cargo build --release first"; exit 1; }
 command -v nvcc >/dev/null || { echo "FAIL: nvcc not found"; exit 1; }
-logs=${LOG_DIR:-$(mktemp -d)}
+if [ -n "${LOG_DIR:-}" ]; then
+  mkdir -p "$LOG_DIR" && logs=$(mktemp -d "$LOG_DIR/run.XXXXXX") || { echo "FAIL: cannot write to LOG_DIR=$LOG_DIR"; exit 1; }
+else
+  logs=$(mktemp -d)
+fi
 build=$(mktemp -d)
-mkdir -p "$logs"
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
 # ipcstress train coalesce crossctx reclaim threads twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
@@ -27,6 +31,9 @@ want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
 }
+# Sections on PyTorch: without it each says SKIP (never a silent pass).
+torch_cuda=$(python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && echo 1)
+torch_for() { [ -n "$torch_cuda" ] || { echo "SKIP $1: no PyTorch with CUDA in python3"; return 1; }; }
 echo "library: $lib"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
 echo "logs: $logs"
@@ -44,10 +51,12 @@ if want alloc && [ -x "$build/alloc_test" ]; then
   [ -s "$logs/alloc_shim.err" ] && { echo "  unexpected stderr:"; head -5 "$logs/alloc_shim.err"; rc=1; }
   grep -q '"allocs":[1-9]' "$logs/alloc_report.txt.json" 2>/dev/null || { echo "  report shows no pool allocations"; rc=1; }
   result alloc_test_expseg $rc "$(tail -n 1 "$logs/alloc_shim.log")"
-  grep -E '^(PASS|FAIL)|FAIL|skipped' "$logs/alloc_shim.log" | sed 's/^/    /'
+  grep -E '^(PASS|FAIL|SKIP)|FAIL|skipped' "$logs/alloc_shim.log" | sed 's/^/    /'
   # The same with every allocation built of 2 MiB chunks (stitched-like blocks everywhere).
-  EXPSEG_MAX_CHUNK=2M EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test" >"$logs/alloc_shim_chunks.log" 2>&1
-  result alloc_test_expseg_2MiB_chunks $? "$(tail -n 1 "$logs/alloc_shim_chunks.log")"
+  EXPSEG_MAX_CHUNK=2M EXPSEG_REPORT="$logs/alloc_chunks_report.txt" EXPECT_POOL=1 LD_PRELOAD="$lib" "$build/alloc_test" >"$logs/alloc_shim_chunks.log" 2>&1
+  rc=$?
+  grep -q '"allocs":[1-9]' "$logs/alloc_chunks_report.txt.json" 2>/dev/null || { echo "    report shows no pool allocations"; rc=1; }
+  result alloc_test_expseg_2MiB_chunks $rc "$(tail -n 1 "$logs/alloc_shim_chunks.log")"
 fi
 
 # IPC: cudaIpcGetMemHandle on pool memory, consumers with and without expseg.
@@ -62,7 +71,10 @@ if want ipc && [ -x "$build/ipc_test" ]; then
   for consumer in - "$lib"; do
     name=ipc_expseg_producer_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
     EXPSEG_LOG=expseg=debug EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test" run "$consumer" $sizes >"$logs/$name.log" 2>"$logs/$name.err"
-    result "$name" $? "$(tail -n 1 "$logs/$name.log")"
+    rc=$?
+    # The same program passes natively: the report shows that expseg served the handles.
+    grep -q '"ipc_handle_requests":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    expseg saw no IPC handle request"; rc=1; }
+    result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
     grep -E '^(PASS|FAIL|SKIP) ipc' "$logs/$name.log" | sed 's/^/    /'
   done
   grep -h "ticket .* opened" "$logs"/ipc_expseg_producer_expseg_consumer.err | sed 's/^/    /' 
@@ -74,10 +86,15 @@ if want ipc && [ -x "$build/ipc_test" ]; then
   grep -q "moved/standard" "$logs/ipc_moves.log" || { echo "    no allocation was moved"; rc=1; }
   result ipc_expseg_producer_plain_consumer_with_moves $rc "$(tail -n 1 "$logs/ipc_moves.log")"
   # A move that fails at any step: data intact, a working handle (a mirror) all the same.
+  # The failure must have happened: no allocation moved, and the report counts failed moves.
   rc=0
   for step in sync temp_reserve temp_map unmap free_range alloc placement copy handle; do
-    EXPSEG_IPC_MOVE_MAX=20M EXPSEG_TEST_FAIL_MOVE=$step LD_PRELOAD="$lib" "$build/ipc_test" run - 2 20 >"$logs/ipc_fail_$step.log" 2>&1 \
+    rm -f "$logs/ipc_fail_$step.txt.json"
+    EXPSEG_IPC_MOVE_MAX=20M EXPSEG_TEST_FAIL_MOVE=$step EXPSEG_REPORT="$logs/ipc_fail_$step.txt" LD_PRELOAD="$lib" \
+      "$build/ipc_test" run - 2 20 >"$logs/ipc_fail_$step.log" 2>&1 \
       || { rc=1; echo "    move failing at $step: $(tail -n 1 "$logs/ipc_fail_$step.log")"; }
+    grep -q "moved/standard" "$logs/ipc_fail_$step.log" && { rc=1; echo "    $step: an allocation moved all the same"; }
+    grep -q '"ipc_move_failures":[1-9]' "$logs/ipc_fail_$step.txt.json" 2>/dev/null || { rc=1; echo "    $step: no failed move in the report"; }
   done
   result ipc_move_failure_at_each_step $rc ""
 fi
@@ -171,7 +188,7 @@ if want ipcstress && [ -x "$build/ipc_stress" ]; then
 fi
 
 # PyTorch: same losses with and without expseg, and PyTorch's segments from the pool.
-if want train && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want train && torch_for train; then
   python3 "$here/torch_train.py" "$logs/torch_native.json" 300 >"$logs/torch_native.log" 2>&1
   result torch_train_native $? "$(tail -n 1 "$logs/torch_native.log")"
   EXPSEG_REPORT="$logs/torch_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_train.py" "$logs/torch_shim.json" 300 >"$logs/torch_shim.log" 2>&1
@@ -179,17 +196,17 @@ if want train && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_avai
   python3 "$here/torch_compare.py" "$logs/torch_native.json" "$logs/torch_shim.json" "$logs/torch_report.txt.json" >"$logs/torch_compare.log" 2>&1
   result torch_same_losses_and_pool $? ""
   sed 's/^/    /' "$logs/torch_compare.log"
-elif want train; then
-  echo "SKIP torch tests: no PyTorch with CUDA in python3"
 fi
 
 # Coalesced expandable segments under stress: known patterns, random frees, empty_cache,
 # forced out-of-memory retries, IPC exports; every live tensor checked after each compaction.
-if want coalesce && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want coalesce && torch_for coalesce; then
   ngpu=$(nvidia-smi -L | wc -l)
   # The check itself: one byte changed at the end must be found.
   STRESS_SELFTEST=1 LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" 300 1 >"$logs/stress_selftest.log" 2>&1
-  result torch_coalesce_stress_check_finds_a_changed_byte $? "$(grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -o '"selftest": "[a-z]*"')"
+  rc=$?
+  grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -q '"selftest": "detected"' || rc=1
+  result torch_coalesce_stress_check_finds_a_changed_byte $rc "$(grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -o '"selftest": "[a-z]*"')"
   EXPSEG_REPORT="$logs/stress_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 1 >"$logs/stress.log" 2>&1
   rc=$?
   python3 - "$logs/stress_report.txt.json" <<'PY' || rc=1
@@ -223,13 +240,18 @@ fi
 # default allocator, expandable_segments, expseg through its launch path (expseg-run: PyTorch
 # on expandable_segments) and expseg by LD_PRELOAD alone (PyTorch's default allocator).
 # Both expseg modes must pass everything.
-if want torchipc && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want torchipc && torch_for torchipc; then
   MODE=default python3 "$here/torch_ipc.py" >"$logs/torch_ipc_default.log" 2>&1
   MODE=expandable_segments PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expandable.log" 2>&1
+  # The same script passes natively (default allocator): the reports show that expseg served
+  # the handles.
+  served() { cat "$logs"/$1_*.txt.json 2>/dev/null | grep -q '"ipc_handle_requests":[1-9]' || { echo "    expseg saw no IPC handle request"; return 1; }; }
   MODE=expseg-run EXPSEG_LIB="$lib" EXPSEG_REPORT="$logs/torch_ipc_run_report_%p.txt" "$root/scripts/expseg-run" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg_run.log" 2>&1
-  result torch_ipc_expseg_run $? ""
+  rc=$?; served torch_ipc_run_report || rc=1
+  result torch_ipc_expseg_run $rc ""
   MODE=expseg-preload LD_PRELOAD="$lib" EXPSEG_REPORT="$logs/torch_ipc_report_%p.txt" python3 "$here/torch_ipc.py" >"$logs/torch_ipc_expseg.log" 2>&1
-  result torch_ipc_expseg_preload $? ""
+  rc=$?; served torch_ipc_report || rc=1
+  result torch_ipc_expseg_preload $rc ""
   for m in default expandable expseg_run expseg; do echo "    $(grep '^{' "$logs/torch_ipc_$m.log" || tail -n 2 "$logs/torch_ipc_$m.log")"; done
   # Raw IPC of a trained model's tensors (issue 24): mirrors bounded by PyTorch's blocks, and
   # of whole runs (EXPSEG_IPC_EXTENT=run, where most do not fit beside the ballast).
@@ -238,7 +260,7 @@ if want torchipc && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
     result torch_ipc_trained_extent_$ext $? "$(grep '^{' "$logs/torch_ipc_trained_$ext.log" | cut -c1-400 || tail -n 2 "$logs/torch_ipc_trained_$ext.log")"
   done
 fi
-if want nodump && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want nodump && torch_for nodump; then
   # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):
   # as uid 65534 when root. The control run without expseg must fail as PyTorch does.
   asuser=""
@@ -267,7 +289,7 @@ fi
 # device is waited for (coalesce_cross_device_waits), also with kept handles; the control with
 # the primary context current adds no wait; device1 (two GPUs) is the case of one thread
 # emptying every device's cache.
-if want crossctx && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want crossctx && torch_for crossctx; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_cross_context_free.py" own >"$logs/crossctx_native.log" 2>&1
   echo "INFO natively (expandable segments, no expseg), rc=$?: $(grep '^{' "$logs/crossctx_native.log" | cut -c1-250)"
   for c in own:1 own_kept:1 primary:0 device1:1; do
@@ -285,7 +307,7 @@ fi
 # answered on the socket thread, it may move no live page (a copy would miss the additions
 # made meanwhile; 728e8aa's library faulted the worker with an illegal address, 3 of 3). The
 # same for a monitor thread's torch.cuda.mem_get_info() in the worker itself.
-if want reclaim && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want reclaim && torch_for reclaim; then
   python3 "$here/torch_reclaim_race.py" both "$lib" >"$logs/reclaim_race.log" 2>&1
   result torch_reclaim_while_the_program_works $? "$(grep '^{' "$logs/reclaim_race.log" | cut -c1-300)"
   d=$(mktemp -d)
@@ -298,7 +320,7 @@ fi
 # after it. Printed, not counted: natively, and the control without the fence
 # (EXPSEG_MOVE_FENCE=0: an illegal memory access) and the worker on a non-blocking side stream
 # (not held: README, "Limits").
-if want threads && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want threads && torch_for threads; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_native.log" 2>&1
   echo "INFO natively (expandable segments, no expseg), rc=$?: $(grep '^{' "$logs/thread_race_native.log" | cut -c1-200)"
   EXPSEG_MOVE_FENCE=0 LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_nofence.log" 2>&1
@@ -323,7 +345,7 @@ if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device
 elif want twogpu; then
   echo "SKIP twogpu: fewer than two GPUs"
 fi
-if want torchrun && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want torchrun && torch_for torchrun; then
   ngpu=$(nvidia-smi -L | wc -l)
   for n in 1 2; do
     if [ "$n" -gt "$ngpu" ]; then echo "SKIP torchrun with $n processes: $ngpu GPU"; continue; fi
@@ -332,9 +354,10 @@ if want torchrun && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_a
       python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$here/torchrun_test.py" >"$logs/torchrun$n.log" 2>&1
     rc=$?
     [ "$(ls "$rdir"/*.json 2>/dev/null | wc -l)" -ge "$n" ] || { echo "    missing per-rank reports in $rdir"; rc=1; }
+    python3 "$root/scripts/expseg-report-merge" "$rdir" >"$logs/torchrun$n-merged.txt" 2>&1 || { echo "    the reports did not merge"; rc=1; }
     result "torchrun_${n}_processes_under_expseg_run" $rc "$(grep -c 'all_reduce ok' "$logs/torchrun$n.log") ranks ok"
     grep '^rank' "$logs/torchrun$n.log" | sed 's/^/    /'
-    python3 "$root/scripts/expseg-report-merge" "$rdir" 2>&1 | sed 's/^/    /'
+    sed 's/^/    /' "$logs/torchrun$n-merged.txt"
   done
 fi
 # Sleep and wake: a 24 GiB model paused to the host and resumed (bytes, CUDA graph, losses),
@@ -342,7 +365,7 @@ fi
 # a training script nobody changed paused and resumed from outside (expseg pause/resume PID).
 # With TMS_DIR (torch_memory_saver 0.0.10 installed there: pip install --no-deps --target DIR
 # its wheel), the same scenario under torch_memory_saver, for the comparison in RESULTS.md.
-if want sleep && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if want sleep && torch_for sleep; then
   EXPSEG_LOG=info python3 "$here/torch_sleep.py" "$(dirname "$lib")" --json "$logs/sleep.json" >"$logs/sleep.log" 2>&1
   result torch_pause_resume $? "$(tail -n 1 "$logs/sleep.log")"
   grep -E '^(FAIL|MET|MISSED)|^baseline|INFO\] (paused|resumed)' "$logs/sleep.log" | sed 's/^/    /'
@@ -352,8 +375,6 @@ if want sleep && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_avai
     python3 "$here/tms_sleep.py" --tms-dir "$TMS_DIR" --json "$logs/tms.json" >"$logs/tms.log" 2>&1
     result torch_memory_saver_comparison $? "$(grep '^baseline' "$logs/tms.log")"
   fi
-elif want sleep; then
-  echo "SKIP sleep: no PyTorch with CUDA"
 fi
 
 doctor=$(dirname "$lib")/expseg

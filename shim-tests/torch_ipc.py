@@ -5,7 +5,7 @@
    at the offset the producer computed from `cuPointerGetAttribute(RANGE_START_ADDR)`, checks
    its first and last element and writes both; the parent reports whether it sees the writes
    (shared both ways) — once with a consumer in the same environment, once with a plain one
-   (no LD_PRELOAD);
+   (no LD_PRELOAD); the first must share both ways, the plain one at least one way;
 2. `torch.multiprocessing` sharing of tensors from many segments with a child process that
    reads every tensor and writes back into it, the parent checking the writes;
 3. the weight-sync pattern: one bucket refilled and re-shared 10 times, the child checking
@@ -153,9 +153,14 @@ def main():
         out["error"] = f"{type(e).__name__}: {e}"[:300]
         p.kill()
     print(json.dumps(out))
+    # A consumer in the producer's environment shares both ways: natively (cudaMalloc memory)
+    # and under expseg (the consumer maps the memory itself through its ticket). Only a plain
+    # consumer of expseg's memory gets a one-way mirror.
     ok = (
         all(rc == 0 for rc in out["ctypes_rc"])
-        and all(c in ("both-ways", "one-way") for c in out["ctypes_consumer"] + out.get("ctypes_plain_consumer", []))
+        and all(c == "both-ways" for c in out["ctypes_consumer"])
+        and all(c in ("both-ways", "one-way") for c in out.get("ctypes_plain_consumer", []))
+        and out.get("child_exit") == 0
         and out.get("child_read")
         and out.get("parent_sees_child_writes")
         and out.get("versions_seen") == 10

@@ -17,7 +17,8 @@ holds, but from a thread other than the allocator's it may move no live page eit
     LD_PRELOAD=libexpseg.so python3 torch_reclaim_race.py monitor DIR [SECONDS]
 
 The worker writes DIR/ready when it is adding and prints one JSON line; exit 1 when the count
-is wrong or CUDA raised an error.
+is wrong or CUDA raised an error. `both` also fails when the asker failed or never asked the
+worker for memory (its report's reclaim_asks), and `monitor` when the thread never asked.
 """
 import json
 import os
@@ -69,6 +70,8 @@ def worker(d, seconds, monitor=False):
         err = str(e).splitlines()[0][:200]
     stop.set()
     ok = err is None and lo == n and hi == n
+    # In monitor mode the race happened only if the thread did ask.
+    ok = ok and (not monitor or asked[0] > 0)
     print(json.dumps({"adds": n, "min": lo, "max": hi, "ok": ok, "cuda_error": err, "mem_get_info": asked[0]}))
     return 0 if ok else 1
 
@@ -99,10 +102,11 @@ def both(lib):
     d = tempfile.mkdtemp()
     env = dict(os.environ, LD_PRELOAD=lib)
     rep = os.path.join(d, "worker_report.txt")
+    arep = os.path.join(d, "asker_report.txt")
     w = subprocess.Popen([sys.executable, here, "worker", d, "6"], env=dict(env, EXPSEG_REPORT=rep),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    a = subprocess.run([sys.executable, here, "asker", d, "12"], env=env, capture_output=True, text=True,
-                       timeout=120)
+    a = subprocess.run([sys.executable, here, "asker", d, "12"], env=dict(env, EXPSEG_REPORT=arep),
+                       capture_output=True, text=True, timeout=120)
     wout, werr = w.communicate(timeout=120)
     line = lambda s: next((x for x in s.splitlines() if x.startswith("{")), "{}")  # noqa: E731
     out = {"worker": json.loads(line(wout)), "asker": json.loads(line(a.stdout))}
@@ -112,10 +116,17 @@ def both(lib):
                                                   "given_back_bytes") if k in p}
     except (OSError, ValueError, KeyError):
         pass
+    # The race happened only if the asker's failed allocations asked the worker to give back.
+    try:
+        out["asker_reclaim_asks"] = json.load(open(arep + ".json"))["process"].get("reclaim_asks", 0)
+    except (OSError, ValueError, KeyError):
+        out["asker_reclaim_asks"] = 0
     if w.returncode and not out["worker"]:
         out["worker_stderr"] = werr[-300:]
+    if a.returncode:
+        out["asker_stderr"] = a.stderr[-300:]
     print(json.dumps(out))
-    return w.returncode
+    return 1 if w.returncode or a.returncode or out["asker_reclaim_asks"] < 1 else 0
 
 
 if __name__ == "__main__":

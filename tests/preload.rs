@@ -1467,6 +1467,8 @@ fn handle_requests_beside_a_changing_foreign_run_never_touch_a_freed_mirror() {
             r.stderr()
         );
         assert_eq!(r.get("race_done"), "1");
+        let handles: u64 = r.get("handles").parse().unwrap();
+        assert!(handles > 0, "round {round}: no handle was issued: the race did not run");
     }
 }
 
