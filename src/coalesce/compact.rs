@@ -29,6 +29,23 @@ pub(super) struct Work {
 }
 
 impl<D: Driver> Coalescer<D> {
+    /// Wait for every other device in `access` (peers given access to this device's pages,
+    /// whose kernels may be reading them), each once, before the pages move or go.
+    pub(super) fn wait_for_peers(&mut self, access: &[(i32, u32)]) -> DrvResult<()> {
+        let me = self.drv.device();
+        let mut peers: Vec<i32> = access
+            .iter()
+            .map(|(d, _)| *d)
+            .filter(|d| *d != me)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        for d in peers {
+            self.drv.synchronize_peer(d)?;
+        }
+        Ok(())
+    }
+
     /// Compact partly released handles: all of them if `force`, else until the stranded bytes
     /// are within the bound. Failures leave memory stranded (and are counted), never lost.
     pub fn settle(&mut self, force: bool) {
@@ -135,9 +152,7 @@ impl<D: Driver> Coalescer<D> {
         );
         // Kernels of other devices given access (PyTorch's peers) may be reading the live
         // pages: they finish before the pages move, as this device's do in copy_out.
-        for (d, _) in acc.iter().filter(|(d, _)| *d != me) {
-            self.drv.synchronize_peer(*d)?;
-        }
+        self.wait_for_peers(&acc)?;
         let mut w = Work::default();
         if let Err(e) = self.copy_out(handle, size, base, &groups, props, &own, &mut w) {
             self.undo(&mut w);

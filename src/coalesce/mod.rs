@@ -77,12 +77,20 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Pause the program's pages whose tag `choose` takes (`Some(discard)`): what is held
-    /// beyond them goes back first, the device's work is waited for, then each handle's live
-    /// bytes go to the host (or are dropped) and the handle goes back to the driver. Handles
-    /// with exported pages are left alone (counted). Pausing twice pauses what is still awake.
+    /// beyond them goes back first, the device's work is waited for (and that of every other
+    /// device given access to its pages), then each handle's live bytes go to the host (or
+    /// are dropped) and the handle goes back to the driver. Handles with exported pages are
+    /// left alone (counted). Pausing twice pauses what is still awake.
     pub fn pause(&mut self, choose: Choose) -> DrvResult<Paused> {
         self.trim();
         self.drv.synchronize()?;
+        let access: Vec<(i32, u32)> = self
+            .phys
+            .values()
+            .filter(|p| p.base.is_some() && p.asleep.is_none())
+            .flat_map(|p| p.access.iter().copied())
+            .collect();
+        self.wait_for_peers(&access)?;
         self.sleep(choose)
     }
 

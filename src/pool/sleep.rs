@@ -39,6 +39,11 @@ impl<D: Driver> Pool<D> {
             return Ok(out);
         }
         self.timed(Op::Sync, |d| d.synchronize())?;
+        // Devices given peer access may still be reading the blocks: they finish first.
+        let me = self.drv.device();
+        for d in self.readers.clone().into_iter().filter(|d| *d != me) {
+            self.timed(Op::Sync, |x| x.synchronize_peer(d))?;
+        }
         let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
         let saved = self.host.save(&mut self.drv, &items)?;
         out.pin_ns = self.host.last_pin_ns;

@@ -71,6 +71,31 @@ fn offloaded_blocks_give_memory_back_and_come_back_with_their_bytes() {
 }
 
 #[test]
+fn a_pause_waits_for_devices_given_peer_access() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, a, 8 * MIB, 3);
+    p.grant(1).unwrap();
+    // This device's wait passes, the peer's fails: nothing is paused.
+    p.driver_mut().fail_nth(Op::Sync, 1, DrvError(700));
+    assert!(p.pause(&|_| OFFLOAD).is_err());
+    assert_eq!(p.paused_bytes(), 0);
+    assert!(stamped(&p, a, 8 * MIB, 3));
+    p.driver_mut().clear_failures();
+    assert!(p.driver().peers_synced.is_empty());
+    assert_eq!(p.pause(&|_| OFFLOAD).unwrap().bytes, 8 * MIB);
+    assert_eq!(p.driver().peers_synced, vec![1], "device 1 was waited for");
+    assert_eq!(p.resume(&|_| true).unwrap(), 8 * MIB);
+    assert!(stamped(&p, a, 8 * MIB, 3));
+    assert!(
+        p.driver().is_accessible(a, 8 * MIB, 1),
+        "the peer keeps access"
+    );
+    p.free(a).unwrap();
+    check(&p);
+}
+
+#[test]
 fn discard_tags_and_shared_blocks() {
     let mut p = pool(1 << 30);
     p.tag = 7;

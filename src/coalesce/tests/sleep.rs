@@ -150,6 +150,37 @@ fn out_of_memory_on_resume_loses_nothing_and_a_retry_finishes() {
 }
 
 #[test]
+fn a_pause_waits_for_peer_devices_first() {
+    // A peer given access to the pages (PyTorch's addPeer) may still be reading them: it is
+    // waited for before they go, and a peer that cannot be waited for stops the pause.
+    let (mut c, va) = setup(1 << 40, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert!(c.set_access(va, 4 * PAGE, &[(0, RW), (1, RW)]).unwrap());
+    fill(&mut c, va, 4);
+    // The first wait (this device's) passes, the peer's fails.
+    c.driver_mut().fail_nth(Op::Sync, 1, DrvError(700));
+    assert_eq!(c.pause(&|_| OFFLOAD), Err(DrvError(700)));
+    assert_eq!(c.paused_bytes(), 0, "nothing paused");
+    assert!(intact(&c, va, 4));
+    c.driver_mut().clear_failures();
+    assert!(c.driver().peers_synced.is_empty());
+    assert_eq!(c.pause(&|_| OFFLOAD).unwrap().bytes, 4 * PAGE);
+    assert_eq!(
+        c.driver().peers_synced,
+        vec![1],
+        "device 1 was waited for, once"
+    );
+    assert_eq!(c.resume(&|_| true).unwrap(), 4 * PAGE);
+    assert!(intact(&c, va, 4));
+    assert!(
+        c.driver().is_accessible(va, 4 * PAGE, 1),
+        "the peer keeps access"
+    );
+    shrink(&mut c, va, &hs);
+    all_given_back(&mut c);
+}
+
+#[test]
 fn a_failed_copy_pauses_nothing() {
     let (mut c, va) = setup(1 << 40, cfg());
     let hs = grow(&mut c, va, 3).unwrap();
