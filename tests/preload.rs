@@ -1627,6 +1627,32 @@ fn two_devices(scenario: &str, delay: &str, steps: &str) -> Run {
 }
 
 #[test]
+fn a_handle_for_one_devices_pages_leaves_the_other_devices_paused_pages_alone() {
+    // Before, cudaIpcGetMemHandle on device 0's pages went through every device's coalescer
+    // and woke device 1's paused pages (paused_after=0).
+    let r = pages(
+        "libc10_cuda.so",
+        "two_isolate",
+        &[("FAKE_DEVICES", "2"), ("EXPSEG_IPC_PEERS", "expseg")],
+    )
+    .ok();
+    let four = ((4u64 * 20) << 20).to_string();
+    for (k, v) in [
+        ("dev0_rc", "0"),
+        ("dev1_rc", "0"),
+        ("pause_rc", "0"),
+        ("paused_before", four.as_str()),
+        ("paused_after", four.as_str()),
+        ("resume_rc", "0"),
+        ("intact", "1"),
+        ("shrink_rc", "0"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
 fn two_devices_coalesced_in_one_process_keep_their_data() {
     // Both devices coalesced (the default since 2026-11-24): the bookkeeping across devices,
     // checked granule by granule on the fake driver. The program never switches devices (as

@@ -23,6 +23,7 @@ typedef struct { int type; int requestedHandleTypes; struct { int type; int id; 
 typedef struct { struct { int type; int id; } location; int flags; } Access;
 int cudaGetDriverEntryPointByVersion(const char*, void**, unsigned, unsigned long long, int*);
 int cudaMemGetInfo(size_t*, size_t*);
+int cudaIpcGetMemHandle(void*, void*);
 long fakecu_count(const char*);
 long fakecu_used(void);
 
@@ -297,6 +298,31 @@ int expandable(const char* what) {
     int ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i) && holds((char*)(va + (16 + i) * PAGE), 16 + i);
     printf(" intact=%d", ok);
     printf(" shrink_rc=%d", shrink(16, 8) | shrink(0, 8));
+    size_t fr, tot; cudaMemGetInfo(&fr, &tot);
+    printf(" used_end=%ld\n", fakecu_used());
+    return 0;
+  }
+  if (!strcmp(what, "two_isolate")) {
+    /* A handle asked for device 0's pages (their run made page-sized first) leaves device 1's
+     * paused pages paused: only the device of the memory shared is touched. */
+    int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
+    int (*resume_)(const char*, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_resume");
+    uint64_t (*paused_)(void) = dlsym(RTLD_DEFAULT, "expseg_paused_bytes");
+    int (*tag_)(const char*) = dlsym(RTLD_DEFAULT, "expseg_set_tag");
+    if (!pause_ || !resume_ || !paused_ || !tag_) { fprintf(stderr, "no expseg API\n"); return 2; }
+    printf("dev0_rc=%d", grow(0, 4));
+    dev_ = 1; tag_("kv");
+    printf(" dev1_rc=%d", grow(16, 4));
+    tag_(NULL); dev_ = 0;
+    for (int i = 0; i < 4; i++) { fill(i); fill(16 + i); }
+    printf(" pause_rc=%d", pause_("kv", 0, 0, 0));
+    printf(" paused_before=%lu", (unsigned long)paused_());
+    unsigned char hd[64];
+    printf(" ipc_rc=%d", cudaIpcGetMemHandle(hd, (void*)(va + PAGE)));
+    printf(" paused_after=%lu", (unsigned long)paused_());
+    printf(" resume_rc=%d", resume_("kv", 0, 0));
+    int ok = 1; for (int i = 0; i < 4; i++) ok &= holds((char*)(va + i * PAGE), i) && holds((char*)(va + (16 + i) * PAGE), 16 + i);
+    printf(" intact=%d shrink_rc=%d", ok, shrink(16, 4) | shrink(0, 4));
     size_t fr, tot; cudaMemGetInfo(&fr, &tot);
     printf(" used_end=%ld\n", fakecu_used());
     return 0;

@@ -431,10 +431,22 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr pt
   }
   pthread_mutex_unlock(&mu); return 1;
 }
+/* The device of the handle mapped at ptr (0 for an imported one). */
+static int device_at(CUdeviceptr ptr) {
+  int d = 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXM; i++) if (maps[i].size && ptr >= maps[i].va && ptr < maps[i].va + maps[i].size) {
+    if (handles[maps[i].h].dev > 0) d = handles[maps[i].h].dev;
+    break;
+  }
+  pthread_mutex_unlock(&mu);
+  return d;
+}
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   CUdeviceptr b; size_t n;
   if ((attr < 9 || attr > 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
-  if (attr == 9 || attr == 10) { *(int*)data = 0; return 0; } /* device 0; VMM: no legacy IPC */
+  if (attr == 9) { *(int*)data = device_at(ptr); return 0; } /* the mapping's device */
+  if (attr == 10) { *(int*)data = 0; return 0; }            /* VMM: no legacy IPC */
   *(uint64_t*)data = attr == 11 ? b : n; return 0;
 }
 CUresult cuPointerGetAttributes(unsigned n, int* attrs, void** data, CUdeviceptr ptr) {
