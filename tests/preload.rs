@@ -359,6 +359,12 @@ fn peer_access_reaches_existing_and_future_pool_mappings() {
         "0",
         "freeing device 1 memory leaves the current device alone"
     );
+    assert_eq!(r.get("own_ctx_free_rc"), "0");
+    assert_eq!(
+        r.get("own_ctx_kept"),
+        "1",
+        "and a context of the program's own stays current"
+    );
 }
 
 #[test]
@@ -1468,7 +1474,10 @@ fn handle_requests_beside_a_changing_foreign_run_never_touch_a_freed_mirror() {
         );
         assert_eq!(r.get("race_done"), "1");
         let handles: u64 = r.get("handles").parse().unwrap();
-        assert!(handles > 0, "round {round}: no handle was issued: the race did not run");
+        assert!(
+            handles > 0,
+            "round {round}: no handle was issued: the race did not run"
+        );
     }
 }
 

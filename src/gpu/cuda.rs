@@ -382,6 +382,8 @@ pub struct Imported {
     pub size: u64,
     /// The allocation's size as the producer's program asked for it.
     pub user: u64,
+    /// The device it is mapped for (the one current when it was opened).
+    pub dev: i32,
     handles: Vec<(u64, u64)>,
     /// How many of `handles` are mapped (a failed import may stop between import and map).
     mapped: usize,
@@ -405,6 +407,7 @@ pub fn import(
         va: 0,
         size: total,
         user,
+        dev,
         handles: Vec::new(),
         mapped: 0,
     };

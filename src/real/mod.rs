@@ -394,18 +394,25 @@ pub mod runtime {
         unsafe { next::cudaDeviceSynchronize() }
     }
 
-    /// Run `f` with `dev` as the calling thread's current device, then restore the previous one.
+    /// Run `f` with `dev` as the calling thread's current device, then restore the thread's
+    /// context exactly as it was: none (no context is left behind on a thread that had none),
+    /// or a context the program made itself (not replaced by its device's primary one).
     pub fn on_device<T>(dev: i32, f: impl FnOnce() -> Result<T, i32>) -> Result<T, i32> {
         let cur = get_device().unwrap_or(dev);
         if cur == dev {
             return f();
         }
+        let saved = drv::current_context();
         match set_device(dev) {
             0 => {}
             e => return Err(e),
         }
         let r = f();
+        // The runtime's own idea of the thread's device first, then the very context.
         set_device(cur);
+        if let Some(c) = saved {
+            drv::set_current_context(c);
+        }
         r
     }
 
@@ -572,6 +579,22 @@ mod through_driver {
         match driver() {
             Ok(t) => code(primary::make_primary_current(t, d)),
             Err(_) => 3,
+        }
+    }
+
+    /// The calling thread's current context (null: none); `None` where the driver cannot say.
+    pub fn current_context() -> Option<usize> {
+        let t = driver().ok()?;
+        let mut c: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        (unsafe { (t.cuCtxGetCurrent)(&mut c) } == 0).then_some(c as usize)
+    }
+
+    /// Make `c` (from `current_context`; null: none) the calling thread's context again.
+    pub fn set_current_context(c: usize) {
+        if let Ok(Some(set)) = driver().map(|t| t.cuCtxSetCurrent) {
+            // SAFETY: a context the thread had current a moment ago, or null.
+            unsafe { set(c as cudarc::driver::sys::CUcontext) };
         }
     }
 

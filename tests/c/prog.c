@@ -155,7 +155,16 @@ static int peer(void) {
   printf("after_disable=%ld\n", fakecu_access((uint64_t)p));
   printf("cross_free_rc=%d", cudaFree(p));
   int d = -1; cudaGetDevice(&d); printf(" device_after=%d\n", d);
-  CHECK(cudaFree(q) == 0 && cudaFree(r) == 0);
+  /* A context the program made stays its thread's context across a free of another device's
+   * memory (expseg waits for device 1 there, then puts the thread back as it was). */
+  int (*create_)(void**, unsigned, int) = (int (*)(void**, unsigned, int))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
+  int (*current_)(void**) = (int (*)(void**))dlsym(RTLD_DEFAULT, "cuCtxGetCurrent");
+  void *mine = 0, *after = 0;
+  CHECK(create_ && current_ && create_(&mine, 0, 0) == 0);
+  printf("own_ctx_free_rc=%d", cudaFree(q));
+  current_(&after);
+  printf(" own_ctx_kept=%d\n", after == mine);
+  CHECK(cudaFree(r) == 0);
   return 0;
 }
 

@@ -134,8 +134,9 @@ pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
     let Some(imp) = lock().ipc.opened.remove(&ptr) else {
         return Answer::PassThrough;
     };
-    // Work of this process may still use the mapping.
-    let e = runtime::device_synchronize();
+    // Work of this process may still use the mapping: the device it was opened for (not
+    // whichever is current now).
+    let e = super::super::state::synchronize(imp.dev);
     if let Ok(t) = crate::real::driver() {
         cuda::unmap_imported(t, imp);
     }
