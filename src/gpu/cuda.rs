@@ -123,6 +123,12 @@ impl CudaDriver {
 
     /// A move's copies and the hold on the default stream ([`super::fence`]).
     fn fenced_copies(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
+        // The fence holds the *current* context's legacy stream, and the copy stream is made
+        // in the current context: both must be this device's primary one (the caller pushed
+        // it; where it could not, the move copies after the wait instead).
+        if primary_device(self.t) != Some(self.dev) {
+            return Err(DrvError(NOT_SUPPORTED));
+        }
         let s = self.copy_stream()?;
         super::fence::copies_then_hold(self.t, s, self.dev, copies)
     }
