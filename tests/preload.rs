@@ -1373,6 +1373,27 @@ fn every_device_of_a_process_is_coalesced() {
 }
 
 #[test]
+fn a_threads_cudamemgetinfo_moves_only_the_live_pages_of_its_own_devices() {
+    // A model split over two GPUs: device 1's allocator runs in its own thread (autograd's
+    // worker), which may be launching work on device 1's pages while device 0's thread asks
+    // cudaMemGetInfo. Only device 0's pages move then; device 1's at its own thread's call.
+    // (With one allocator thread per process, device 0's call compacted both: 160 MiB.)
+    let r = pages("libc10_cuda.so", "two_threads", &[("FAKE_DEVICES", "2")]).ok();
+    for (k, v) in [
+        ("dev1_rc", "0"),
+        ("dev0_rc", "0"),
+        ("used_stranded_mib", "320"),
+        ("used_after_dev0_thread_mib", "240"),
+        ("used_after_dev1_thread_mib", "160"),
+        ("live_intact", "1"),
+        ("final_shrink_rc", "0"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
 fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
     // SAFETY: geteuid cannot fail.
     if unsafe { libc_geteuid() } != 0 {

@@ -12,6 +12,7 @@
 //! device synchronisation (which may wait for long kernels) never does.
 #![allow(non_snake_case)]
 
+mod allocator;
 pub mod fdshare;
 mod ipc;
 pub mod reads;

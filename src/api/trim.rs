@@ -59,7 +59,8 @@ pub fn held_beyond_live() -> u64 {
 
 /// Give back everything held beyond live memory on the devices `which` accepts: the bytes
 /// given back. `outside`: the caller is not one of the program's calls (a reclaim another
-/// process asked for): no live page of the program moves (`Coalescer::trim_unmoved`).
+/// process asked for): no live page of the program moves (`Coalescer::trim_unmoved`). Nor
+/// does one of a device whose allocator's thread this is not (`super::allocator`).
 fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
     let mut freed = 0;
     if state::forked() {
@@ -79,9 +80,10 @@ fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
             .all()
             .filter(|c| which(c.driver().device()))
         {
-            freed += match outside {
-                true => in_context(c, |c| c.trim_unmoved()),
-                false => in_context(c, |c| c.trim()),
+            let moves = !outside && super::allocator::may_move(c.driver().device());
+            freed += match moves {
+                false => in_context(c, |c| c.trim_unmoved()),
+                true => in_context(c, |c| c.trim()),
             };
             c.release_host();
         }

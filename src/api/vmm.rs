@@ -5,11 +5,11 @@
 
 pub use super::state::coalescers::{report_rows, stats};
 
+use super::allocator;
 use super::state::coalescers::{in_context, lock, started, VMM};
 use crate::coalesce::is_virtual;
-use crate::gpu::{ChunkHandle, DrvError, PageProps};
+use crate::gpu::{ChunkHandle, Driver as _, DrvError, PageProps};
 use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Register a read of another allocator's memory (an IPC mirror refresh) while no coalescer
 /// call is running.
@@ -25,27 +25,6 @@ pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
 /// answers it).
 fn wraps(va: u64, size: u64) -> bool {
     va.checked_add(size).is_none()
-}
-
-/// The thread of the program's last VMM call: its allocator's (PyTorch's caller, or its
-/// autograd thread). Moving live pages is safe only inside that thread's calls: another
-/// thread's `cudaMemGetInfo` (a monitor) runs while the allocator's thread may be launching
-/// work on them (`settle`). 0: none yet.
-static ALLOCATOR_THREAD: AtomicU64 = AtomicU64::new(0);
-static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    static THREAD_NO: u64 = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
-}
-
-/// This thread's number (0 while its thread-locals are being torn down).
-fn thread_no() -> u64 {
-    THREAD_NO.try_with(|n| *n).unwrap_or(0)
-}
-
-/// A VMM call of the program: its thread is the allocator's.
-fn allocator_call() {
-    ALLOCATOR_THREAD.store(thread_no(), Ordering::Relaxed);
 }
 
 /// A driver result as the C code.
@@ -67,7 +46,7 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
         tag: super::sleep::current_tag(),
         ..props
     };
-    allocator_call();
+    allocator::call_on(dev);
     time_vmm(VMM_CREATE, || {
         let once = || {
             let mut v = lock();
@@ -91,9 +70,9 @@ pub fn release(vh: u64) -> Option<u32> {
         if !is_virtual(vh) || !started() {
             return None;
         }
-        allocator_call();
         let mut v = lock();
         let c = v.owner(vh)?;
+        allocator::call_on(c.driver().device());
         Some(code(in_context(c, |c| c.release(vh))))
     })
 }
@@ -103,9 +82,9 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
         if !is_virtual(vh) || !started() {
             return None;
         }
-        allocator_call();
         let mut v = lock();
         let c = v.owner(vh)?;
+        allocator::call_on(c.driver().device());
         if flags != 0 || wraps(va, size) {
             return Some(crate::coalesce::INVALID.0);
         }
@@ -128,13 +107,13 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         if !started() || wraps(va, size) {
             return None;
         }
-        allocator_call();
         // Whose stream the caller waited on: its current primary context's device, asked (for
         // pages of ours only) before `in_context` makes the memory's device current.
         let caller = std::cell::OnceCell::new();
         let mut v = lock();
         let mut answer = None;
         for c in v.all().filter(|c| c.maps_in(va, size)) {
+            allocator::call_on(c.driver().device());
             let who = *caller.get_or_init(|| {
                 crate::real::driver()
                     .ok()
@@ -161,11 +140,11 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
         if !started() || wraps(va, size) {
             return None;
         }
-        allocator_call();
         let once = || {
             let mut v = lock();
             for c in v.all().filter(|c| c.maps_in(va, size)) {
-                let dev = crate::gpu::Driver::device(c.driver());
+                let dev = c.driver().device();
+                allocator::call_on(dev);
                 match in_context(c, |c| c.set_access(va, size, descs)) {
                     Ok(false) => continue,
                     Ok(true) => return Some((0, dev)),
@@ -255,7 +234,6 @@ pub fn props_of(vh: u64) -> Option<(i32, PageProps)> {
     }
     let mut v = lock();
     let c = v.owner(vh)?;
-    use crate::gpu::Driver as _;
     let dev = c.driver().device();
     c.props_of(vh).map(|(_, p)| (dev, p))
 }
@@ -281,15 +259,15 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
 }
 
 /// At `cudaMemGetInfo`: what the program is told is free should be free. Compact what the
-/// bound asks for and give kept handles back. From a thread other than the allocator's (a
-/// monitor's, while the allocator's thread may be launching work): only what goes back
-/// without moving a live page, the rest at the allocator's next call.
+/// bound asks for and give kept handles back. On each device whose allocator's thread this
+/// is not (a monitor's, or another device's allocator, while that thread may be launching
+/// work): only what goes back without moving a live page, the rest at its next call.
 pub fn settle() {
     if !started() {
         return;
     }
-    let inside = ALLOCATOR_THREAD.load(Ordering::Relaxed) == thread_no();
     for c in lock().all() {
+        let inside = allocator::may_move(c.driver().device());
         in_context(c, |c| match inside {
             true => {
                 c.drop_ahead();

@@ -69,6 +69,50 @@ static int shrink(int at, int n) {
 static void fill(int i) { memset((char*)(va + i * PAGE), 'A' + i, PAGE); }
 static int holds(const char* p, int i) { for (size_t k = 0; k < PAGE; k += 4096) if (p[k] != 'A' + i) return 0; return p[PAGE - 1] == 'A' + i; }
 
+/* `two_threads`: device 1's allocator runs in a thread of its own (a model split's autograd
+ * worker): it grows and strands its pages, then waits while device 0's thread does the same
+ * and asks cudaMemGetInfo, then asks it itself. */
+static pthread_barrier_t two_threads_bar;
+static void* dev1_thread(void* arg) {
+  (void)arg;
+  dev_ = 1;
+  int rc = grow(16, 8);
+  for (int i = 16; i < 24; i++) fill(i);
+  rc |= shrink(18, 4);
+  printf("dev1_rc=%d\n", rc);
+  fflush(stdout);
+  pthread_barrier_wait(&two_threads_bar); /* device 0's turn */
+  pthread_barrier_wait(&two_threads_bar); /* device 0's thread asked */
+  size_t f, t; cudaMemGetInfo(&f, &t);
+  printf("used_after_dev1_thread_mib=%ld\n", fakecu_used() >> 20);
+  return 0;
+}
+static int two_threads(void) {
+  pthread_t t;
+  pthread_barrier_init(&two_threads_bar, 0, 2);
+  pthread_create(&t, 0, dev1_thread, 0);
+  pthread_barrier_wait(&two_threads_bar);
+  dev_ = 0;
+  int rc = grow(0, 8);
+  for (int i = 0; i < 8; i++) fill(i);
+  rc |= shrink(2, 4);
+  printf("dev0_rc=%d\n", rc);
+  printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
+  size_t f, tot; cudaMemGetInfo(&f, &tot);
+  printf("used_after_dev0_thread_mib=%ld\n", fakecu_used() >> 20);
+  fflush(stdout);
+  pthread_barrier_wait(&two_threads_bar);
+  pthread_join(t, 0);
+  int ok = 1;
+  static const int live[] = {0, 1, 6, 7, 16, 17, 22, 23};
+  for (int k = 0; k < 8; k++) ok &= holds((char*)(va + live[k] * PAGE), live[k]);
+  printf("live_intact=%d\n", ok);
+  printf("final_shrink_rc=%d\n", shrink(0, 2) | shrink(6, 2) | shrink(16, 2) | shrink(22, 2));
+  cudaMemGetInfo(&f, &tot);
+  printf("used_end=%ld\n", fakecu_used());
+  return 0;
+}
+
 /* Two devices' segments in one process, each grown and shrunk at random runs of pages
  * starting within the first `span`, data checked after every step and after cudaMemGetInfo
  * (which settles). With `recycle`, a segment left with no page is replaced: the device
@@ -327,6 +371,7 @@ int expandable(const char* what) {
     printf(" used_end=%ld\n", fakecu_used());
     return 0;
   }
+  if (!strcmp(what, "two_threads")) return two_threads();
   if (!strcmp(what, "two_random")) return two_devices(400, NP - 6, 0);
   if (!strcmp(what, "two_recycle")) return two_devices(300, 6, 1);
   long c0 = fakecu_count("cuMemCreate"), m0 = fakecu_count("cuMemMap");
