@@ -1376,14 +1376,17 @@ fn every_device_of_a_process_is_coalesced() {
 fn a_threads_cudamemgetinfo_moves_only_the_live_pages_of_its_own_devices() {
     // A model split over two GPUs: device 1's allocator runs in its own thread (autograd's
     // worker), which may be launching work on device 1's pages while device 0's thread asks
-    // cudaMemGetInfo. Only device 0's pages move then; device 1's at its own thread's call.
-    // (With one allocator thread per process, device 0's call compacted both: 160 MiB.)
+    // cudaMemGetInfo or frees an address range. Only device 0's pages move then; device 1's
+    // at its own thread's call. (With one allocator thread per process, device 0's
+    // cudaMemGetInfo compacted both: 160 MiB; then its cuMemAddressFree still did.)
     let r = pages("libc10_cuda.so", "two_threads", &[("FAKE_DEVICES", "2")]).ok();
     for (k, v) in [
         ("dev1_rc", "0"),
         ("dev0_rc", "0"),
         ("used_stranded_mib", "320"),
         ("used_after_dev0_thread_mib", "240"),
+        ("addrfree_rc", "0"),
+        ("used_after_dev0_addrfree_mib", "240"),
         ("used_after_dev1_thread_mib", "160"),
         ("live_intact", "1"),
         ("final_shrink_rc", "0"),

@@ -443,11 +443,15 @@ pub(super) mod coalescers {
     /// guard, whatever device the thread is on when PyTorch empties every device's cache, the
     /// program asks another device's free memory, or the releaser thread wakes. A coalescer that
     /// holds nothing makes no driver call: its context is left alone.
+    ///
+    /// Only on the device's allocator thread may the call move live pages it was not asked to
+    /// move (`crate::api::allocator`).
     pub(crate) fn in_context<T>(
         c: &mut Coalescer<CudaDriver>,
         f: impl FnOnce(&mut Coalescer<CudaDriver>) -> T,
     ) -> T {
         use crate::gpu::Driver as _;
+        c.allow_moves(crate::api::allocator::may_move(c.driver().device()));
         let r = match real::driver() {
             Ok(t) if c.holds_anything() => {
                 let dev = c.driver().device();

@@ -211,6 +211,11 @@ pub struct Coalescer<D: Driver> {
     /// A trim from outside the program's calls (`trim_unmoved`) left memory that only moving
     /// live pages gives back: its next call does.
     pub(super) trim_owed: bool,
+    /// Whether the call under way runs on the device's allocator thread (set by the caller
+    /// before each call, `allow_moves`): only there may a call move live pages it was not
+    /// asked to move (the compaction owed since the program's release loop, a trim before a
+    /// pause). Elsewhere that waits for the device's own next call.
+    pub(super) moves_allowed: bool,
     /// Host buffers of paused handles.
     pub(super) host: HostCopies,
     pub(super) stats: CoalesceStats,
@@ -247,6 +252,7 @@ impl<D: Driver> Coalescer<D> {
             no_ahead: false,
             giving_back: false,
             trim_owed: false,
+            moves_allowed: true,
             host: HostCopies::default(),
             stats: CoalesceStats::default(),
         }
@@ -391,6 +397,12 @@ impl<D: Driver> Coalescer<D> {
             false => Ok(false),
             true => Err(INVALID),
         }
+    }
+
+    /// Whether the calls that follow run on the device's allocator thread (may move live
+    /// pages they were not asked to move), until the next change. True when made.
+    pub fn allow_moves(&mut self, on: bool) {
+        self.moves_allowed = on;
     }
 
     /// Whether this device has anything of ours: pages, handles, kept handles, or temporary

@@ -82,7 +82,11 @@ impl<D: Driver> Coalescer<D> {
     /// are dropped) and the handle goes back to the driver. Handles with exported pages are
     /// left alone (counted). Pausing twice pauses what is still awake.
     pub fn pause(&mut self, choose: Choose) -> DrvResult<Paused> {
-        self.trim();
+        match self.moves_allowed {
+            true => self.trim(),
+            // Another thread's pause: pages it does not pause may be in use meanwhile.
+            false => self.trim_unmoved(),
+        };
         self.drv.synchronize()?;
         let access: Vec<(i32, u32)> = self
             .phys
@@ -159,7 +163,13 @@ impl<D: Driver> Coalescer<D> {
     /// the pages the release loops left stranded). Handles whose own pages the program
     /// released took theirs back then, with no copy; waiting for the end spares a copy of
     /// handles whose pages a later loop of the same `empty_cache()` releases.
+    ///
+    /// On a thread other than the device's allocator's (`moves_allowed` false) nothing moves:
+    /// the device's own next call does this.
     pub fn giving_back_ended(&mut self) {
+        if !self.moves_allowed {
+            return;
+        }
         if std::mem::take(&mut self.trim_owed) {
             // What a trim from outside left to this call (`trim_unmoved`).
             self.giving_back = false;
@@ -178,7 +188,7 @@ impl<D: Driver> Coalescer<D> {
     /// A call that is not the next step of the program's release loop: the pages that loop
     /// left stranded go back first.
     fn loop_ended(&mut self) {
-        if self.deferred.is_some() {
+        if self.deferred.is_some() && self.moves_allowed {
             self.settle(false);
         }
     }

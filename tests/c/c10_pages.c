@@ -100,6 +100,13 @@ static int two_threads(void) {
   printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
   size_t f, tot; cudaMemGetInfo(&f, &tot);
   printf("used_after_dev0_thread_mib=%ld\n", fakecu_used() >> 20);
+  {
+    /* Device 0's thread frees an address range (empty_cache() destroying a segment): device
+     * 1's compaction is still left to device 1's thread. */
+    uint64_t x = 0;
+    int rr = reserve(&x, PAGE, 0, 0, 0), fr = addrfree(x, PAGE);
+    printf("addrfree_rc=%d used_after_dev0_addrfree_mib=%ld\n", rr | fr, fakecu_used() >> 20);
+  }
   fflush(stdout);
   pthread_barrier_wait(&two_threads_bar);
   pthread_join(t, 0);

@@ -158,3 +158,38 @@ fn a_trim_from_inside_still_gives_back_everything_at_once() {
     shrink(&mut c, va, &a);
     all_given_back(&mut c);
 }
+
+#[test]
+fn calls_from_another_thread_leave_the_owed_compaction_to_the_devices_own_thread() {
+    // A model split: bytes grown ahead of device 1's live pages are owed to its next call (a
+    // trim from outside left them). Device 0's thread then frees an address range and pauses
+    // a tag: neither moves a live page of device 1 (its worker may be launching work on
+    // them). Device 1's own next call does.
+    let (mut c, va) = setup(100 * PAGE, ahead(6));
+    c.peak_held = u64::MAX;
+    let a = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    c.driver_mut().launch(va, 2 * PAGE);
+    assert_eq!(c.trim_unmoved(), 0);
+    let copies = c.driver().calls_of(Op::Copy);
+    c.allow_moves(false);
+    c.address_free(va + 50 * PAGE, PAGE).unwrap();
+    c.pause(&|t| (t == 9).then_some(true)).unwrap();
+    assert_eq!(c.driver().calls_of(Op::Copy), copies, "no live page moved");
+    assert_eq!(c.driver().unmapped_in_flight, 0);
+    assert_eq!(
+        c.ahead_bytes(),
+        6 * PAGE,
+        "still owed to device 1's next call"
+    );
+    // Device 1's own call (a create) gives it back, moving the live pages.
+    c.allow_moves(true);
+    c.driver_mut().synchronize().unwrap();
+    let b = grow(&mut c, va + 10 * PAGE, 1).unwrap();
+    assert!(c.driver().calls_of(Op::Copy) > copies);
+    assert_eq!(c.stats().ahead_returned, 6 * PAGE);
+    assert!(intact(&c, va, 2));
+    shrink(&mut c, va + 10 * PAGE, &b);
+    shrink(&mut c, va, &a);
+    all_given_back(&mut c);
+}
