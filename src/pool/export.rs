@@ -99,6 +99,11 @@ impl<D: Driver> Pool<D> {
         let size = self.blocks[&base].size;
         self.timed(Op::Sync, |d| d.synchronize())
             .map_err(ExportError::Driver)?;
+        // Writes other devices queued into the block through peer access are in the copy.
+        for r in self.peer_readers() {
+            self.timed(Op::Sync, |d| d.synchronize_peer(r))
+                .map_err(ExportError::Driver)?;
+        }
         if let Some(m) = self.blocks[&base].mirror {
             self.timed(Op::Copy, |d| d.copy(m.ptr, base, size))
                 .map_err(ExportError::Driver)?;
@@ -275,6 +280,11 @@ impl<D: Driver> Pool<D> {
 
         self.step(MoveStep::Sync, fail, Op::Sync, |d| d.synchronize())
             .map_err(not_moved)?;
+        // Devices given peer access may be at work on the block: it leaves its address below.
+        for r in self.peer_readers() {
+            self.step(MoveStep::Sync, fail, Op::Sync, |d| d.synchronize_peer(r))
+                .map_err(not_moved)?;
+        }
         // The chunks at a temporary range: the source of the copy and the way back.
         let temp = self
             .step(MoveStep::TempReserve, fail, Op::Reserve, |d| {

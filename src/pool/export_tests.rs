@@ -65,6 +65,41 @@ fn a_move_in_place_keeps_address_and_data_and_leaves_the_pool() {
 }
 
 #[test]
+fn a_move_waits_for_devices_given_peer_access() {
+    // Another device's kernels may be at work on the block (peer access): the block leaves
+    // its address only after they end. A failed wait there moves nothing.
+    let mut p = pool(Placement::SharedLowHeap);
+    let a = p.alloc(6 * MIB).unwrap();
+    stamp(&mut p, a, 6 * MIB, 4);
+    p.grant(1).unwrap();
+    p.driver_mut().fail_nth(Op::Sync, 1, DrvError(700));
+    let ex = p.export(a, MOVE).unwrap();
+    assert!(matches!(ex.how, Exported::Mirror { .. }), "{ex:?}");
+    assert!(
+        p.driver().is_accessible(a, 6 * MIB, 1),
+        "still pool memory, peer access kept"
+    );
+    assert_eq!(p.stats().ipc_move_failures, 1);
+    assert_eq!(
+        p.driver().peers_synced,
+        vec![1],
+        "the mirror's copy waited for device 1 too"
+    );
+    p.driver_mut().clear_failures();
+    let b = p.alloc(4 * MIB).unwrap();
+    stamp(&mut p, b, 4 * MIB, 5);
+    let ex = p.export(b, MOVE).unwrap();
+    assert_eq!(ex.how, Exported::Moved);
+    assert!(stamped(&p, b, 4 * MIB, 5));
+    assert!(
+        p.driver().peers_synced.contains(&1),
+        "device 1 was waited for"
+    );
+    p.free(a).unwrap();
+    check(&p);
+}
+
+#[test]
 fn a_stitched_allocation_moves_with_its_data_in_order() {
     let mut p = pool(Placement::SharedLowHeap);
     p.driver_mut().set_capacity(8 * MIB);

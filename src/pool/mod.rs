@@ -595,6 +595,13 @@ impl<D: Driver> Pool<D> {
         }
     }
 
+    /// The other devices given access to this pool's memory: their kernels may be reading or
+    /// writing it, so a move or a pause waits for them too (`synchronize_peer`).
+    pub(super) fn peer_readers(&self) -> Vec<i32> {
+        let me = self.drv.device();
+        self.readers.iter().copied().filter(|d| *d != me).collect()
+    }
+
     /// Give `dev` read-write access to every current and future mapping of this pool.
     pub fn grant(&mut self, dev: i32) -> Result<(), DrvError> {
         if !self.readers.contains(&dev) {

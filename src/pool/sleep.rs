@@ -40,8 +40,7 @@ impl<D: Driver> Pool<D> {
         }
         self.timed(Op::Sync, |d| d.synchronize())?;
         // Devices given peer access may still be reading the blocks: they finish first.
-        let me = self.drv.device();
-        for d in self.readers.clone().into_iter().filter(|d| *d != me) {
+        for d in self.peer_readers() {
             self.timed(Op::Sync, |x| x.synchronize_peer(d))?;
         }
         let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
