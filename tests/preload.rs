@@ -705,6 +705,43 @@ fn a_consumer_running_expseg_maps_the_original_memory_through_the_ticket() {
 }
 
 #[test]
+fn memory_opened_through_a_ticket_is_reachable_from_devices_with_peer_access() {
+    // A consumer on two GPUs opens the handle on device 0. Device 1 has peer access to device
+    // 0 before the open, or gets it after (and loses it again): as with legacy IPC memory of
+    // device 0's context, device 1 reaches the memory while it has peer access. Bits of
+    // import_access: device 0 is 1, device 1 is 2.
+    for (when, keys) in [
+        ("before", vec![("import_access", "3")]),
+        (
+            "after",
+            vec![
+                ("import_access", "1"),
+                ("access_enabled", "3"),
+                ("access_disabled", "1"),
+            ],
+        ),
+    ] {
+        let r = share("expseg", &[("FAKE_DEVICES", "2"), ("CONSUMER_PEER", when)]).ok();
+        assert_eq!(nth(&r, "open_rc", 0), "0", "{when}");
+        for (k, v) in keys {
+            assert_eq!(
+                nth(&r, k, 0),
+                v,
+                "{when}: {k}\n{}\n{}",
+                r.stdout(),
+                r.stderr()
+            );
+        }
+        assert_eq!(nth(&r, "consumer_sees", 0), "1", "{when}");
+        assert_eq!(
+            r.get("producer_sees_write"),
+            "1",
+            "{when}: shared both ways"
+        );
+    }
+}
+
+#[test]
 fn another_allocators_vmm_memory_is_shared_both_ways_with_an_expseg_consumer() {
     for pieces in [None, Some("80")] {
         // Four 8 MiB mappings; then 80 of 2 MiB (the descriptors travel in two batches).

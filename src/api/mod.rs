@@ -336,6 +336,25 @@ fn grant_peer(peer: i32, cur: i32) {
             log::error!("granting device {cur} access to device {peer}'s pool failed: {err}");
         }
     }
+    imports_of(&mut st, peer, cur, true);
+}
+
+/// Memory opened through tickets on device `peer`: device `cur` gets access (`on`) or loses
+/// it, as it would to legacy IPC memory of `peer`'s context.
+fn imports_of(st: &mut state::State, peer: i32, cur: i32, on: bool) {
+    let Ok(t) = st.driver.as_ref().map(|t| *t) else {
+        return;
+    };
+    if cur == peer {
+        return;
+    }
+    for imp in st.ipc.opened_on(peer) {
+        if let Err(err) = cuda::set_import_access(t, imp, cur, on) {
+            log::error!(
+                "setting device {cur}'s access to IPC memory opened on device {peer} failed: {err}"
+            );
+        }
+    }
 }
 
 /// `cuCtxEnablePeerAccess(peer_ctx, flags)` answered `e` (the driver's call is made by the
@@ -383,6 +402,7 @@ fn revoke_peer(peer: i32, cur: i32) {
             log::error!("revoking device {cur}'s access to device {peer}'s pool failed: {err}");
         }
     }
+    imports_of(&mut st, peer, cur, false);
 }
 
 /// The exit report's figures now, as its JSON object, with `active` (whether expseg serves

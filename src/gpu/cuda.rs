@@ -396,13 +396,16 @@ pub struct Imported {
 }
 
 /// Import chunks of the given `sizes`, whose descriptors `next_fds` hands over in order a
-/// batch at a time, map them back to back at a new range and give `dev` access. Each
-/// descriptor is closed as soon as its chunk is imported. All or nothing.
+/// batch at a time, map them back to back at a new range and give `dev` access, and `peers`
+/// (the devices given peer access to `dev`: legacy IPC memory opened in `dev`'s context is
+/// theirs to reach, as any memory of that context). Each descriptor is closed as soon as its
+/// chunk is imported. All or nothing.
 pub fn import(
     t: &DriverTable,
     sizes: &[u64],
     user: u64,
     dev: i32,
+    peers: &[i32],
     mut next_fds: impl FnMut() -> Result<Vec<OwnedFd>, String>,
 ) -> Result<Imported, String> {
     let imp = t
@@ -440,9 +443,12 @@ pub fn import(
                 off += size;
             }
         }
-        let a = access(dev, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-        // SAFETY: the whole range is mapped.
-        drv(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
+        let a: Vec<CUmemAccessDesc> = std::iter::once(dev)
+            .chain(peers.iter().copied().filter(|p| *p != dev))
+            .map(|d| access(d, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+            .collect();
+        // SAFETY: the whole range is mapped; the descriptors outlive the call.
+        drv(unsafe { (t.cuMemSetAccess)(out.va, total as usize, a.as_ptr(), a.len()) })
     })();
     match r {
         Ok(()) => Ok(out),
@@ -451,6 +457,18 @@ pub fn import(
             Err(e)
         }
     }
+}
+
+/// Give device `peer` access to imported memory (`on`), or take it away: peer access to
+/// the device it was opened on was enabled or disabled after the open.
+pub fn set_import_access(t: &DriverTable, imp: &Imported, peer: i32, on: bool) -> DrvResult<()> {
+    let flags = match on {
+        true => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        false => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+    };
+    let a = access(peer, flags);
+    // SAFETY: the range is `import`'s, mapped whole.
+    check(unsafe { (t.cuMemSetAccess)(imp.va, imp.size as usize, &a, 1) })
 }
 
 /// Undo `import` (also of a partial one): unmap, release the handles, free the range.

@@ -189,8 +189,23 @@ static int consume(const char* hex, int expect, int write) {
   IpcHandle h;
   for (int i = 0; i < 64; i++) { unsigned v; sscanf(hex + 2 * i, "%2x", &v); h.b[i] = (unsigned char)v; }
   unsigned char* q = 0;
+  /* CONSUMER_PEER=before|after: device 1 gets peer access to device 0 before the open or
+   * after it (then loses it again): memory opened on device 0 is device 1's to reach while
+   * it has peer access, as legacy IPC memory of device 0's context is. */
+  const char* peer = getenv("CONSUMER_PEER");
+  if (peer && !strcmp(peer, "before")) { cudaSetDevice(1); cudaDeviceEnablePeerAccess(0, 0); cudaSetDevice(0); }
   int rc = cudaIpcOpenMemHandle((void**)&q, h, 1);
   printf("open_rc=%d", rc);
+  if (rc == 0 && peer) {
+    printf(" import_access=%ld", fakecu_access((uint64_t)q));
+    if (!strcmp(peer, "after")) {
+      cudaSetDevice(1); cudaDeviceEnablePeerAccess(0, 0);
+      printf(" access_enabled=%ld", fakecu_access((uint64_t)q));
+      cudaDeviceDisablePeerAccess(0);
+      printf(" access_disabled=%ld", fakecu_access((uint64_t)q));
+      cudaSetDevice(0);
+    }
+  }
   if (rc == 0) {
     printf(" consumer_sees=%d", holds(q, 32 * MIB, (unsigned char)expect));
     fill(q, 32 * MIB, (unsigned char)write);

@@ -63,14 +63,19 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     let Ok(dev) = runtime::get_device() else {
         return Answer::Done(Err(INVALID_HANDLE));
     };
-    let Some(drv) = ensure_state().driver.as_ref().ok().copied() else {
+    let (drv, peers) = {
+        let st = ensure_state();
+        let peers = st.grants.get(dev as usize).cloned().unwrap_or_default();
+        (st.driver.as_ref().ok().copied(), peers)
+    };
+    let Some(drv) = drv else {
         return Answer::Done(Err(INVALID_HANDLE));
     };
     if !cuda::has_context(drv) && runtime::free(0) != 0 {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let asked = started.elapsed();
-    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, || {
+    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, &peers, || {
         incoming.next_batch().map_err(|e| format!("{e:?}"))
     });
     match imported {

@@ -34,6 +34,11 @@ pub(crate) struct IpcState {
 }
 
 impl IpcState {
+    /// Memory opened through tickets on device `dev`.
+    pub(crate) fn opened_on(&self, dev: i32) -> impl Iterator<Item = &Imported> {
+        self.opened.values().filter(move |i| i.dev == dev)
+    }
+
     /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
     /// source for its nonce (the handle then carries no ticket).
     pub(super) fn ticket(&mut self, dev: i32, base: u64) -> Option<Ticket> {
