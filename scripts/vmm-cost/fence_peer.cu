@@ -1,19 +1,31 @@
-// Two GPUs: can a move of device 0's live pages hold device 1's legacy default stream too, so
+// Two GPUs: can a move of device 0's live pages also hold device 1's legacy default stream, so
 // that kernels another thread queues on device 1 that write those pages through peer access
 // (PyTorch's cross-device copies run on the source device's stream) wait until the pages are
-// back? A thread per device launches one-thread kernels on its legacy stream, each adding 1 to
-// its own word of a 64 MiB page on device 0 (device 1 through peer access). The move is
-// fence_calls.cu's graph mode (the copy and a hold on device 0's legacy stream, one graph),
-// then unmap, map of the new handle, access for both devices, release of the old one, each
-// step timed under a watchdog that names a step that does not return in 3 s. After the holds
-// are released, each word must equal its thread's launches: a kernel that ran on the old
-// handle after the copy loses its addition; one that ran while the page was unmapped faults.
+// back? And without a deadlock when the two devices' streams wait on each other's events (as
+// PyTorch's copies between devices make them)?
 //
-//   ./fence_peer peer   holds device 1's legacy stream too (running before the copy starts)
-//   ./fence_peer own    device 0's hold only, after waiting for device 1's queued work (what
-//                       expseg does until this shows the other safe)
+// Two launcher threads, one per device, launch one-thread kernels on their device's legacy
+// stream, each adding 1 to its own int of a 64 MiB page on device 0 (device 1's through peer
+// access). With "xdep", device 1's thread also makes the streams wait on each other after each
+// kernel (an event on device 1 that device 0's stream waits for, a kernel on device 0 adding
+// to a third int, an event there that device 1's stream waits for). The main thread moves the
+// page ROUNDS times: a new handle, the copy and a host function holding device 0's legacy
+// stream as one graph (expseg's fence), then unmap, map of the new handle, access for both
+// devices, release of the old one. At the end each int must equal its launches: a kernel that
+// ran on the old handle after the copy loses its addition; one that ran while the page was
+// unmapped faults (the final synchronize says so).
 //
-//   nvcc -O2 -o fence_peer fence_peer.cu -lcuda -lpthread && ./fence_peer peer
+//   own     device 1 waited for (context synchronize), not held: what expseg does today
+//   host    device 1's legacy stream held by a host function, running before the graph launch
+//   memop   held by one batch of stream memory operations [write reached; wait for release]
+//
+// Order in host and memop: wait for device 1, then device 0 (no synchronize after a hold: with
+// xdep it would never return), hold device 1, launch the graph. Each hold that does not start
+// within 500 ms aborts the round: every hold is released, the move is not made (the page
+// stays where it is, the copy is thrown away), and the round is counted as aborted. Calls
+// that do not return within 5 s end the probe with HANG and the step.
+//
+//   nvcc -O2 -o fence_peer fence_peer.cu -lcuda -lpthread && ./fence_peer MODE [ROUNDS] [xdep]
 #include <string.h>
 #include "watch.cuh"
 
@@ -23,36 +35,85 @@ struct Hold {
 static void CUDA_CB hold_fn(void* p) {
   Hold* h = (Hold*)p;
   h->running = 1;
-  while (!h->released) usleep(50);
+  while (!h->released) usleep(20);
 }
 
 __global__ void bump(int* p) { *p += 1; }
 
 static CUcontext ctx[2];
-static int* word[2];
-static volatile long launched[2];
-static volatile int stop_launchers = 0;
+static int* word[3];
+static volatile long launched[3];
+static volatile int stop_launchers = 0, launch_err = 0, xdep = 0;
 static void* launch_loop(void* arg) {
   int d = (int)(long)arg;
   cuCtxSetCurrent(ctx[d]);
+  cudaEvent_t ev[2];
+  if (d == 1 && xdep) {
+    for (int k = 0; k < 2; k++) {
+      cuCtxSetCurrent(ctx[k]);
+      cudaEventCreateWithFlags(&ev[k], cudaEventDisableTiming);
+    }
+    cuCtxSetCurrent(ctx[1]);
+  }
   while (!stop_launchers) {
     bump<<<1, 1, 0, 0>>>(word[d]);
-    if (cudaGetLastError() != cudaSuccess) break;
+    if (cudaGetLastError() != cudaSuccess) {
+      launch_err = 1;
+      break;
+    }
     launched[d] = launched[d] + 1;
+    if (d == 1 && xdep) {
+      cudaEventRecord(ev[1], 0);
+      cuCtxSetCurrent(ctx[0]);
+      cudaStreamWaitEvent(0, ev[1], 0);
+      bump<<<1, 1, 0, 0>>>(word[2]);
+      launched[2] = launched[2] + 1;
+      cudaEventRecord(ev[0], 0);
+      cuCtxSetCurrent(ctx[1]);
+      cudaStreamWaitEvent(0, ev[0], 0);
+    }
   }
   return 0;
 }
 
-#define STEP(name, call)                                         \
-  do {                                                           \
-    probe_begin(name);                                           \
-    CUresult r_ = (call);                                        \
-    printf("%-28s rc=%d %.3f ms\n", name, (int)r_, probe_end()); \
-    fflush(stdout);                                              \
+static void note(void) {
+  printf(" (launched %ld %ld %ld)", (long)launched[0], (long)launched[1], (long)launched[2]);
+}
+
+#define STEP(name, call) \
+  do {                   \
+    probe_begin(name);   \
+    CK(call);            \
+    probe_end();         \
   } while (0)
 
+// Wait up to `ms` for `*flag == want`: the milliseconds waited, or -1 on timeout.
+static double wait_for(volatile unsigned* flag, unsigned want, double ms) {
+  double t0 = now_ms();
+  while (*flag != want) {
+    if (now_ms() - t0 > ms) return -1;
+    usleep(10);
+  }
+  return now_ms() - t0;
+}
+static double wait_running(Hold* h, double ms) {
+  double t0 = now_ms();
+  while (!h->running) {
+    if (now_ms() - t0 > ms) return -1;
+    usleep(10);
+  }
+  return now_ms() - t0;
+}
+
 int main(int argc, char** argv) {
-  int peer_hold = !(argc > 1 && !strcmp(argv[1], "own"));
+  const char* mode = argc > 1 ? argv[1] : "memop";
+  int rounds = argc > 2 ? atoi(argv[2]) : 20;
+  xdep = argc > 3 && !strcmp(argv[3], "xdep");
+  int m_own = !strcmp(mode, "own"), m_host = !strcmp(mode, "host"), m_memop = !strcmp(mode, "memop");
+  if (!m_own && !m_host && !m_memop) {
+    printf("mode: own | host | memop\n");
+    return 2;
+  }
   CK(cuInit(0));
   int n = 0;
   CK(cuDeviceGetCount(&n));
@@ -73,16 +134,17 @@ int main(int argc, char** argv) {
   }
   CK(cuCtxSetCurrent(ctx[1]));
   CK(cuCtxEnablePeerAccess(ctx[0], 0));
+  CKRT(cudaFree(0));
   CK(cuCtxSetCurrent(ctx[0]));
   CK(cuCtxEnablePeerAccess(ctx[1], 0));
   CKRT(cudaSetDevice(0));
-  probe_watch(3000);
+  probe_hang_note = note;
+  probe_watch(5000);
 
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = 0;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t sz = 64 << 20;
   CUmemAccessDesc both[2] = {};
   for (int d = 0; d < 2; d++) {
@@ -90,88 +152,136 @@ int main(int argc, char** argv) {
     both[d].location.id = d;
     both[d].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   }
-  CUmemGenericAllocationHandle a, b;
-  CUdeviceptr va, tmp;
+  CUmemGenericAllocationHandle a;
+  CUdeviceptr va;
   CK(cuMemCreate(&a, sz, &prop, 0));
   CK(cuMemAddressReserve(&va, sz, 0, 0, 0));
   CK(cuMemMap(va, sz, 0, a, 0));
   CK(cuMemSetAccess(va, sz, both, 2));
   CK(cuMemsetD8_v2(va, 0, sz));
   CK(cuCtxSynchronize());
-  word[0] = (int*)va;
-  word[1] = (int*)(va + 4096);
-
-  pthread_t lt[2];
-  for (long d = 0; d < 2; d++) pthread_create(&lt[d], 0, launch_loop, (void*)d);
-  usleep(200 * 1000);
-  printf("mode %s; launches before the move: %ld on device 0, %ld on device 1\n",
-         peer_hold ? "peer (both legacy streams held)" : "own (device 0 held, device 1 waited for)",
-         (long)launched[0], (long)launched[1]);
-
-  // The new handle and its temporary mapping (device 0's access only, as expseg maps it).
-  CK(cuMemCreate(&b, sz, &prop, 0));
-  CK(cuMemAddressReserve(&tmp, sz, 0, 0, 0));
-  CK(cuMemMap(tmp, sz, 0, b, 0));
-  CK(cuMemSetAccess(tmp, sz, both, 1));
+  for (int k = 0; k < 3; k++) word[k] = (int*)(va + 4096 * k);
+  volatile unsigned* flags = 0;  // [0] reached (device 1's hold), [1] release
+  CUdeviceptr dflags = 0;
+  CK(cuMemHostAlloc((void**)&flags, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+  CK(cuMemHostGetDevicePointer(&dflags, (void*)flags, 0));
+  flags[0] = flags[1] = 0;
   CUstream s;
   CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
 
-  Hold h0 = {0, 0}, h1 = {0, 0};
-  double t0 = now_ms();
-  if (peer_hold) {
-    // Device 1's stream first: once its hold runs, none of its kernels is left to write.
-    CK(cuCtxSetCurrent(ctx[1]));
-    STEP("hold device 1 (launch)", cuLaunchHostFunc(CU_STREAM_LEGACY, hold_fn, &h1));
-    probe_begin("hold device 1 running");
-    while (!h1.running) usleep(10);
-    printf("%-28s %.3f ms\n", "hold device 1 running", probe_end());
-    CK(cuCtxSetCurrent(ctx[0]));
-  } else {
-    CK(cuCtxSetCurrent(ctx[1]));
-    STEP("device 1 synchronize", cuCtxSynchronize());
-    CK(cuCtxSetCurrent(ctx[0]));
-  }
-  CK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
-  CK(cuMemcpyDtoDAsync_v2(tmp, va, sz, s));
-  CK(cuLaunchHostFunc(s, hold_fn, &h0));
-  CUgraph g;
-  CK(cuStreamEndCapture(s, &g));
-  CUgraphExec ge;
-  CK(cuGraphInstantiate(&ge, g, 0));
-  STEP("copy+hold device 0 (launch)", cuGraphLaunch(ge, CU_STREAM_LEGACY));
-  probe_begin("hold device 0 running");
-  while (!h0.running) usleep(10);
-  printf("%-28s %.3f ms\n", "hold device 0 running", probe_end());
-  // Some time for device 1's thread to queue (or, unheld, run) kernels on the old handle.
-  usleep(20 * 1000);
-  STEP("cuMemUnmap va", cuMemUnmap(va, sz));
-  STEP("cuMemUnmap tmp", cuMemUnmap(tmp, sz));
-  STEP("cuMemMap va", cuMemMap(va, sz, 0, b, 0));
-  STEP("cuMemSetAccess va (both)", cuMemSetAccess(va, sz, both, 2));
-  STEP("cuMemAddressFree tmp", cuMemAddressFree(tmp, sz));
-  STEP("cuMemRelease a", cuMemRelease(a));
-  printf("move under the holds took %.3f ms\n", now_ms() - t0);
-  h0.released = 1;
-  h1.released = 1;
+  pthread_t lt[2];
+  for (long d = 0; d < 2; d++) pthread_create(&lt[d], 0, launch_loop, (void*)d);
   usleep(100 * 1000);
+  printf("mode %s%s, %d rounds; launches before: %ld %ld %ld\n", mode, xdep ? " xdep" : "", rounds,
+         (long)launched[0], (long)launched[1], (long)launched[2]);
+  fflush(stdout);
+
+  Hold* h0 = (Hold*)calloc(rounds + 1, sizeof(Hold));
+  Hold* h1 = (Hold*)calloc(rounds + 1, sizeof(Hold));
+  int moved = 0, aborted = 0;
+  double worst1 = 0, worst0 = 0, total_ms = 0;
+  for (unsigned g = 1; g <= (unsigned)rounds && !launch_err; g++) {
+    double t0 = now_ms();
+    CUmemGenericAllocationHandle b;
+    CUdeviceptr tmp;
+    STEP("create", cuMemCreate(&b, sz, &prop, 0));
+    STEP("reserve tmp", cuMemAddressReserve(&tmp, sz, 0, 0, 0));
+    STEP("map tmp", cuMemMap(tmp, sz, 0, b, 0));
+    STEP("access tmp", cuMemSetAccess(tmp, sz, both, 1));
+    CUgraphExec ge;
+    CUgraph gr;
+    CK(cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
+    CK(cuMemcpyDtoDAsync_v2(tmp, va, sz, s));
+    CK(cuLaunchHostFunc(s, hold_fn, &h0[g]));
+    CK(cuStreamEndCapture(s, &gr));
+    CK(cuGraphInstantiate(&ge, gr, 0));
+    CK(cuGraphDestroy(gr));
+    // Wait for device 1, then device 0 (as expseg: wait_for_peers, then copy_and_hold's).
+    CK(cuCtxSetCurrent(ctx[1]));
+    STEP("synchronize device 1", cuCtxSynchronize());
+    CK(cuCtxSetCurrent(ctx[0]));
+    STEP("synchronize device 0", cuCtxSynchronize());
+    int ok = 1;
+    if (!m_own) {
+      CK(cuCtxSetCurrent(ctx[1]));
+      double w;
+      if (m_host) {
+        STEP("hold device 1", cuLaunchHostFunc(CU_STREAM_LEGACY, hold_fn, &h1[g]));
+        w = wait_running(&h1[g], 500);
+      } else {
+        CUstreamBatchMemOpParams ops[2];
+        memset(ops, 0, sizeof ops);
+        ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+        ops[0].writeValue.address = dflags;
+        ops[0].writeValue.value = g;
+        ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+        ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+        ops[1].waitValue.address = dflags + 4;
+        ops[1].waitValue.value = g;
+        ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+        STEP("hold device 1", cuStreamBatchMemOp(CU_STREAM_LEGACY, 2, ops, 0));
+        w = wait_for(&flags[0], g, 500);
+      }
+      CK(cuCtxSetCurrent(ctx[0]));
+      if (w < 0) ok = 0;
+      if (w > worst1) worst1 = w;
+    }
+    STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
+    if (ok) {
+      double w = wait_running(&h0[g], 500);
+      if (w < 0) ok = 0;
+      if (w > worst0) worst0 = w;
+    }
+    if (ok) {
+      STEP("unmap va", cuMemUnmap(va, sz));
+      STEP("unmap tmp", cuMemUnmap(tmp, sz));
+      STEP("map va", cuMemMap(va, sz, 0, b, 0));
+      STEP("access va (both)", cuMemSetAccess(va, sz, both, 2));
+      STEP("free tmp", cuMemAddressFree(tmp, sz));
+      STEP("release old", cuMemRelease(a));
+      a = b;
+      moved++;
+    }
+    // Release every hold (an aborted round's too, started or not).
+    h0[g].released = 1;
+    h1[g].released = 1;
+    flags[1] = g;
+    __sync_synchronize();
+    if (!ok) {
+      aborted++;
+      // The graph's copy still reads the page into the new handle: wait for it, then drop it.
+      probe_begin("aborted round: the graph ends");
+      while (!h0[g].running) usleep(10);
+      probe_end();
+      CK(cuStreamSynchronize(s));
+      STEP("unmap tmp", cuMemUnmap(tmp, sz));
+      STEP("free tmp", cuMemAddressFree(tmp, sz));
+      STEP("release new", cuMemRelease(b));
+    }
+    CK(cuGraphExecDestroy(ge));
+    total_ms += now_ms() - t0;
+  }
   stop_launchers = 1;
   for (int d = 0; d < 2; d++) pthread_join(lt[d], 0);
-  int got[2] = {0, 0};
+  CUresult fin[2];
   for (int d = 0; d < 2; d++) {
     CK(cuCtxSetCurrent(ctx[d]));
-    probe_begin("synchronize after");
-    CUresult r = cuCtxSynchronize();
+    probe_begin("final synchronize");
+    fin[d] = cuCtxSynchronize();
     probe_end();
-    if (r) {
-      printf("device %d: synchronize -> %d (a kernel met the page while it was away)\n", d, (int)r);
-      return 1;
-    }
   }
-  CK(cuCtxSetCurrent(ctx[0]));
-  CK(cuMemcpyDtoH_v2(&got[0], (CUdeviceptr)word[0], sizeof(int)));
-  CK(cuMemcpyDtoH_v2(&got[1], (CUdeviceptr)word[1], sizeof(int)));
-  int ok = got[0] == launched[0] && got[1] == launched[1];
-  printf("device 0 word %d of %ld launches, device 1 word %d of %ld launches: %s\n", got[0],
-         (long)launched[0], got[1], (long)launched[1], ok ? "intact" : "LOST");
-  return ok ? 0 : 2;
+  int got[3] = {-1, -1, -1};
+  long bad = -1;
+  if (!fin[0] && !fin[1]) {
+    CK(cuCtxSetCurrent(ctx[0]));
+    for (int k = 0; k < 3; k++) CK(cuMemcpyDtoH_v2(&got[k], (CUdeviceptr)word[k], sizeof(int)));
+    bad = 0;
+    for (int k = 0; k < 3; k++) bad += got[k] != (int)launched[k];
+  }
+  printf("{\"mode\": \"%s\", \"xdep\": %d, \"rounds\": %d, \"moved\": %d, \"aborted\": %d, \"final_sync\": [%d, %d], "
+         "\"launched\": [%ld, %ld, %ld], \"got\": [%d, %d, %d], \"wrong_words\": %ld, \"worst_hold1_ms\": %.3f, "
+         "\"worst_hold0_ms\": %.3f, \"ms_per_round\": %.3f, \"launch_err\": %d}\n",
+         mode, xdep, rounds, moved, aborted, (int)fin[0], (int)fin[1], (long)launched[0], (long)launched[1],
+         (long)launched[2], got[0], got[1], got[2], bad, worst1, worst0, total_ms / rounds, launch_err);
+  return (!fin[0] && !fin[1] && bad == 0 && !launch_err) ? 0 : 1;
 }
