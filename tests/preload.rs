@@ -742,6 +742,23 @@ fn memory_opened_through_a_ticket_is_reachable_from_devices_with_peer_access() {
 }
 
 #[test]
+fn a_mirror_copies_after_the_work_of_devices_with_peer_access() {
+    // Device 1's kernels may write device 0's allocation through peer access: the mirror a
+    // plain consumer opens is copied after them (made at the first request, refreshed at the
+    // second), as after device 0's own.
+    let r = run("peer_mirror", &[("FAKE_DEVICES", "2")]).ok();
+    for (k, v) in [
+        ("enable_rc", "0"),
+        ("get_rc", "0"),
+        ("again_rc", "0"),
+        ("stale_reads", "0"),
+        ("free_rc", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
 fn another_allocators_vmm_memory_is_shared_both_ways_with_an_expseg_consumer() {
     for pieces in [None, Some("80")] {
         // Four 8 MiB mappings; then 80 of 2 MiB (the descriptors travel in two batches).

@@ -321,7 +321,7 @@ pub fn run_from(t: &DriverTable, ptr: u64, max_mappings: usize) -> Option<(u64, 
 
 /// Whether device `dev` may read the mapping at `ptr` (`cuMemGetAccess`; true where the driver
 /// lacks the call).
-fn readable(t: &DriverTable, ptr: u64, dev: i32) -> bool {
+pub fn readable(t: &DriverTable, ptr: u64, dev: i32) -> bool {
     let Some(get) = t.cuMemGetAccess else {
         return true;
     };

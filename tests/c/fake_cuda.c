@@ -27,7 +27,7 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 
 #define GRAN (2u << 20)
 static int initialised = 0;
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_NCOUNT };
 static long counts[C_NCOUNT];
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
@@ -43,7 +43,10 @@ static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserv
                               /* a wait for the device or its legacy stream while a graph's host function
                                * held that stream: on a GPU that wait never ends when the waiter is the one
                                * to release it; here it gives up after 2 s */
-                              "fence_deadlock", "cuGraphLaunch"};
+                              "fence_deadlock", "cuGraphLaunch",
+                              /* a copy (cuMemcpyDtoD, the runtime's cudaMemcpy) reading a range some
+                               * device still has work in flight on: on a GPU it may miss that work's writes */
+                              "stale_read"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -110,6 +113,12 @@ void fakecu_launch(int dev, uint64_t va, size_t n) {
 void fakecu_sync_dev(int dev) {
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXW; i++) if (work[i].n && work[i].dev == dev) work[i].n = 0;
+  pthread_mutex_unlock(&mu);
+}
+/* A copy reads [va, va+n): counted when some device still has work in flight on it. */
+void fakecu_read(uint64_t va, size_t n) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXW; i++) if (work[i].n && work[i].va < va + n && va < work[i].va + work[i].n) { counts[C_STALE_READ]++; break; }
   pthread_mutex_unlock(&mu);
 }
 /* Under mu: count an unmap of [va, va+n) while work is in flight on it. */
@@ -518,7 +527,7 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memmove((void*)(uintptr_t)d, s, n); return 0; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memmove(d, (void*)(uintptr_t)s, n); return 0; }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0; }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { fakecu_read(s, n); memmove((void*)(uintptr_t)d, (void*)(uintptr_t)s, n); return 0; }
 /* Page-locking host memory and one stream for pausing: registration counted, copies at once. */
 static long host_registered;
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { (void)p; (void)flags; __atomic_add_fetch(&host_registered, (long)n, __ATOMIC_SEQ_CST); return 0; }

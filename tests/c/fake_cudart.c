@@ -134,7 +134,8 @@ int cudaIpcGetMemHandle(void* h, void* p) {
   memcpy((char*)h + 36, &fd, 4); memcpy((char*)h + 40, &sz, 8); memcpy((char*)h + 48, "FAKEIPC!", 8);
   return 0;
 }
-int cudaMemcpy(void* d, const void* s, size_t n, int kind) { (void)kind; memmove(d, s, n); return 0; }
+void fakecu_read(uint64_t va, size_t n);
+int cudaMemcpy(void* d, const void* s, size_t n, int kind) { (void)kind; fakecu_read((uint64_t)(uintptr_t)s, n); memmove(d, s, n); return 0; }
 typedef struct { unsigned char b[64]; } IpcHandle;
 int cudaIpcOpenMemHandle(void** p, IpcHandle h, unsigned flags) {
   (void)flags;

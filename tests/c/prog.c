@@ -137,6 +137,26 @@ static int threads(void) {
   return 0;
 }
 
+void fakecu_launch(int, uint64_t, size_t);
+/* Device 1 has peer access to device 0's allocation and work in flight on it when the program
+ * asks a handle (twice: the mirror made, then refreshed): the mirror's copy comes after that
+ * work, as after device 0's own. */
+static int peer_mirror(void) {
+  void* q;
+  CHECK(cudaSetDevice(1) == 0);
+  printf("enable_rc=%d\n", cudaDeviceEnablePeerAccess(0, 0));
+  CHECK(cudaSetDevice(0) == 0);
+  CHECK(cudaMalloc(&q, 4 * MIB) == 0);
+  unsigned char h[64];
+  long s0 = fakecu_count("stale_read");
+  fakecu_launch(1, (uint64_t)q, 4 * MIB);
+  printf("get_rc=%d", cudaIpcGetMemHandle(h, q));
+  fakecu_launch(1, (uint64_t)q, 4 * MIB);
+  printf(" again_rc=%d", cudaIpcGetMemHandle(h, q));
+  printf(" stale_reads=%ld free_rc=%d\n", fakecu_count("stale_read") - s0, cudaFree(q));
+  return 0;
+}
+
 static int peer(void) {
   void *p, *q, *r;
   CHECK(cudaSetDevice(1) == 0);
@@ -634,6 +654,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "threads")) return threads();
   if (!strcmp(s, "peer")) return peer();
+  if (!strcmp(s, "peer_mirror")) return peer_mirror();
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
   if (!strcmp(s, "mirror_race")) return mirror_race();

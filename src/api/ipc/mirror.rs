@@ -1,7 +1,7 @@
 //! Mirrors: standard buffers holding a copy of memory that has no legacy handle of its own,
 //! made and refreshed on request, freed with their last reference.
 
-use crate::gpu::IpcHandle;
+use crate::gpu::{cuda, IpcHandle};
 use crate::real::runtime;
 use crate::stats::GLOBAL;
 
@@ -23,8 +23,19 @@ impl Drop for Mirror {
     }
 }
 
-/// Copy `size` bytes at `base` into the mirror at `p`, after the device's pending work.
+/// Copy `size` bytes at `base` into the mirror at `p`, after the pending work of the device
+/// and of every other device given access to the memory (peer access: their kernels may
+/// write it too).
 pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
+    if let Ok(t) = crate::real::driver() {
+        let n = cuda::device_count(t).unwrap_or(0);
+        for d in (0..n).filter(|d| *d != dev && cuda::readable(t, base, *d)) {
+            runtime::on_device(d, || match runtime::device_synchronize() {
+                0 => Ok(()),
+                e => Err(e),
+            })?;
+        }
+    }
     runtime::on_device(dev, || match runtime::device_synchronize() {
         0 => match runtime::copy_d2d(p, base, size as usize) {
             0 => match runtime::device_synchronize() {
