@@ -112,6 +112,23 @@ static int consume() {
       printf("ok\n");
     } else if (!strncmp(line, "wait", 4)) {
       printf(pingpong_wait() ? "ok\n" : "bad pingpong\n");
+    } else if (sscanf(line, "peercheck %llu", &b) == 1) {
+      // The consumer's device 1 reads the memory opened on device 0 once it has peer access
+      // to device 0 (as any memory of device 0's context).
+      int cur = 0;
+      cudaGetDevice(&cur);
+      cudaSetDevice(1);
+      cudaError_t e = cudaDeviceEnablePeerAccess(0, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      unsigned long long bad = ~0ull, *d = 0;
+      if ((e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled) && cudaMalloc(&d, sizeof *d) == cudaSuccess) {
+        cudaMemset(d, 0, sizeof *d);
+        verify_k<<<2048, 256>>>((const uint32_t*)q, size / 4, (uint32_t)b, d);
+        if (cudaMemcpy(&bad, d, sizeof bad, cudaMemcpyDeviceToHost) != cudaSuccess) bad = ~0ull;
+        cudaFree(d);
+      }
+      cudaSetDevice(cur);
+      if (bad == 0) printf("ok\n"); else printf("bad %llu (enable %d)\n", bad, e);
     } else if (!strncmp(line, "close", 5)) {
       cudaError_t e = cudaIpcCloseMemHandle(q);
       printf(e == cudaSuccess ? "ok\n" : "err %d\n", e);
@@ -291,6 +308,60 @@ static int run(const char* self, const char* preload, int nsizes, char** sizes) 
   return failed != 0;
 }
 
+// Two GPUs: device 1 writes device 0's allocation through peer access just before the handle
+// request, with no wait in between (the program waits after it, before handing the handle
+// over): the consumer sees those writes (a mirror is copied after them, as after device 0's
+// own work), and the consumer's device 1 reads the opened memory once it has peer access.
+__global__ void spin_k(long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+static int two_gpus(const char* self, const char* preload) {
+  int n = 0, can = 0;
+  cudaGetDeviceCount(&n);
+  if (n >= 2) cudaDeviceCanAccessPeer(&can, 1, 0);
+  if (n < 2 || !can) {
+    printf("SKIP ipc two GPUs: %d GPU(s), device 1 %s device 0\n", n, can ? "reaches" : "cannot reach");
+    printf("0 passed, 0 failed, 1 skipped\n");
+    return 0;
+  }
+  Consumer c = spawn_consumer(self, preload);
+  size_t size = 256 * MIB;
+  void* p = 0;
+  int ok = cudaSetDevice(0) == cudaSuccess && cudaMalloc(&p, size) == cudaSuccess;
+  if (ok) fill(p, size, 5000);
+  cudaSetDevice(1);
+  cudaError_t e = cudaDeviceEnablePeerAccess(0, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+  ok &= e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+  spin_k<<<1, 1>>>(400000000ll);  // about 0.2 s, then device 1 writes the new version
+  fill_k<<<2048, 256>>>((uint32_t*)p, size / 4, 5001);
+  cudaSetDevice(0);
+  cudaIpcMemHandle_t h;
+  ok &= cudaIpcGetMemHandle(&h, p) == cudaSuccess;
+  cudaSetDevice(1);
+  ok &= cudaDeviceSynchronize() == cudaSuccess;
+  cudaSetDevice(0);
+  int producer = mismatches(p, size, 5001) == 0;
+  char hx[129];
+  hex(h, hx);
+  int opened = ok && ask(c, "open %s %zu\n", hx, size);
+  int seen = opened && ask(c, "check 5001\n");
+  int peer = opened && ask(c, "peercheck 5001\n");
+  if (opened) ask(c, "close\n");
+  ok &= producer && seen && peer && cudaFree(p) == cudaSuccess;
+  printf("%s ipc two GPUs: device 1's writes before the request %s, the consumer's device 1 %s\n", ok ? "PASS" : "FAIL",
+         seen ? "reach the consumer" : (opened ? "MISSING for the consumer" : "(not opened)"),
+         peer ? "reads the opened memory" : "CANNOT read the opened memory");
+  fputs("quit\n", c.to);
+  fclose(c.to);
+  int st;
+  waitpid(c.pid, &st, 0);
+  printf("%d passed, %d failed\n", ok, !ok);
+  return !ok;
+}
+
 static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v.empty() ? 0 : v[v.size() / 2]; }
 
 static int bench() {
@@ -363,6 +434,7 @@ int main(int argc, char** argv) {
   self[n] = 0;
   if (argc > 3 && !strcmp(argv[1], "run")) return run(self, argv[2], argc - 3, argv + 3);
   if (argc > 1 && !strcmp(argv[1], "bench")) return bench();
-  fprintf(stderr, "usage: ipc_test run CONSUMER_PRELOAD|- SIZES_MIB... | bench\n");
+  if (argc > 2 && !strcmp(argv[1], "two")) return two_gpus(self, argv[2]);
+  fprintf(stderr, "usage: ipc_test run CONSUMER_PRELOAD|- SIZES_MIB... | two CONSUMER_PRELOAD|- | bench\n");
   return 2;
 }

@@ -342,6 +342,22 @@ if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device
   done
   python3 "$here/torch_two_gpu_model.py" "$lib" 300 >"$logs/two_gpu_model.log" 2>&1
   result torch_model_split_over_two_gpus $? "$(grep '^{' "$logs/two_gpu_model.log" || tail -n 2 "$logs/two_gpu_model.log")"
+  # IPC on two GPUs: device 1's writes through peer access reach the consumer (a mirror waits
+  # for them), and a consumer's device 1 reads memory opened on device 0 (ticket imports get
+  # peer access). Natively first, then expseg producers with plain and expseg consumers.
+  if nvcc -O2 -cudart shared -o "$build/ipc_test2" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1; then
+    "$build/ipc_test2" two - >"$logs/ipc2_native.log" 2>&1
+    result ipc_two_gpus_native $? "$(grep -E '^(PASS|FAIL|SKIP)' "$logs/ipc2_native.log")"
+    for consumer in - "$lib"; do
+      name=ipc_two_gpus_expseg_producer_$([ "$consumer" = - ] && echo plain || echo expseg)_consumer
+      EXPSEG_REPORT="$logs/$name.txt" LD_PRELOAD="$lib" "$build/ipc_test2" two "$consumer" >"$logs/$name.log" 2>&1
+      rc=$?
+      grep -q '"ipc_handle_requests":[1-9]' "$logs/$name.txt.json" 2>/dev/null || { echo "    expseg saw no IPC handle request"; rc=1; }
+      result "$name" $rc "$(grep -E '^(PASS|FAIL|SKIP)' "$logs/$name.log")"
+    done
+  else
+    result build_ipc_test_two_gpus 1 "(nvcc failed: $logs/build.log)"
+  fi
 elif want twogpu; then
   echo "SKIP twogpu: fewer than two GPUs"
 fi
