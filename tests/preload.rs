@@ -1364,6 +1364,17 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
     ] {
         assert_eq!(m.get(k), v, "{k}\n{}", m.stdout());
     }
+    // The program's own expseg_trim() gives everything back, from whichever of its threads.
+    let t = pages("libc10_cuda.so", "full", &[("TRIM_THREAD", "1")]).ok();
+    for (k, v) in [
+        ("used_stranded_mib", "160"),
+        ("trim_thread_mib", "80"),
+        ("used_compacted_mib", "80"),
+        ("live_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(t.get(k), v, "{k}\n{}", t.stdout());
+    }
     let quiet = pages("libc10_cuda.so", "full", &[("EXPSEG_TORCH_DEFAULTS", "0")]).ok();
     assert_eq!(quiet.stderr(), "");
     assert_eq!(

@@ -57,11 +57,21 @@ pub fn held_beyond_live() -> u64 {
     held
 }
 
-/// Give back everything held beyond live memory on the devices `which` accepts: the bytes
-/// given back. `outside`: the caller is not one of the program's calls (a reclaim another
-/// process asked for): no live page of the program moves (`Coalescer::trim_unmoved`). Nor
-/// does one of a device whose allocator's thread this is not (`super::allocator`).
-fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
+/// Who asks for a trim, and so which live pages may move to give back what they strand.
+#[derive(Clone, Copy, PartialEq)]
+enum Asker {
+    /// The program itself (`expseg.trim()`): every device's, as it asked.
+    Program,
+    /// An allocation that found no memory: the devices whose allocator's thread this is
+    /// (`super::allocator`); another thread may be launching work on the others' pages.
+    Allocation,
+    /// Another process (its reclaim, on the socket thread): none (`Coalescer::trim_unmoved`).
+    Outside,
+}
+
+/// Give back everything held beyond live memory on the devices `which` accepts, moving live
+/// pages where `asker` allows: the bytes given back.
+fn trim_devices(which: impl Fn(i32) -> bool, asker: Asker) -> u64 {
     let mut freed = 0;
     if state::forked() {
         return 0; // a forked child's CUDA state is not its own
@@ -80,7 +90,11 @@ fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
             .all()
             .filter(|c| which(c.driver().device()))
         {
-            let moves = !outside && super::allocator::may_move(c.driver().device());
+            let moves = match asker {
+                Asker::Program => true,
+                Asker::Allocation => super::allocator::may_move(c.driver().device()),
+                Asker::Outside => false,
+            };
             freed += match moves {
                 false => in_context(c, |c| c.trim_unmoved()),
                 true => in_context(c, |c| c.trim()),
@@ -94,7 +108,7 @@ fn trim_devices(which: impl Fn(i32) -> bool, outside: bool) -> u64 {
 
 /// `expseg.trim()`: give back everything held beyond live memory, on every device.
 pub fn trim_all() -> u64 {
-    trim_devices(|_| true, false)
+    trim_devices(|_| true, Asker::Program)
 }
 
 /// Another expseg process found no memory on the GPU of `key`: what this process holds beyond
@@ -102,7 +116,7 @@ pub fn trim_all() -> u64 {
 /// socket thread, while the program's threads may be launching work); the rest at the
 /// program's next call.
 pub fn trim_gpu(key: u64) -> u64 {
-    let freed = trim_devices(|d| key_of(d) == key, true);
+    let freed = trim_devices(|d| key_of(d) == key, Asker::Outside);
     if freed > 0 {
         log::info!("gave back {freed} bytes another expseg process asked for");
     }
@@ -114,8 +128,8 @@ pub fn trim_gpu(key: u64) -> u64 {
 /// theirs on the same GPU. True if any bytes came back (worth asking the driver again).
 pub fn make_room(dev: Option<i32>) -> bool {
     let own = match dev {
-        Some(d) => trim_devices(|x| x == d, false),
-        None => trim_all(),
+        Some(d) => trim_devices(|x| x == d, Asker::Allocation),
+        None => trim_devices(|_| true, Asker::Allocation),
     };
     own + reclaim_from_peers(dev) > 0
 }

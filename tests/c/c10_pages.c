@@ -51,6 +51,12 @@ static void* get(const char* name) {
 static int dev_ = 0;
 /* A monitor's cudaMemGetInfo, from a thread that is not the allocator's. */
 static void* meminfo_thread(void* arg) { size_t f, t; (void)arg; cudaMemGetInfo(&f, &t); return 0; }
+/* The program's own expseg_trim(), from a thread that made no allocator call. */
+static void* trim_thread(void* arg) {
+  uint64_t (*trim)(void) = (uint64_t (*)(void))dlsym(RTLD_DEFAULT, "expseg_trim");
+  *(uint64_t*)arg = trim ? trim() : (uint64_t)-1;
+  return 0;
+}
 static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = dev_; return p; }
 static int grow(int at, int n) {
   Prop p = prop();
@@ -400,6 +406,12 @@ int expandable(const char* what) {
      * pages, so nothing that needs them moved goes back then. */
     pthread_t t; pthread_create(&t, 0, meminfo_thread, 0); pthread_join(t, 0);
     printf("used_after_other_thread_mib=%ld\n", fakecu_used() >> 20);
+  }
+  if (getenv("TRIM_THREAD")) {
+    /* The program asks: everything goes back, whichever of its threads asks. */
+    uint64_t got = 0;
+    pthread_t t; pthread_create(&t, 0, trim_thread, &got); pthread_join(t, 0);
+    printf("trim_thread_mib=%lu\n", (unsigned long)(got >> 20));
   }
   size_t fr, tot; cudaMemGetInfo(&fr, &tot); /* expseg compacts before answering */
   printf("used_compacted_mib=%ld\n", fakecu_used() >> 20);
