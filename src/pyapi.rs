@@ -110,7 +110,7 @@ pub unsafe extern "C" fn expseg_pause(
         return INVALID_VALUE;
     };
     outcome(
-        catch_unwind(|| api::sleep::pause(tag, discard != 0)),
+        catch_unwind(|| api::sleep::pause(tag, discard != 0, true)),
         bytes,
         seconds,
     )

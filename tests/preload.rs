@@ -1375,6 +1375,19 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
     ] {
         assert_eq!(t.get(k), v, "{k}\n{}", t.stdout());
     }
+    // The program's own expseg_pause() from such a thread pauses only the live pages: what is
+    // held beyond them goes back first (moving nothing, it paused the whole handle: 160).
+    let p = pages("libc10_cuda.so", "full", &[("PAUSE_THREAD", "1")]).ok();
+    for (k, v) in [
+        ("pause_rc", "0"),
+        ("paused_mib", "80"),
+        ("resume_rc", "0"),
+        ("live_intact", "1"),
+        ("all_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(p.get(k), v, "{k}\n{}", p.stdout());
+    }
     let quiet = pages("libc10_cuda.so", "full", &[("EXPSEG_TORCH_DEFAULTS", "0")]).ok();
     assert_eq!(quiet.stderr(), "");
     assert_eq!(

@@ -75,7 +75,11 @@ pub struct Outcome {
 /// Pause the memory of tag `tag` (None: every tag), offloading it to host memory or
 /// discarding it. Err: the first device's failure code (what paused before it stays paused;
 /// an out-of-memory pause of host memory pauses nothing on that device).
-pub fn pause(tag: Option<u32>, discard: bool) -> Result<Outcome, u32> {
+///
+/// `by_program`: the program asked (`expseg.pause()`), so what is held beyond live memory
+/// goes back first, live pages moved as its trim moves them; asked from outside (`expseg
+/// pause PID`, on the socket thread) only what needs no move.
+pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcome, u32> {
     let t0 = Instant::now();
     let choose = |t: u32| (tag.is_none() || tag == Some(t)).then_some(discard);
     let mut total = Paused::default();
@@ -104,7 +108,12 @@ pub fn pause(tag: Option<u32>, discard: bool) -> Result<Outcome, u32> {
     }
     if coalescers::started() {
         for c in coalescers::lock().all() {
-            add(in_context(c, |c| c.pause(&choose)));
+            add(in_context(c, |c| {
+                if by_program {
+                    c.allow_moves(true);
+                }
+                c.pause(&choose)
+            }));
         }
     }
     let out = Outcome {

@@ -51,6 +51,12 @@ static void* get(const char* name) {
 static int dev_ = 0;
 /* A monitor's cudaMemGetInfo, from a thread that is not the allocator's. */
 static void* meminfo_thread(void* arg) { size_t f, t; (void)arg; cudaMemGetInfo(&f, &t); return 0; }
+/* The program's own expseg_pause(), from a thread that made no allocator call. */
+static void* pause_thread(void* arg) {
+  struct { int (*f)(const char*, int, uint64_t*, double*); int rc; }* a = arg;
+  a->rc = a->f(NULL, 0, 0, 0);
+  return 0;
+}
 /* The program's own expseg_trim(), from a thread that made no allocator call. */
 static void* trim_thread(void* arg) {
   uint64_t (*trim)(void) = (uint64_t (*)(void))dlsym(RTLD_DEFAULT, "expseg_trim");
@@ -406,6 +412,18 @@ int expandable(const char* what) {
      * pages, so nothing that needs them moved goes back then. */
     pthread_t t; pthread_create(&t, 0, meminfo_thread, 0); pthread_join(t, 0);
     printf("used_after_other_thread_mib=%ld\n", fakecu_used() >> 20);
+  }
+  if (getenv("PAUSE_THREAD")) {
+    /* The program pauses from a thread that made no allocator call: what is held beyond
+     * live memory goes back first (as its trim), so only the live pages are paused. */
+    int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
+    int (*resume_)(const char*, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_resume");
+    uint64_t (*paused_)(void) = dlsym(RTLD_DEFAULT, "expseg_paused_bytes");
+    if (!pause_ || !resume_ || !paused_) { fprintf(stderr, "no expseg API\n"); return 2; }
+    struct { int (*f)(const char*, int, uint64_t*, double*); int rc; } a = {pause_, -1};
+    pthread_t t; pthread_create(&t, 0, pause_thread, &a); pthread_join(t, 0);
+    printf("pause_rc=%d paused_mib=%lu", a.rc, (unsigned long)(paused_() >> 20));
+    printf(" resume_rc=%d\n", resume_(NULL, 0, 0));
   }
   if (getenv("TRIM_THREAD")) {
     /* The program asks: everything goes back, whichever of its threads asks. */

@@ -178,7 +178,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
 fn control(c: crate::ipc::control::Control) -> Decision {
     use crate::ipc::control::Control;
     let done = match c {
-        Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard),
+        Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard, false),
         Control::Resume { tag } => crate::api::sleep::resume(tag),
         Control::Query => Ok(crate::api::sleep::Outcome {
             bytes: crate::api::sleep::paused_bytes(),
