@@ -31,7 +31,11 @@ fn slot(dev: i32) -> Option<&'static AtomicU64> {
 /// A VMM call of the program on `dev`'s pages: its thread is `dev`'s allocator's.
 pub fn call_on(dev: i32) {
     if let Some(s) = slot(dev) {
-        s.store(thread_no(), Ordering::Relaxed);
+        let me = thread_no();
+        // Stored only when it changes: one thread per device keeps its line unshared.
+        if s.load(Ordering::Relaxed) != me {
+            s.store(me, Ordering::Relaxed);
+        }
     }
 }
 

@@ -99,11 +99,26 @@ fn trim_devices(which: impl Fn(i32) -> bool, asker: Asker) -> u64 {
                 false => in_context(c, |c| c.trim_unmoved()),
                 true => in_context(c, |c| c.trim()),
             };
+            if asker == Asker::Allocation && !moves {
+                owed_warning(c.driver().device(), c.stranded() + c.ahead_bytes());
+            }
             c.release_host();
         }
     }
     GLOBAL.given_back_bytes.add(freed);
     freed
+}
+
+/// An allocation that found no memory, on a thread other than `dev`'s allocator's, left
+/// `owed` bytes that only moving live pages gives back: said once, so that an out-of-memory
+/// error there can be explained (they go back at that thread's next call, or `expseg.trim()`).
+fn owed_warning(dev: i32, owed: u64) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if owed > 0 && !SAID.swap(true, Ordering::Relaxed) {
+        log::warn!(
+            "an allocation on device {dev} found no memory on a thread other than the one that allocates there: {owed} bytes that only moving live pages gives back stay held until that thread's next allocator call (expseg.trim() gives them back now)"
+        );
+    }
 }
 
 /// `expseg.trim()`: give back everything held beyond live memory, on every device.
