@@ -321,9 +321,15 @@ pub fn run_from(t: &DriverTable, ptr: u64, max_mappings: usize) -> Option<(u64, 
 
 /// Whether device `dev` may read the mapping at `ptr` (`cuMemGetAccess`; true where the driver
 /// lacks the call).
-pub fn readable(t: &DriverTable, ptr: u64, dev: i32) -> bool {
+fn readable(t: &DriverTable, ptr: u64, dev: i32) -> bool {
+    t.cuMemGetAccess.is_none() || granted(t, ptr, dev)
+}
+
+/// Whether the driver says device `dev` was given access to the mapping at `ptr` (false where
+/// it cannot say: no `cuMemGetAccess`, not a VMM mapping).
+pub fn granted(t: &DriverTable, ptr: u64, dev: i32) -> bool {
     let Some(get) = t.cuMemGetAccess else {
-        return true;
+        return false;
     };
     // CUmemLocation { type: CU_MEM_LOCATION_TYPE_DEVICE, id }
     let loc: [i32; 2] = [1, dev];
@@ -396,16 +402,14 @@ pub struct Imported {
 }
 
 /// Import chunks of the given `sizes`, whose descriptors `next_fds` hands over in order a
-/// batch at a time, map them back to back at a new range and give `dev` access, and `peers`
-/// (the devices given peer access to `dev`: legacy IPC memory opened in `dev`'s context is
-/// theirs to reach, as any memory of that context). Each descriptor is closed as soon as its
-/// chunk is imported. All or nothing.
+/// batch at a time, map them back to back at a new range and give `dev` access (devices with
+/// peer access to `dev` get theirs from the caller: `set_import_access`). Each descriptor is
+/// closed as soon as its chunk is imported. All or nothing.
 pub fn import(
     t: &DriverTable,
     sizes: &[u64],
     user: u64,
     dev: i32,
-    peers: &[i32],
     mut next_fds: impl FnMut() -> Result<Vec<OwnedFd>, String>,
 ) -> Result<Imported, String> {
     let imp = t
@@ -443,12 +447,9 @@ pub fn import(
                 off += size;
             }
         }
-        let a: Vec<CUmemAccessDesc> = std::iter::once(dev)
-            .chain(peers.iter().copied().filter(|p| *p != dev))
-            .map(|d| access(d, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
-            .collect();
-        // SAFETY: the whole range is mapped; the descriptors outlive the call.
-        drv(unsafe { (t.cuMemSetAccess)(out.va, total as usize, a.as_ptr(), a.len()) })
+        let a = access(dev, CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+        // SAFETY: the whole range is mapped.
+        drv(unsafe { (t.cuMemSetAccess)(out.va, total as usize, &a, 1) })
     })();
     match r {
         Ok(()) => Ok(out),

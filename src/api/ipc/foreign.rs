@@ -42,6 +42,10 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
             // Once per process, possibly slow (a child process): never under the lock.
             plain_driver_ignores_tickets(dev);
         }
+        if want_mirror {
+            // Writes other devices queued through peer access go into the copy too.
+            super::mirror::wait_for_peers(dev, base);
+        }
         let mut st = ensure_state();
         let ticketed = c.ipc_tickets && foreign_tickets_ready(&mut st, dev);
         if c.ipc_peers_expseg && !ticketed {

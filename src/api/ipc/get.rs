@@ -40,6 +40,9 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         if e != 0 {
             return Answer::Done(Err(e));
         }
+        // Devices given peer access may have written it too (their waits under the lock,
+        // in a move or a mirror's copy, are then short).
+        super::mirror::wait_for_peers(dev, ptr);
         if c.ipc_tickets && needs_tickets {
             plain_driver_ignores_tickets(dev);
         }

@@ -23,19 +23,28 @@ impl Drop for Mirror {
     }
 }
 
-/// Copy `size` bytes at `base` into the mirror at `p`, after the pending work of the device
-/// and of every other device given access to the memory (peer access: their kernels may
-/// write it too).
-pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
-    if let Ok(t) = crate::real::driver() {
-        let n = cuda::device_count(t).unwrap_or(0);
-        for d in (0..n).filter(|d| *d != dev && cuda::readable(t, base, *d)) {
-            runtime::on_device(d, || match runtime::device_synchronize() {
-                0 => Ok(()),
-                e => Err(e),
-            })?;
+/// Wait for the work of every device other than `dev` that was given access to the memory at
+/// `base` (peer access: its kernels may write it too), so that a mirror copied next holds
+/// their writes as it holds `dev`'s. Called before any lock is taken or read registered (a
+/// peer's work may wait on a thread that needs them); a peer that fails its wait (a context
+/// in error) is logged and passed over: the handle request is `dev`'s.
+pub(super) fn wait_for_peers(dev: i32, base: u64) {
+    let Ok(t) = crate::real::driver() else { return };
+    let n = cuda::device_count(t).unwrap_or(0);
+    for d in (0..n).filter(|d| *d != dev && cuda::granted(t, base, *d)) {
+        let e = runtime::on_device(d, || match runtime::device_synchronize() {
+            0 => Ok(()),
+            e => Err(e),
+        });
+        if let Err(e) = e {
+            log::warn!("IPC: waiting for device {d}, which has access to {base:#x}, failed ({e}); the mirror may miss its writes");
         }
     }
+}
+
+/// Copy `size` bytes at `base` into the mirror at `p`, after the device's pending work (the
+/// caller waited for its peers' first: `wait_for_peers`).
+pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
     runtime::on_device(dev, || match runtime::device_synchronize() {
         0 => match runtime::copy_d2d(p, base, size as usize) {
             0 => match runtime::device_synchronize() {

@@ -63,19 +63,14 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     let Ok(dev) = runtime::get_device() else {
         return Answer::Done(Err(INVALID_HANDLE));
     };
-    let (drv, peers) = {
-        let st = ensure_state();
-        let peers = st.grants.get(dev as usize).cloned().unwrap_or_default();
-        (st.driver.as_ref().ok().copied(), peers)
-    };
-    let Some(drv) = drv else {
+    let Some(drv) = ensure_state().driver.as_ref().ok().copied() else {
         return Answer::Done(Err(INVALID_HANDLE));
     };
     if !cuda::has_context(drv) && runtime::free(0) != 0 {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let asked = started.elapsed();
-    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, &peers, || {
+    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, || {
         incoming.next_batch().map_err(|e| format!("{e:?}"))
     });
     match imported {
@@ -90,7 +85,18 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                 asked.as_secs_f64() * 1e3,
                 (started.elapsed() - asked).as_secs_f64() * 1e3
             );
-            lock().ipc.opened.insert(va, imp);
+            let mut st = lock();
+            // Devices with peer access to `dev` reach it too, as legacy IPC memory of its
+            // context (under the lock that grants and revokes peer access take as well).
+            for p in st.grants.get(dev as usize).cloned().unwrap_or_default() {
+                if p != dev {
+                    if let Err(e) = cuda::set_import_access(drv, &imp, p, true) {
+                        log::warn!("IPC: giving device {p} (peer access to device {dev}) access to memory of process {} failed ({e})", t.pid);
+                    }
+                }
+            }
+            st.ipc.opened.insert(va, imp);
+            drop(st);
             GLOBAL.ipc_tickets_opened.add(1);
             Answer::Done(Ok(va))
         }
