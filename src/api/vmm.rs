@@ -147,11 +147,14 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
                 // PyTorch grants a new peer access to a device's segments from whichever
                 // thread first copies between the two (under the other device's guard): that
                 // thread is not this device's allocator.
-                let caller = crate::real::driver()
-                    .ok()
-                    .and_then(crate::gpu::cuda::primary_device);
-                if caller.is_none_or(|d| d == dev) {
-                    allocator::call_on(dev);
+                // (Asked only when the thread changes: the driver is not asked on every call.)
+                if !allocator::may_move(dev) {
+                    let caller = crate::real::driver()
+                        .ok()
+                        .and_then(crate::gpu::cuda::primary_device);
+                    if caller.is_none_or(|d| d == dev) {
+                        allocator::call_on(dev);
+                    }
                 }
                 match in_context(c, |c| c.set_access(va, size, descs)) {
                     Ok(false) => continue,
