@@ -210,15 +210,7 @@ int main(int argc, char** argv) {
         w = wait_running(&h1[g], 500);
       } else {
         CUstreamBatchMemOpParams ops[2];
-        memset(ops, 0, sizeof ops);
-        ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-        ops[0].writeValue.address = dflags;
-        ops[0].writeValue.value = g;
-        ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-        ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-        ops[1].waitValue.address = dflags + 4;
-        ops[1].waitValue.value = g;
-        ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+        hold_ops(ops, dflags, dflags + 4, g);
         STEP("hold device 1", cuStreamBatchMemOp(CU_STREAM_LEGACY, 2, ops, 0));
         w = wait_for(&flags[0], g, 500);
       }

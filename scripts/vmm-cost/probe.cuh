@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static inline double now_ms() {
@@ -30,3 +31,18 @@ static inline double now_ms() {
       exit(1);                                                                    \
     }                                                                             \
   } while (0)
+
+// A hold of a stream by one batch of stream memory operations, [write *reached = g; wait until
+// *release >= g]: nothing of another thread falls between the two; the host releases it by
+// writing g at `release` (mapped page-locked host memory).
+static inline void hold_ops(CUstreamBatchMemOpParams ops[2], CUdeviceptr reached, CUdeviceptr release, unsigned g) {
+  memset(ops, 0, 2 * sizeof *ops);
+  ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  ops[0].writeValue.address = reached;
+  ops[0].writeValue.value = g;
+  ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+  ops[1].waitValue.address = release;
+  ops[1].waitValue.value = g;
+  ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+}

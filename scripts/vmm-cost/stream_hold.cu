@@ -174,15 +174,7 @@ int main(int argc, char** argv) {
     } else {
       if (m_hold) {
         CUstreamBatchMemOpParams ops[2];
-        memset(ops, 0, sizeof ops);
-        ops[0].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-        ops[0].writeValue.address = dflags;
-        ops[0].writeValue.value = g;
-        ops[0].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-        ops[1].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-        ops[1].waitValue.address = dflags + 4;
-        ops[1].waitValue.value = g;
-        ops[1].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+        hold_ops(ops, dflags, dflags + 4, g);
         if (!late) STEP("hold the side stream", cuStreamBatchMemOp(g_side, 2, ops, 0));
         if (late) STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
         for (int k = 0; k < extra && k < 128; k++) {
