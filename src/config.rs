@@ -17,6 +17,20 @@ pub enum Coalesce {
     Off,
 }
 
+/// What a move of live pages does with the default streams of other devices given access to
+/// them (`EXPSEG_PEER_HOLD`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerHold {
+    /// Waited for before the move, not held during it.
+    Off,
+    /// Held from before the copies until the pages are back (let go, and the move made as
+    /// with `Off`, where a hold does not start within 200 ms).
+    On,
+    /// A test on one GPU: the device's own default stream is held as a peer would be, so the
+    /// hold's driver calls and its letting go run (every move waits 200 ms).
+    SelfTest,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     /// `EXPSEG_DISABLE`: pure pass-through.
@@ -41,6 +55,9 @@ pub struct Config {
     /// queue there meanwhile run after the move. Off: it copies after waiting for the device,
     /// and another thread's kernel may meet the pages while they are away.
     pub move_fence: bool,
+    /// `EXPSEG_PEER_HOLD`: `0` (default) waits for the other devices given access to moving
+    /// pages before the move; `1` also holds their default streams until the pages are back.
+    pub peer_hold: PeerHold,
     /// `EXPSEG_IPC_TICKETS`: put tickets in mirror handles, so consumers running expseg map the
     /// original memory (two-way) instead of the mirror.
     pub ipc_tickets: bool,
@@ -123,6 +140,9 @@ impl Default for Config {
             ipc_move_max: 0,
             ipc_tickets: true,
             move_fence: true,
+            // Off until a move that holds device 1's stream has run on two GPUs
+            // (scripts/vmm-cost/fence_peer.cu decides whether it can wait on device 0's).
+            peer_hold: PeerHold::Off,
             control: true,
             pause_keep_host: false,
             ipc_peers_expseg: false,
@@ -270,6 +290,25 @@ const VARS: &[Var] = &[
         name: "EXPSEG_MOVE_FENCE",
         set: |c, v| parse_bool(v).map(|b| c.move_fence = b),
         show: |c| c.move_fence.to_string(),
+    },
+    Var {
+        name: "EXPSEG_PEER_HOLD",
+        set: |c, v| {
+            c.peer_hold = match v.trim() {
+                "self" => PeerHold::SelfTest,
+                b => match parse_bool(b) {
+                    Ok(true) => PeerHold::On,
+                    Ok(false) => PeerHold::Off,
+                    Err(_) => return Err("1/0, true/false, yes/no, on/off, or self"),
+                },
+            };
+            Ok(())
+        },
+        show: |c| match c.peer_hold {
+            PeerHold::Off => "0".into(),
+            PeerHold::On => "1".into(),
+            PeerHold::SelfTest => "self".into(),
+        },
     },
     Var {
         name: "EXPSEG_IPC_TICKETS",
@@ -605,6 +644,23 @@ mod tests {
         let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "all")]);
         assert_eq!(bad.len(), 1, "{bad:?}");
         assert!(c.ipc_extent_torch, "the default kept");
+    }
+
+    #[test]
+    fn the_peer_hold_takes_a_switch_or_self() {
+        assert_eq!(Config::default().peer_hold, PeerHold::Off);
+        for (v, want) in [
+            ("1", PeerHold::On),
+            ("on", PeerHold::On),
+            ("0", PeerHold::Off),
+            (" self ", PeerHold::SelfTest),
+        ] {
+            let (c, bad) = with(&[("EXPSEG_PEER_HOLD", v)]);
+            assert!(bad.is_empty() && c.peer_hold == want, "{v}: {bad:?}");
+        }
+        let (c, bad) = with(&[("EXPSEG_PEER_HOLD", "peers")]);
+        assert_eq!(c.peer_hold, PeerHold::Off);
+        assert!(bad.len() == 1 && bad[0].contains("EXPSEG_PEER_HOLD") && bad[0].contains("self"));
     }
 
     #[test]

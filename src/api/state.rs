@@ -391,6 +391,7 @@ pub(super) mod coalescers {
                         false => Duration::ZERO,
                     },
                     ahead: c.grow_ahead,
+                    peer_hold: c.peer_hold,
                 };
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
@@ -574,6 +575,8 @@ pub(super) mod coalescers {
                 sum(&|s| s.cross_device_waits),
             ),
             ("coalesce_held_moves", sum(&|s| s.held_moves)),
+            ("coalesce_peer_holds", sum(&|s| s.peer_holds)),
+            ("coalesce_peer_holds_let_go", sum(&|s| s.peer_holds_let_go)),
             ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),

@@ -42,6 +42,9 @@ pub struct CoalesceConfig {
     /// that the pages the program maps there next need no driver call; 0: off. The bytes
     /// ahead go back at the program's first unmap, as released pages do.
     pub ahead: u64,
+    /// Whether a move of live pages also holds the default streams of the other devices
+    /// given access to them (`EXPSEG_PEER_HOLD`).
+    pub peer_hold: crate::config::PeerHold,
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -55,6 +58,7 @@ impl Default for CoalesceConfig {
             margin: 1 << 30,
             release_delay: std::time::Duration::ZERO,
             ahead: 1 << 30,
+            peer_hold: crate::config::PeerHold::Off,
         }
     }
 }
@@ -94,6 +98,10 @@ pub struct CoalesceStats {
     /// Compactions whose copies and remapping ran behind a hold on the device's default
     /// stream (`Driver::copy_and_hold`).
     pub held_moves: u64,
+    /// Holds of peers' default streams kept through a move, and let go before its copies
+    /// (`EXPSEG_PEER_HOLD`, `Held::peers_let_go`).
+    pub peer_holds: u64,
+    pub peer_holds_let_go: u64,
 }
 
 #[derive(Debug)]

@@ -3,6 +3,7 @@
 //! before that has a way back. `settle` decides when.
 
 use super::books::{Coalescer, INVALID};
+use crate::config::PeerHold;
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
 
 /// A run of a phys's live pages that moves to one new handle.
@@ -44,6 +45,25 @@ impl<D: Driver> Coalescer<D> {
             self.drv.synchronize_peer(d)?;
         }
         Ok(())
+    }
+
+    /// The devices whose default streams a move of pages with `access` holds besides its
+    /// own (`CoalesceConfig::peer_hold`): the other devices given access, or, as a test on
+    /// one GPU, this device itself.
+    fn peers_to_hold(&self, access: &[(i32, u32)]) -> Vec<i32> {
+        let me = self.drv.device();
+        let mut peers: Vec<i32> = match self.cfg.peer_hold {
+            PeerHold::Off => Vec::new(),
+            PeerHold::SelfTest => vec![me],
+            PeerHold::On => access
+                .iter()
+                .filter(|(d, flags)| *d != me && *flags != 0)
+                .map(|(d, _)| *d)
+                .collect(),
+        };
+        peers.sort_unstable();
+        peers.dedup();
+        peers
     }
 
     /// Compact partly released handles: all of them if `force`, else until the stranded bytes
@@ -153,8 +173,10 @@ impl<D: Driver> Coalescer<D> {
         // Kernels of other devices given access (PyTorch's peers) may be reading the live
         // pages: they finish before the pages move, as this device's do in copy_out.
         self.wait_for_peers(&acc)?;
+        let peers = self.peers_to_hold(&acc);
         let mut w = Work::default();
-        if let Err(e) = self.copy_out(handle, size, base, &groups, props, &own, &mut w) {
+        let out = self.copy_out(handle, size, base, &groups, props, &own, &peers, &mut w);
+        if let Err(e) = out {
             self.undo(&mut w);
             return Err(e);
         }
@@ -311,6 +333,7 @@ impl<D: Driver> Coalescer<D> {
         groups: &[Group],
         props: PageProps,
         own: &[(i32, u32)],
+        peers: &[i32],
         w: &mut Work,
     ) -> DrvResult<()> {
         for g in groups {
@@ -329,10 +352,12 @@ impl<D: Driver> Coalescer<D> {
                 copies.push((t, b + g.off, g.len));
                 w.host.push(None);
             }
-            w.held = self.drv.copy_and_hold(&copies)?;
+            w.held = self.drv.copy_and_hold(&copies, peers)?;
             if w.held.holds() {
                 self.stats.held_moves += 1;
             }
+            self.stats.peer_holds += w.held.peers_held as u64;
+            self.stats.peer_holds_let_go += w.held.peers_let_go as u64;
             return Ok(());
         }
         self.drv.synchronize()?;

@@ -73,6 +73,11 @@ pub struct FakeDriver {
     pub default_stream_waits: u64,
     /// `copy_and_hold` calls and the copies they made (a move of mapped pages).
     pub held_copies: Vec<usize>,
+    /// The peers each `copy_and_hold` was asked to hold, in order.
+    pub held_peers: Vec<Vec<i32>>,
+    /// Whether a peer's hold starts (false: every peer's hold is let go, as where the
+    /// streams wait on each other).
+    pub peer_holds_start: bool,
     /// Page-locked host buffers: start -> per-granule data (host addresses are a range of
     /// their own, `HOST_BASE` up).
     host: BTreeMap<u64, Vec<u64>>,
@@ -106,6 +111,8 @@ impl FakeDriver {
             unmapped_in_flight: 0,
             default_stream_waits: 0,
             held_copies: Vec::new(),
+            held_peers: Vec::new(),
+            peer_holds_start: true,
             host: BTreeMap::new(),
             next_host: HOST_BASE,
             host_capacity: u64::MAX,
@@ -566,10 +573,19 @@ impl Driver for FakeDriver {
         Ok(())
     }
 
-    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<super::Held> {
+    fn copy_and_hold(
+        &mut self,
+        copies: &[(u64, u64, u64)],
+        peers: &[i32],
+    ) -> DrvResult<super::Held> {
         self.held_copies.push(copies.len());
+        self.held_peers.push(peers.to_vec());
         super::copy_after_wait(self, copies)?;
-        Ok(super::Held::default())
+        let n = peers.len() as u32;
+        Ok(match self.peer_holds_start {
+            true => super::Held::default().with_peers(n, 0),
+            false => super::Held::default().with_peers(0, n),
+        })
     }
 
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {

@@ -2,12 +2,19 @@
 //! launched as one graph, so that work any thread of the program queues on that stream (or on
 //! a blocking stream) while live pages are away starts only once they are back. Kernels of
 //! statically linked runtimes (PyTorch's own) reach no hook; the stream holds them all.
+//! With `EXPSEG_PEER_HOLD`, the legacy streams of other devices given access to the pages
+//! are held too, by stream memory operations, from before the copies on.
 #![allow(unsafe_code)]
 
 use super::{check, DrvError, DrvResult, Held, NOT_SUPPORTED};
+use crate::real::primary::{pop_primary, push_primary};
 use crate::real::DriverTable;
 use cudarc::driver::sys::CUstream;
 use libc::c_void;
+use std::time::{Duration, Instant};
+
+/// The current context's legacy default stream.
+const CU_STREAM_LEGACY: CUstream = 1 as CUstream;
 
 /// Whether moves hold the default stream (`EXPSEG_MOVE_FENCE`, set from the configuration).
 static MOVE_FENCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
@@ -30,6 +37,8 @@ pub fn enabled() -> bool {
 struct Fence {
     state: std::sync::Mutex<u8>,
     changed: std::sync::Condvar,
+    /// The watchdog let the move's peers go before the fence ran ([`watch`]).
+    peers_let_go: std::sync::atomic::AtomicBool,
 }
 
 impl Fence {
@@ -57,6 +66,22 @@ impl Fence {
                 );
             }
         }
+    }
+
+    /// Wait until the stream reached the fence, or `until`: whether it did.
+    fn running_by(&self, until: Instant) -> bool {
+        let mut s = self.lock();
+        while *s == 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = match self.changed.wait_timeout(s, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        true
     }
 
     fn release(&self) {
@@ -98,11 +123,17 @@ impl Drop for FenceHeld {
 /// fence only VMM calls remain, which the driver answers even while another thread is
 /// blocked on a full launch queue behind it (`scripts/vmm-cost/fence_calls.cu`); a copy
 /// made there would never end.
+///
+/// `peers`: devices whose legacy streams are held first ([`hold_peers`]), so that nothing
+/// they queue meanwhile writes the pages between the copy and the remap. Where the fence
+/// does not run within [`PEER_WAIT`] while peers are held (this stream waits for work queued
+/// behind a peer's hold), the peers are let go and the fence waited for as without them.
 pub(super) fn copies_then_hold(
     t: &DriverTable,
     s: CUstream,
     dev: i32,
     copies: &[(u64, u64, u64)],
+    peers: &[i32],
 ) -> DrvResult<Held> {
     let missing = DrvError(NOT_SUPPORTED);
     let begin = t.cuStreamBeginCapture_v2.ok_or(missing)?;
@@ -114,8 +145,11 @@ pub(super) fn copies_then_hold(
     let host = t.cuLaunchHostFunc.ok_or(missing)?;
     let copy = t.cuMemcpyDtoDAsync_v2.ok_or(missing)?;
     const RELAXED: u32 = 2; // CU_STREAM_CAPTURE_MODE_RELAXED: other threads unaffected
-    const CU_STREAM_LEGACY: CUstream = 1 as CUstream;
     let fence = std::sync::Arc::new(Fence::default());
+    let (mut peers, mut let_go) = match peers.is_empty() {
+        true => (Vec::new(), 0),
+        false => hold_peers(t, peers, &fence),
+    };
     let raw = std::sync::Arc::into_raw(fence.clone()) as *mut c_void;
     // SAFETY: a stream of this driver's; the copies' ranges are device memory mapped for
     // their sizes (the caller's); `raw` is taken back by the host function's one run, or
@@ -157,6 +191,317 @@ pub(super) fn copies_then_hold(
         check(rc)
     };
     launched?;
+    if !peers.is_empty() && !fence.running_by(Instant::now() + PEER_WAIT) {
+        log::debug!(
+            "device {dev}: the move's fence waits for a held peer; letting {} go",
+            peers.len()
+        );
+        let_go += peers.len() as u32;
+        peers.clear();
+    }
+    if fence.peers_let_go.load(std::sync::atomic::Ordering::SeqCst) {
+        let_go += peers.len() as u32;
+        peers.clear();
+    }
     fence.wait_running(dev);
-    Ok(Held::new(Box::new(FenceHeld(fence))))
+    let kept = peers.len() as u32;
+    // Dropped in order: this device's fence, then the peers'.
+    Ok(Held::new(Box::new((FenceHeld(fence), peers))).with_peers(kept, let_go))
+}
+
+/// How long a move waits for a peer's hold to start, and for its own fence to run while
+/// peers are held, before it lets them go (two devices' streams may wait on each other's
+/// events, as PyTorch's copies between devices make them: a hold on one can keep the other
+/// from ever reaching its own).
+pub const PEER_WAIT: Duration = Duration::from_millis(200);
+
+/// Pairs of words [reached, release] that peers' holds use, in one page of page-locked host
+/// memory that every device reads and writes.
+const SLOTS: usize = 512;
+
+/// The page of the peers' holds, made at the first hold.
+static WORDS: once_cell::sync::OnceCell<Option<Words>> = once_cell::sync::OnceCell::new();
+
+/// The page of the peers' holds and which of its slots are taken.
+struct Words {
+    /// The page's host address (an address, so that the table is `Sync`).
+    host: usize,
+    /// The address devices use for it.
+    dev: u64,
+    /// Per slot: the last generation used, and whether it is taken.
+    slots: std::sync::Mutex<Vec<(u32, bool)>>,
+}
+
+impl Words {
+    /// Made once, in the current context (portable: every context may use it). `None` where
+    /// the driver lacks the calls or refuses (one log line).
+    fn get(t: &DriverTable) -> Option<&'static Words> {
+        WORDS
+            .get_or_init(|| {
+                let w = Words::make(t);
+                if let Err(e) = &w {
+                    log::info!("no hold for peers' default streams: {e}");
+                }
+                w.ok()
+            })
+            .as_ref()
+    }
+
+    fn make(t: &DriverTable) -> Result<Words, String> {
+        let missing = "the driver lacks stream memory operations".to_string();
+        let register = t.cuMemHostRegister_v2.ok_or(missing.clone())?;
+        let device_ptr = t.cuMemHostGetDevicePointer_v2.ok_or(missing.clone())?;
+        t.cuStreamBatchMemOp_v2.ok_or(missing)?;
+        const PAGE: usize = 4096;
+        let layout = std::alloc::Layout::from_size_align(PAGE, PAGE).map_err(|e| e.to_string())?;
+        // SAFETY: a non-zero size; the page lives for the process (devices may touch it
+        // until the end).
+        let host = unsafe { std::alloc::alloc_zeroed(layout) };
+        if host.is_null() {
+            return Err("no host page".into());
+        }
+        const PORTABLE: u32 = 1;
+        const DEVICEMAP: u32 = 2;
+        let mut dev = 0u64;
+        // SAFETY: a page-aligned page of ours; valid out-pointer. On failure the page is
+        // unregistered (if it was) and freed: no device was handed its address.
+        let rc = unsafe {
+            let mut rc = register(host.cast(), PAGE, PORTABLE | DEVICEMAP);
+            if rc == 0 {
+                rc = device_ptr(&mut dev, host.cast(), 0);
+                if rc != 0 {
+                    if let Some(unregister) = t.cuMemHostUnregister {
+                        unregister(host.cast());
+                    }
+                }
+            }
+            if rc != 0 {
+                std::alloc::dealloc(host, layout);
+            }
+            rc
+        };
+        if rc != 0 {
+            return Err(format!("host page not registered (CUresult {rc})"));
+        }
+        Ok(Words {
+            host: host as usize,
+            dev,
+            slots: std::sync::Mutex::new(vec![(0, false); SLOTS]),
+        })
+    }
+
+    /// A free slot and its next generation (a slot whose generations ran out stays unused:
+    /// its words never go back down).
+    fn take(&self) -> Option<(usize, u32)> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let (i, s) = slots
+            .iter_mut()
+            .enumerate()
+            .find(|(_, s)| !s.1 && s.0 < u32::MAX)?;
+        s.0 += 1;
+        s.1 = true;
+        Some((i, s.0))
+    }
+
+    /// Give a slot back. One whose hold may still be reached later stays taken: its late
+    /// write of `reached` would mislead the slot's next hold.
+    fn give_back(&self, slot: usize) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots[slot].1 = false;
+    }
+
+    fn word(&self, slot: usize, which: usize) -> *mut u32 {
+        (self.host as *mut u32).wrapping_add(2 * slot + which)
+    }
+
+    /// Let slot's hold of generation `gen` go (from any thread, any number of times: a late
+    /// one never lowers the word under a later generation's release).
+    fn release(&self, slot: usize, gen: u32) {
+        // SAFETY: an aligned word of the page, which lives for the process; devices only
+        // read it, and the host writes it only atomically.
+        let w = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.word(slot, 1)) };
+        w.fetch_max(gen, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Peers' holds a watchdog lets go at a deadline unless the move's own fence runs by then:
+/// the mover itself may be stuck inside the driver meanwhile (a launch into a full queue of a
+/// stream that waits for a held peer), where its own bounded waits cannot help.
+struct Watch {
+    fence: std::sync::Arc<Fence>,
+    holds: Vec<(usize, u32)>,
+    until: Instant,
+}
+
+fn watch(w: Watch) {
+    static TX: once_cell::sync::OnceCell<Option<crossbeam::channel::Sender<Watch>>> =
+        once_cell::sync::OnceCell::new();
+    let tx = TX.get_or_init(|| {
+        let (tx, rx) = crossbeam::channel::unbounded::<Watch>();
+        let spawned = std::thread::Builder::new()
+            .name("expseg-peerhold".into())
+            .spawn(move || {
+                // Deadlines come in order: each job waits for its own, then looks.
+                for w in rx {
+                    std::thread::sleep(w.until.saturating_duration_since(Instant::now()));
+                    // Under the fence's lock: it cannot start running meanwhile, so the
+                    // mover reads `peers_let_go` right once the fence runs.
+                    let state = w.fence.lock();
+                    if *state == 0 {
+                        w.fence
+                            .peers_let_go
+                            .store(true, std::sync::atomic::Ordering::SeqCst);
+                        if let Some(words) = WORDS.get().and_then(Option::as_ref) {
+                            for &(slot, gen) in &w.holds {
+                                words.release(slot, gen);
+                            }
+                        }
+                        log::debug!("a watchdog let {} peers' holds go", w.holds.len());
+                    }
+                }
+            });
+        spawned.ok().map(|_| tx)
+    });
+    match tx {
+        Some(tx) => {
+            let _ = tx.send(w);
+        }
+        None => {
+            // No watchdog: the holds go now (the move is made as without them).
+            if let Some(words) = WORDS.get().and_then(Option::as_ref) {
+                for &(slot, gen) in &w.holds {
+                    words.release(slot, gen);
+                }
+            }
+        }
+    }
+}
+
+/// One peer's legacy stream held by one batch of stream memory operations queued on it,
+/// [write `reached` = generation; wait until `release` >= generation] (one call, so no other
+/// thread's work falls between them): once `reached` reads the generation, every earlier
+/// operation of that stream (and of its blocking streams) has ended, and no later one starts
+/// until the hold drops.
+pub(super) struct PeerHeld {
+    words: &'static Words,
+    slot: usize,
+    gen: u32,
+    dev: i32,
+}
+
+impl PeerHeld {
+    fn reached(&self) -> bool {
+        // SAFETY: a word of the page, written by a device.
+        unsafe { std::ptr::read_volatile(self.words.word(self.slot, 0)) == self.gen }
+    }
+
+    /// Wait until the hold started, or `until`: whether it did.
+    fn reached_by(&self, until: Instant) -> bool {
+        loop {
+            if self.reached() {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+impl Drop for PeerHeld {
+    fn drop(&mut self) {
+        self.words.release(self.slot, self.gen);
+        if self.reached() {
+            self.words.give_back(self.slot);
+        } else {
+            log::debug!("device {}: a hold let go before it started", self.dev);
+        }
+    }
+}
+
+/// Hold the legacy default stream of each device in `peers` (their primary contexts) for a
+/// move whose own fence is `fence`, and wait up to [`PEER_WAIT`] for the holds to start: the
+/// holds that started, and how many did not (those are let go: the move goes on without
+/// them). A watchdog lets every one go after twice [`PEER_WAIT`] unless `fence` runs.
+fn hold_peers(
+    t: &DriverTable,
+    peers: &[i32],
+    fence: &std::sync::Arc<Fence>,
+) -> (Vec<PeerHeld>, u32) {
+    let Some(words) = Words::get(t) else {
+        return (Vec::new(), peers.len() as u32);
+    };
+    let mut slots = Vec::with_capacity(peers.len());
+    for &dev in peers {
+        match words.take() {
+            Some((slot, gen)) => slots.push((dev, slot, gen)),
+            None => log::debug!("device {dev}: no free slot for a hold"),
+        }
+    }
+    watch(Watch {
+        fence: fence.clone(),
+        holds: slots.iter().map(|&(_, slot, gen)| (slot, gen)).collect(),
+        until: Instant::now() + 2 * PEER_WAIT,
+    });
+    let mut held: Vec<PeerHeld> = slots
+        .into_iter()
+        .filter_map(|(dev, slot, gen)| hold_one(t, words, dev, slot, gen))
+        .collect();
+    let until = Instant::now() + PEER_WAIT;
+    held.retain(|h| {
+        let started = h.reached_by(until);
+        if !started {
+            log::debug!(
+                "device {}: its default stream's hold did not start in time",
+                h.dev
+            );
+        }
+        started
+    });
+    let let_go = (peers.len() - held.len()) as u32;
+    (held, let_go)
+}
+
+/// Queue one hold on `dev`'s legacy default stream in `slot`, generation `gen`.
+fn hold_one(
+    t: &DriverTable,
+    words: &'static Words,
+    dev: i32,
+    slot: usize,
+    gen: u32,
+) -> Option<PeerHeld> {
+    let reached = words.dev + (8 * slot) as u64;
+    // CUstreamBatchMemOpParams (48 bytes): operation, address, value, flags, alias.
+    const WAIT_VALUE_32: u64 = 1;
+    const WRITE_VALUE_32: u64 = 2;
+    const WAIT_GEQ: u64 = 0;
+    let mut ops: [[u64; 6]; 2] = [
+        [WRITE_VALUE_32, reached, gen as u64, 0, 0, 0],
+        [WAIT_VALUE_32, reached + 4, gen as u64, WAIT_GEQ, 0, 0],
+    ];
+    let rc = match (t.cuStreamBatchMemOp_v2, push_primary(t, dev)) {
+        (None, _) => NOT_SUPPORTED,
+        (_, Err(e)) => e,
+        (Some(batch), Ok(pushed)) => {
+            // SAFETY: two parameter blocks of the driver's layout, addresses in the page
+            // every device maps; the stream is `dev`'s primary context's legacy one.
+            let rc = unsafe { batch(CU_STREAM_LEGACY, 2, ops.as_mut_ptr().cast(), 0) };
+            if pushed {
+                pop_primary(t);
+            }
+            rc
+        }
+    };
+    if rc != 0 {
+        log::debug!("device {dev}: no hold on its default stream (CUresult {rc})");
+        words.give_back(slot); // nothing was queued
+        return None;
+    }
+    Some(PeerHeld {
+        words,
+        slot,
+        gen,
+        dev,
+    })
 }

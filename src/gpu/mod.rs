@@ -129,18 +129,36 @@ pub fn copy_after_wait<D: Driver + ?Sized>(d: &mut D, copies: &[(u64, u64, u64)]
 pub type IpcHandle = [u8; 64];
 
 /// Whatever a driver holds for a move until the move is done (the fence on the device's
-/// default stream, [`Driver::copy_and_hold`]); released when dropped.
+/// default stream, and the peers' holds, [`Driver::copy_and_hold`]); released when dropped.
 #[derive(Default)]
-pub struct Held(Option<Box<dyn Send>>);
+pub struct Held {
+    what: Option<Box<dyn Send>>,
+    /// Peers whose default stream stays held until the move is done (`EXPSEG_PEER_HOLD`).
+    pub peers_held: u32,
+    /// Peers whose hold was let go before the move's copies ran: it did not start in time,
+    /// or the device's own fence did not start while they were held (their streams wait on
+    /// each other's work); the move then goes on as without a peer hold.
+    pub peers_let_go: u32,
+}
 
 impl Held {
     pub fn new(what: Box<dyn Send>) -> Held {
-        Held(Some(what))
+        Held {
+            what: Some(what),
+            ..Held::default()
+        }
+    }
+
+    /// The same hold, saying how many peers' holds it kept and let go.
+    pub fn with_peers(mut self, held: u32, let_go: u32) -> Held {
+        self.peers_held = held;
+        self.peers_let_go = let_go;
+        self
     }
 
     /// Whether something is held (not the fake's nothing).
     pub fn holds(&self) -> bool {
-        self.0.is_some()
+        self.what.is_some()
     }
 }
 
@@ -186,8 +204,11 @@ pub trait Driver {
     /// each `(dst, src, size)` (device to device), and hold the device's default stream from
     /// then until the returned guard drops, so that work any thread of the program queues
     /// there (or on a stream that waits for it) meanwhile starts after the pages are back at
-    /// their address. This default waits, copies and holds nothing.
-    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)]) -> DrvResult<Held> {
+    /// their address. `peers`: other devices given access to the pages, whose default
+    /// streams are held too where `EXPSEG_PEER_HOLD` asks (kernels queued there may write the
+    /// pages through peer access). This default waits, copies and holds nothing.
+    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)], peers: &[i32]) -> DrvResult<Held> {
+        let _ = peers;
         copy_after_wait(self, copies)?;
         Ok(Held::default())
     }

@@ -83,6 +83,8 @@ driver_table! {
         cuCtxPopCurrent_v2(*mut CUcontext);
         cuMemHostRegister_v2(*mut c_void, size_t, c_uint);
         cuMemHostUnregister(*mut c_void);
+        cuMemHostGetDevicePointer_v2(*mut CUdeviceptr, *mut c_void, c_uint);
+        cuStreamBatchMemOp_v2(CUstream, c_uint, *mut c_void, c_uint);
         cuStreamCreate(*mut CUstream, c_uint);
         cuStreamSynchronize(CUstream);
         cuMemcpyDtoHAsync_v2(*mut c_void, CUdeviceptr, size_t, CUstream);

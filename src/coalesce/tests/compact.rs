@@ -328,3 +328,69 @@ fn mapped_live_pages_move_through_one_copy_and_hold() {
     shrink(&mut c, va + 6 * PAGE, &hs[6..]);
     assert_eq!(c.driver().used(), 0);
 }
+
+#[test]
+fn a_move_holds_the_peers_given_access_where_asked() {
+    // EXPSEG_PEER_HOLD=1: the devices given access to moving pages have their default
+    // streams held through the move (a kernel another thread queues there may write the
+    // pages); off, they are only waited for; `self` holds the device's own stream, a test of
+    // the hold on one GPU.
+    use crate::config::PeerHold;
+    for (mode, want) in [
+        (PeerHold::Off, vec![]),
+        (PeerHold::On, vec![1]),
+        (PeerHold::SelfTest, vec![0]),
+    ] {
+        let (mut c, va) = setup(
+            100 * PAGE,
+            CoalesceConfig {
+                peer_hold: mode,
+                ..cfg()
+            },
+        );
+        let hs = grow(&mut c, va, 8).unwrap();
+        assert!(c.set_access(va, 8 * PAGE, &[(0, RW), (1, RW)]).unwrap());
+        fill(&mut c, va, 8);
+        shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+        c.settle(false);
+        assert_eq!(c.stranded(), 0);
+        assert_eq!(c.driver().held_peers, vec![want.clone()], "{mode:?}");
+        assert_eq!(c.stats().peer_holds, want.len() as u64, "{mode:?}");
+        assert_eq!(c.stats().peer_holds_let_go, 0);
+        assert_eq!(c.driver().peers_synced, vec![1], "waited for in every mode");
+        assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+        shrink(&mut c, va, &hs[..2]);
+        shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+        assert_eq!(c.driver().used(), 0);
+    }
+}
+
+#[test]
+fn a_peer_hold_that_does_not_start_is_let_go_and_the_move_goes_on() {
+    // Where the peers' streams wait on each other's work, a hold may never start: the real
+    // driver lets it go after a bounded wait, and the move is made as without it.
+    let cfg = CoalesceConfig {
+        peer_hold: crate::config::PeerHold::On,
+        ..cfg()
+    };
+    let (mut c, va) = setup(100 * PAGE, cfg);
+    c.driver_mut().peer_holds_start = false;
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert!(c
+        .set_access(va, 8 * PAGE, &[(0, RW), (1, RW), (2, 0)])
+        .unwrap());
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(
+        c.driver().held_peers,
+        vec![vec![1]],
+        "device 2 has no access: not held"
+    );
+    assert_eq!((c.stats().peer_holds, c.stats().peer_holds_let_go), (0, 1));
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+}

@@ -38,6 +38,7 @@ pub(super) fn cfg() -> CoalesceConfig {
         margin: 4 * PAGE,
         release_delay: std::time::Duration::ZERO,
         ahead: 0,
+        peer_hold: crate::config::PeerHold::Off,
     }
 }
 
