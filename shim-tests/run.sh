@@ -334,12 +334,39 @@ if want threads && torch_for threads; then
   result torch_launches_from_another_thread_while_pages_move $rc "$(grep '^{' "$logs/thread_race.log" | cut -c1-250)"
   EXPSEG_COALESCE=off LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_off.log" 2>&1
   result torch_launches_from_another_thread_with_coalescing_off $? "$(grep '^{' "$logs/thread_race_off.log" | cut -c1-250)"
+  # The hold of a peer's default stream on one GPU (EXPSEG_PEER_HOLD=self holds the device's
+  # own as a peer's would be): it must start (stream memory operations on page-locked words),
+  # then be let go when the move's own fence queues behind it, and the move go on exact.
+  EXPSEG_PEER_HOLD=self EXPSEG_LOG=expseg=debug LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 6 >"$logs/thread_race_selfhold.log" 2>"$logs/thread_race_selfhold.err"
+  rc=$?
+  figs=$(grep '^{' "$logs/thread_race_selfhold.log" | python3 -c 'import json,sys; e=json.loads(sys.stdin.read())["expseg"]; print(e["coalesce_held_moves"], e["coalesce_peer_holds_let_go"], e["coalesce_peer_holds"])' 2>/dev/null)
+  set -- ${figs:-0 0 0}
+  started=$(grep -cE "letting 1 go|watchdog let 1 " "$logs/thread_race_selfhold.err")
+  [ "$1" -ge 1 ] && [ "$2" -ge 1 ] && [ "$3" = 0 ] && [ "$started" -ge 1 ] 2>/dev/null \
+    || { echo "    held moves $1, peer holds let go $2, kept $3, started then let go $started: the hold did not run as designed"; rc=1; }
+  result torch_peer_hold_on_one_gpu_starts_and_is_let_go $rc "started and let go $started; $(grep '^{' "$logs/thread_race_selfhold.log" | cut -c1-250)"
 fi
 if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
   for i in $(seq "${TWO_GPU_RUNS:-1}"); do
     EXPSEG_REPORT="$logs/stress2_report_$i.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 16 >"$logs/stress2_$i.log" 2>&1
     result torch_coalesce_stress_two_gpus_$i $? "$(grep '^{' "$logs/stress2_$i.log" | tail -n 1 | cut -c1-300)$(grep -m1 -i 'illegal' "$logs/stress2_$i.log")"
   done
+  # Device 1's kernels writing device 0's pages (peer access) while another thread's
+  # empty_cache() moves them: natively and with the peer hold off, printed; with
+  # EXPSEG_PEER_HOLD=1 counted (device 1's default stream held through each move).
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=peer python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race_native.log" 2>&1
+  echo "INFO peer race natively, rc=$?: $(grep '^{' "$logs/peer_race_native.log" | cut -c1-250)"
+  RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race_off.log" 2>&1
+  echo "INFO peer race, peer hold off (waited for, not held), rc=$?: $(grep '^{' "$logs/peer_race_off.log" | cut -c1-250)"
+  EXPSEG_PEER_HOLD=1 RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race.log" 2>&1
+  rc=$?
+  if grep -q '"skipped"' "$logs/peer_race.log"; then
+    echo "SKIP torch_peer_writes_while_pages_move: $(grep -o '"skipped": "[^"]*"' "$logs/peer_race.log")"
+  else
+    held=$(grep '^{' "$logs/peer_race.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["expseg"]["coalesce_peer_holds"])' 2>/dev/null)
+    [ "${held:-0}" -ge 1 ] 2>/dev/null || { echo "    no move held device 1: the test did not test"; rc=1; }
+    result torch_peer_writes_while_pages_move $rc "$(grep '^{' "$logs/peer_race.log" | cut -c1-250)"
+  fi
   python3 "$here/torch_two_gpu_model.py" "$lib" 300 >"$logs/two_gpu_model.log" 2>&1
   result torch_model_split_over_two_gpus $? "$(grep '^{' "$logs/two_gpu_model.log" || tail -n 2 "$logs/two_gpu_model.log")"
   # IPC on two GPUs: device 1's writes through peer access reach the consumer (a mirror waits

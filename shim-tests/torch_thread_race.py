@@ -13,6 +13,10 @@ default stream until they are back at their address (`coalesce_held_moves`), so 
 worker's kernels queued meanwhile run after the move; with EXPSEG_MOVE_FENCE=0 they meet the
 pages while they are away (an illegal memory access). RACE_STREAM=side: the worker adds on a
 non-blocking side stream of its own, which the fence does not hold (the limit README states).
+RACE_STREAM=peer (two GPUs, CuPy): the worker adds from device 1, a kernel on device 1's
+default stream writing `x` on device 0 through peer access (as PyTorch's copies between
+devices run on the source device); expseg holds device 1's default stream through the move
+only with EXPSEG_PEER_HOLD=1 (`coalesce_peer_holds`).
 
     [LD_PRELOAD=libexpseg.so] python3 torch_thread_race.py [ROUNDS]
 
@@ -45,13 +49,38 @@ def expseg_figures():
         p = json.loads(buf.value.decode())["process"]
     except (ValueError, KeyError):
         return None
-    keys = ("coalesce_compactions", "coalesce_held_moves", "coalesce_compaction_failures")
+    keys = ("coalesce_compactions", "coalesce_held_moves", "coalesce_compaction_failures",
+            "coalesce_peer_holds", "coalesce_peer_holds_let_go")
     return {k: p.get(k) for k in keys}
 
 
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     dev = torch.device("cuda", 0)
+    mode = os.environ.get("RACE_STREAM", "default")
+    peer_kernel = None
+    if mode == "peer":
+        if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0):
+            print(json.dumps({"skipped": "RACE_STREAM=peer needs two GPUs with peer access"}))
+            return 0
+        try:
+            import cupy as cp
+            import numpy as np
+        except ImportError:
+            print(json.dumps({"skipped": "RACE_STREAM=peer needs CuPy"}))
+            return 0
+        # PyTorch gives device 1 access to device 0's pages (its copies between devices
+        # enable peer access, and expandable segments set access for the peer).
+        for a, b in ((1, 0), (0, 1)):
+            torch.zeros(1, device=f"cuda:{a}").copy_(torch.zeros(1, device=f"cuda:{b}"))
+        with cp.cuda.Device(1):
+            k = cp.RawKernel(r"""extern "C" __global__ void add1(int* p, long long n) {
+                for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+                     i += (long long)gridDim.x * blockDim.x) p[i] += 1; }""", "add1")
+
+        def peer_kernel(x):
+            with cp.cuda.Device(1):  # its default (legacy) stream
+                k((256,), (256,), (np.uint64(x.data_ptr()), np.int64(x.numel())))
     # A high mark: later handles grow ahead (up to 1/64 of the most held), so the pad and the
     # worker's tensor made next share one handle.
     big = torch.empty(40 * GIB, dtype=torch.uint8, device=dev)
@@ -65,7 +94,7 @@ def main():
     xs, adds = [], []  # the worker's tensors and their additions
     stop, err = threading.Event(), []
 
-    side = torch.cuda.Stream(dev) if os.environ.get("RACE_STREAM") == "side" else None
+    side = torch.cuda.Stream(dev) if mode == "side" else None
 
     def worker():
         try:
@@ -73,7 +102,10 @@ def main():
                 torch.cuda.set_stream(side)
             while not stop.is_set():
                 for i in range(len(xs)):
-                    xs[i].add_(1)
+                    if peer_kernel is not None:
+                        peer_kernel(xs[i])
+                    else:
+                        xs[i].add_(1)
                     adds[i] += 1
                 time.sleep(0)
         except Exception as e:  # noqa: BLE001
@@ -85,7 +117,7 @@ def main():
     t = threading.Thread(target=worker)
     if os.environ.get("RACE_NO_WORKER") != "1":
         t.start()
-    out = {"rounds": rounds, "stream": "side" if side is not None else "default"}
+    out = {"rounds": rounds, "stream": mode}
     try:
         for _ in range(rounds):
             pad = torch.empty(100 * MIB, dtype=torch.uint8, device=dev)
@@ -108,7 +140,8 @@ def main():
         stop.set()
         if t.is_alive():
             t.join()
-        torch.cuda.synchronize()
+        for d in range(torch.cuda.device_count() if mode == "peer" else 1):
+            torch.cuda.synchronize(d)
         bad = 0
         for x, n in zip(xs, adds):
             lo, hi = (int(v) for v in torch.aminmax(x))
