@@ -60,7 +60,10 @@ def main():
     mode = os.environ.get("RACE_STREAM", "default")
     peer_kernel = None
     if mode == "peer":
-        if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0):
+        # RACE_PEER_DEVICE=0: the kernels from device 0 itself through CuPy (a check of this
+        # script on one GPU: the same stream as PyTorch's, held by the fence).
+        pd = int(os.environ.get("RACE_PEER_DEVICE", "1"))
+        if pd != 0 and (torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(pd, 0)):
             print(json.dumps({"skipped": "RACE_STREAM=peer needs two GPUs with peer access"}))
             return 0
         try:
@@ -71,15 +74,15 @@ def main():
             return 0
         # PyTorch gives device 1 access to device 0's pages (its copies between devices
         # enable peer access, and expandable segments set access for the peer).
-        for a, b in ((1, 0), (0, 1)):
+        for a, b in ((pd, 0), (0, pd)):
             torch.zeros(1, device=f"cuda:{a}").copy_(torch.zeros(1, device=f"cuda:{b}"))
-        with cp.cuda.Device(1):
+        with cp.cuda.Device(pd):
             k = cp.RawKernel(r"""extern "C" __global__ void add1(int* p, long long n) {
                 for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
                      i += (long long)gridDim.x * blockDim.x) p[i] += 1; }""", "add1")
 
         def peer_kernel(x):
-            with cp.cuda.Device(1):  # its default (legacy) stream
+            with cp.cuda.Device(pd):  # its default (legacy) stream
                 k((256,), (256,), (np.uint64(x.data_ptr()), np.int64(x.numel())))
     # A high mark: later handles grow ahead (up to 1/64 of the most held), so the pad and the
     # worker's tensor made next share one handle.
