@@ -323,7 +323,8 @@ impl<D: Driver> Coalescer<D> {
 
     /// Steps of a compaction that change nothing the program sees: wait for the device,
     /// create the new handles, and copy the live pages out (to device memory where the
-    /// driver had room, else to the host).
+    /// driver had room, else to the host). Mapped pages copied on the device are held from
+    /// the copies on (the device's default stream, and `peers`' where they are asked).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_out(
         &mut self,

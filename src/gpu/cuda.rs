@@ -656,7 +656,8 @@ impl Driver for CudaDriver {
             }
         }
         super::copy_after_wait(self, copies)?;
-        Ok(Held::default())
+        // Nothing held: peers asked for are counted as let go.
+        Ok(Held::default().with_peers(0, peers.len() as u32))
     }
 
     fn synchronize_peer(&mut self, dev: i32) -> DrvResult<()> {
