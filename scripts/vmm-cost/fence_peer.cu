@@ -18,6 +18,12 @@
 //   own     device 1 waited for (context synchronize), not held: what expseg does today
 //   host    device 1's legacy stream held by a host function, running before the graph launch
 //   memop   held by one batch of stream memory operations [write reached; wait for release]
+//   lib     what expseg does with EXPSEG_PEER_HOLD=1 (src/gpu/fence.rs): memop, but a hold that
+//           does not start in 200 ms is let go, so is one while device 0's fence does not run
+//           in 200 ms, and a watchdog thread lets it go 400 ms after it was queued unless the
+//           fence runs (the launch itself may block behind it); the move is always made.
+//           Counts the rounds whose hold was kept through the move and each way of letting go;
+//           additions lost in let-go rounds are what the hold is for, and are printed.
 //
 // Order in host and memop: wait for device 1, then device 0 (no synchronize after a hold: with
 // xdep it would never return), hold device 1, launch the graph. Each hold that does not start
@@ -76,6 +82,28 @@ static void* launch_loop(void* arg) {
   return 0;
 }
 
+// The lib mode's watchdog: armed with a round's generation and deadline, it releases the
+// peer's hold at the deadline unless that round's own fence runs.
+static volatile unsigned wd_g = 0, wd_fired_g = 0;
+static volatile double wd_deadline = 0;
+static Hold* volatile wd_h0 = 0;
+static volatile unsigned* wd_release = 0;
+static void* lib_watchdog(void*) {
+  while (!stop_launchers) {
+    unsigned g = wd_g;
+    if (g && now_ms() > wd_deadline) {
+      if (!wd_h0->running) {
+        *wd_release = g;
+        __sync_synchronize();
+        wd_fired_g = g;
+      }
+      __sync_bool_compare_and_swap(&wd_g, g, 0);
+    }
+    usleep(50);
+  }
+  return 0;
+}
+
 static void note(void) {
   printf(" (launched %ld %ld %ld)", (long)launched[0], (long)launched[1], (long)launched[2]);
 }
@@ -110,8 +138,9 @@ int main(int argc, char** argv) {
   int rounds = argc > 2 ? atoi(argv[2]) : 20;
   xdep = argc > 3 && !strcmp(argv[3], "xdep");
   int m_own = !strcmp(mode, "own"), m_host = !strcmp(mode, "host"), m_memop = !strcmp(mode, "memop");
-  if (!m_own && !m_host && !m_memop) {
-    printf("mode: own | host | memop\n");
+  int m_lib = !strcmp(mode, "lib");
+  if (!m_own && !m_host && !m_memop && !m_lib) {
+    printf("mode: own | host | memop | lib\n");
     return 2;
   }
   CK(cuInit(0));
@@ -178,7 +207,12 @@ int main(int argc, char** argv) {
 
   Hold* h0 = (Hold*)calloc(rounds + 1, sizeof(Hold));
   Hold* h1 = (Hold*)calloc(rounds + 1, sizeof(Hold));
-  int moved = 0, aborted = 0;
+  int moved = 0, aborted = 0, kept = 0, let_go_start = 0, let_go_fence = 0, let_go_watchdog = 0;
+  if (m_lib) {
+    wd_release = &flags[1];
+    pthread_t wt;
+    pthread_create(&wt, 0, lib_watchdog, 0);
+  }
   double worst1 = 0, worst0 = 0, total_ms = 0;
   for (unsigned g = 1; g <= (unsigned)rounds && !launch_err; g++) {
     double t0 = now_ms();
@@ -202,7 +236,40 @@ int main(int argc, char** argv) {
     CK(cuCtxSetCurrent(ctx[0]));
     STEP("synchronize device 0", cuCtxSynchronize());
     int ok = 1;
-    if (!m_own) {
+    if (m_lib) {
+      CK(cuCtxSetCurrent(ctx[1]));
+      CUstreamBatchMemOpParams ops[2];
+      hold_ops(ops, dflags, dflags + 4, g);
+      STEP("hold device 1", cuStreamBatchMemOp(CU_STREAM_LEGACY, 2, ops, 0));
+      double w = wait_for(&flags[0], g, 200);
+      CK(cuCtxSetCurrent(ctx[0]));
+      int peer_kept = w >= 0;
+      if (!peer_kept) {
+        flags[1] = g;
+        let_go_start++;
+      }
+      if (w > worst1) worst1 = w;
+      wd_h0 = &h0[g];
+      wd_deadline = now_ms() + 400;
+      __sync_synchronize();
+      wd_g = g;
+      STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
+      if (peer_kept && wait_running(&h0[g], 200) < 0) {
+        flags[1] = g;
+        peer_kept = 0;
+        let_go_fence++;
+      }
+      probe_begin("own fence (peer let go)");
+      double w0 = wait_running(&h0[g], 1e9);
+      probe_end();
+      if (w0 > worst0) worst0 = w0;
+      __sync_bool_compare_and_swap(&wd_g, g, 0);
+      if (peer_kept && wd_fired_g == g) {
+        peer_kept = 0;
+        let_go_watchdog++;
+      }
+      kept += peer_kept;
+    } else if (!m_own) {
       CK(cuCtxSetCurrent(ctx[1]));
       double w;
       if (m_host) {
@@ -218,8 +285,8 @@ int main(int argc, char** argv) {
       if (w < 0) ok = 0;
       if (w > worst1) worst1 = w;
     }
-    STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
-    if (ok) {
+    if (!m_lib) STEP("graph launch", cuGraphLaunch(ge, CU_STREAM_LEGACY));
+    if (ok && !m_lib) {
       double w = wait_running(&h0[g], 500);
       if (w < 0) ok = 0;
       if (w > worst0) worst0 = w;
@@ -272,8 +339,10 @@ int main(int argc, char** argv) {
   }
   printf("{\"mode\": \"%s\", \"xdep\": %d, \"rounds\": %d, \"moved\": %d, \"aborted\": %d, \"final_sync\": [%d, %d], "
          "\"launched\": [%ld, %ld, %ld], \"got\": [%d, %d, %d], \"wrong_words\": %ld, \"worst_hold1_ms\": %.3f, "
-         "\"worst_hold0_ms\": %.3f, \"ms_per_round\": %.3f, \"launch_err\": %d}\n",
+         "\"worst_hold0_ms\": %.3f, \"ms_per_round\": %.3f, \"launch_err\": %d, \"kept\": %d, "
+         "\"let_go_start\": %d, \"let_go_fence\": %d, \"let_go_watchdog\": %d}\n",
          mode, xdep, rounds, moved, aborted, (int)fin[0], (int)fin[1], (long)launched[0], (long)launched[1],
-         (long)launched[2], got[0], got[1], got[2], bad, worst1, worst0, total_ms / rounds, launch_err);
+         (long)launched[2], got[0], got[1], got[2], bad, worst1, worst0, total_ms / rounds, launch_err, kept,
+         let_go_start, let_go_fence, let_go_watchdog);
   return (!fin[0] && !fin[1] && bad == 0 && !launch_err) ? 0 : 1;
 }
