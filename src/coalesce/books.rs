@@ -98,8 +98,9 @@ pub struct CoalesceStats {
     /// Compactions whose copies and remapping ran behind a hold on the device's default
     /// stream (`Driver::copy_and_hold`).
     pub held_moves: u64,
-    /// Holds of peers' default streams kept through a move, and let go before its copies
-    /// (`EXPSEG_PEER_HOLD`, `Held::peers_let_go`).
+    /// Holds of peers' default streams kept through a move, and let go before it was done
+    /// (`EXPSEG_PEER_HOLD`, `Held::peers_let_go`). Moves copied through the host hold nothing
+    /// and count in neither.
     pub peer_holds: u64,
     pub peer_holds_let_go: u64,
 }

@@ -39,6 +39,8 @@ struct Fence {
     changed: std::sync::Condvar,
     /// The watchdog let the move's peers go before the fence ran ([`watch`]).
     peers_let_go: std::sync::atomic::AtomicBool,
+    /// The move keeps peers held until it is done (the watchdog's last deadline applies).
+    peers_kept: std::sync::atomic::AtomicBool,
 }
 
 impl Fence {
@@ -205,6 +207,11 @@ pub(super) fn copies_then_hold(
     }
     fence.wait_running(dev);
     let kept = peers.len() as u32;
+    if kept > 0 {
+        fence
+            .peers_kept
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     // Dropped in order: this device's fence, then the peers'.
     Ok(Held::new(Box::new((FenceHeld(fence), peers))).with_peers(kept, let_go))
 }
@@ -215,6 +222,11 @@ pub(super) fn copies_then_hold(
 /// from ever reaching its own).
 pub const PEER_WAIT: Duration = Duration::from_millis(200);
 
+/// The longest peers stay held through a move: past it the watchdog lets them go, with a
+/// warning, whatever the move is doing (its VMM calls under the hold have never needed a
+/// held peer's queue, but nothing proves they never will).
+pub const PEER_HOLD_MAX: Duration = Duration::from_secs(2);
+
 /// Pairs of words [reached, release] that peers' holds use, in one page of page-locked host
 /// memory that every device reads and writes.
 const SLOTS: usize = 512;
@@ -222,15 +234,28 @@ const SLOTS: usize = 512;
 /// The page of the peers' holds, made at the first hold.
 static WORDS: once_cell::sync::OnceCell<Option<Words>> = once_cell::sync::OnceCell::new();
 
+/// What a slot of the page is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Taken,
+    /// Let go before its hold was seen to start: its device may still write `reached`, so it
+    /// is free again only once `reached` shows its generation.
+    Abandoned,
+}
+
 /// The page of the peers' holds and which of its slots are taken.
 struct Words {
-    /// The page's host address (an address, so that the table is `Sync`).
-    host: usize,
+    host: std::ptr::NonNull<u32>,
     /// The address devices use for it.
     dev: u64,
-    /// Per slot: the last generation used, and whether it is taken.
-    slots: std::sync::Mutex<Vec<(u32, bool)>>,
+    /// Per slot: the last generation used and its state.
+    slots: std::sync::Mutex<Vec<(u32, SlotState)>>,
 }
+
+// SAFETY: the page is never freed, and its words are only read and written atomically.
+unsafe impl Send for Words {}
+unsafe impl Sync for Words {}
 
 impl Words {
     /// Made once, in the current context (portable: every context may use it). `None` where
@@ -257,83 +282,158 @@ impl Words {
         // SAFETY: a non-zero size; the page lives for the process (devices may touch it
         // until the end).
         let host = unsafe { std::alloc::alloc_zeroed(layout) };
-        if host.is_null() {
+        let Some(host) = std::ptr::NonNull::new(host) else {
             return Err("no host page".into());
-        }
+        };
         const PORTABLE: u32 = 1;
         const DEVICEMAP: u32 = 2;
         let mut dev = 0u64;
         // SAFETY: a page-aligned page of ours; valid out-pointer. On failure the page is
-        // unregistered (if it was) and freed: no device was handed its address.
+        // freed only where it is surely not registered (else it is left as it is).
         let rc = unsafe {
-            let mut rc = register(host.cast(), PAGE, PORTABLE | DEVICEMAP);
-            if rc == 0 {
-                rc = device_ptr(&mut dev, host.cast(), 0);
-                if rc != 0 {
-                    if let Some(unregister) = t.cuMemHostUnregister {
-                        unregister(host.cast());
-                    }
+            match register(host.as_ptr().cast(), PAGE, PORTABLE | DEVICEMAP) {
+                0 => device_ptr(&mut dev, host.as_ptr().cast(), 0),
+                e => {
+                    std::alloc::dealloc(host.as_ptr(), layout);
+                    e
                 }
             }
-            if rc != 0 {
-                std::alloc::dealloc(host, layout);
-            }
-            rc
         };
         if rc != 0 {
             return Err(format!("host page not registered (CUresult {rc})"));
         }
         Ok(Words {
-            host: host as usize,
+            host: host.cast(),
             dev,
-            slots: std::sync::Mutex::new(vec![(0, false); SLOTS]),
+            slots: std::sync::Mutex::new(vec![(0, SlotState::Free); SLOTS]),
         })
     }
 
-    /// A free slot and its next generation (a slot whose generations ran out stays unused:
-    /// its words never go back down).
+    /// Word `which` (0: reached, 1: release) of `slot`.
+    fn word(&self, slot: usize, which: usize) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: inside the page (2 * SLOTS words of 4096 bytes), aligned, never freed;
+        // the host touches it only atomically.
+        unsafe { std::sync::atomic::AtomicU32::from_ptr(self.host.as_ptr().add(2 * slot + which)) }
+    }
+
+    /// Whether the device executed slot's hold of generation `gen` (wrote `reached`).
+    fn reached(&self, slot: usize, gen: u32) -> bool {
+        self.word(slot, 0)
+            .load(std::sync::atomic::Ordering::Acquire)
+            == gen
+    }
+
+    /// A free slot and its next generation. A slot whose generations ran out stays unused
+    /// (its words never go back down).
     fn take(&self) -> Option<(usize, u32)> {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        let (i, s) = slots
-            .iter_mut()
-            .enumerate()
-            .find(|(_, s)| !s.1 && s.0 < u32::MAX)?;
+        let free = |(i, s): &(usize, &mut (u32, SlotState))| {
+            s.0 < u32::MAX
+                && match s.1 {
+                    SlotState::Free => true,
+                    SlotState::Taken => false,
+                    SlotState::Abandoned => self.reached(*i, s.0),
+                }
+        };
+        let (i, s) = slots.iter_mut().enumerate().find(free)?;
         s.0 += 1;
-        s.1 = true;
+        s.1 = SlotState::Taken;
         Some((i, s.0))
     }
 
-    /// Give a slot back. One whose hold may still be reached later stays taken: its late
-    /// write of `reached` would mislead the slot's next hold.
-    fn give_back(&self, slot: usize) {
+    /// Give a slot back: free, or abandoned where its hold may still be executed.
+    fn give_back(&self, slot: usize, started: bool) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        slots[slot].1 = false;
-    }
-
-    fn word(&self, slot: usize, which: usize) -> *mut u32 {
-        (self.host as *mut u32).wrapping_add(2 * slot + which)
+        slots[slot].1 = match started {
+            true => SlotState::Free,
+            false => SlotState::Abandoned,
+        };
     }
 
     /// Let slot's hold of generation `gen` go (from any thread, any number of times: a late
     /// one never lowers the word under a later generation's release).
     fn release(&self, slot: usize, gen: u32) {
-        // SAFETY: an aligned word of the page, which lives for the process; devices only
-        // read it, and the host writes it only atomically.
-        let w = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.word(slot, 1)) };
-        w.fetch_max(gen, std::sync::atomic::Ordering::SeqCst);
+        self.word(slot, 1)
+            .fetch_max(gen, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the page is still registered where it was (a context reset unregisters it).
+    fn still_mapped(&self, t: &DriverTable) -> bool {
+        let Some(device_ptr) = t.cuMemHostGetDevicePointer_v2 else {
+            return false;
+        };
+        let mut dev = 0u64;
+        // SAFETY: valid out-pointer; the driver checks the host address.
+        unsafe { device_ptr(&mut dev, self.host.as_ptr().cast(), 0) == 0 && dev == self.dev }
     }
 }
 
-/// Peers' holds a watchdog lets go at a deadline unless the move's own fence runs by then:
-/// the mover itself may be stuck inside the driver meanwhile (a launch into a full queue of a
-/// stream that waits for a held peer), where its own bounded waits cannot help.
+/// Peers' holds for the watchdog: let go at `until` unless the move's fence runs by then (the
+/// mover may be stuck inside the driver meanwhile, as a launch into a full queue of a stream
+/// that waits for a held peer, where its own bounded waits cannot help), and at `max` if the
+/// move still holds them.
 struct Watch {
     fence: std::sync::Arc<Fence>,
     holds: Vec<(usize, u32)>,
     until: Instant,
+    max: Instant,
+    /// `until` has passed with the fence running.
+    looked: bool,
 }
 
-fn watch(w: Watch) {
+impl Watch {
+    fn release(&self) {
+        if let Some(words) = WORDS.get().and_then(Option::as_ref) {
+            for &(slot, gen) in &self.holds {
+                words.release(slot, gen);
+            }
+        }
+    }
+
+    /// Act on the deadlines passed by `now`: whether the job is done.
+    fn due(&mut self, now: Instant) -> bool {
+        if !self.looked && now >= self.until {
+            self.looked = true;
+            // Under the fence's lock: it cannot start running meanwhile, so the mover reads
+            // `peers_let_go` right once it runs.
+            let state = self.fence.lock();
+            match *state {
+                0 => {
+                    self.fence
+                        .peers_let_go
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
+                    self.release();
+                    log::debug!("a watchdog let {} peers' holds go", self.holds.len());
+                    return true;
+                }
+                2 => return true, // the move is done
+                _ => {}
+            }
+        }
+        if self.looked && now >= self.max {
+            let state = self.fence.lock();
+            if *state == 1
+                && self
+                    .fence
+                    .peers_kept
+                    .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                self.release();
+                log::warn!(
+                    "a move held {} other devices' default streams for {} s: let go",
+                    self.holds.len(),
+                    PEER_HOLD_MAX.as_secs()
+                );
+            }
+            return true;
+        }
+        false
+    }
+}
+
+/// Hand `w` to the watchdog thread (made at the first call): false where there is none, and
+/// then nothing may be held.
+fn watch(w: Watch) -> bool {
     static TX: once_cell::sync::OnceCell<Option<crossbeam::channel::Sender<Watch>>> =
         once_cell::sync::OnceCell::new();
     let tx = TX.get_or_init(|| {
@@ -341,40 +441,32 @@ fn watch(w: Watch) {
         let spawned = std::thread::Builder::new()
             .name("expseg-peerhold".into())
             .spawn(move || {
-                // Deadlines come in order: each job waits for its own, then looks.
-                for w in rx {
-                    std::thread::sleep(w.until.saturating_duration_since(Instant::now()));
-                    // Under the fence's lock: it cannot start running meanwhile, so the
-                    // mover reads `peers_let_go` right once the fence runs.
-                    let state = w.fence.lock();
-                    if *state == 0 {
-                        w.fence
-                            .peers_let_go
-                            .store(true, std::sync::atomic::Ordering::SeqCst);
-                        if let Some(words) = WORDS.get().and_then(Option::as_ref) {
-                            for &(slot, gen) in &w.holds {
-                                words.release(slot, gen);
-                            }
-                        }
-                        log::debug!("a watchdog let {} peers' holds go", w.holds.len());
+                use crossbeam::channel::RecvTimeoutError;
+                let mut pending: Vec<Watch> = Vec::new();
+                loop {
+                    let next = pending
+                        .iter()
+                        .map(|w| if w.looked { w.max } else { w.until })
+                        .min();
+                    let got = match next {
+                        Some(t) => rx.recv_deadline(t),
+                        None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                    };
+                    match got {
+                        Ok(w) => pending.push(w),
+                        Err(RecvTimeoutError::Timeout) => {}
+                        Err(RecvTimeoutError::Disconnected) => break,
                     }
+                    let now = Instant::now();
+                    pending.retain_mut(|w| !w.due(now));
                 }
             });
+        if let Err(e) = &spawned {
+            log::info!("no watchdog thread for peers' holds ({e}): peers are not held");
+        }
         spawned.ok().map(|_| tx)
     });
-    match tx {
-        Some(tx) => {
-            let _ = tx.send(w);
-        }
-        None => {
-            // No watchdog: the holds go now (the move is made as without them).
-            if let Some(words) = WORDS.get().and_then(Option::as_ref) {
-                for &(slot, gen) in &w.holds {
-                    words.release(slot, gen);
-                }
-            }
-        }
-    }
+    tx.as_ref().is_some_and(|tx| tx.send(w).is_ok())
 }
 
 /// One peer's legacy stream held by one batch of stream memory operations queued on it,
@@ -390,15 +482,10 @@ pub(super) struct PeerHeld {
 }
 
 impl PeerHeld {
-    fn reached(&self) -> bool {
-        // SAFETY: a word of the page, written by a device.
-        unsafe { std::ptr::read_volatile(self.words.word(self.slot, 0)) == self.gen }
-    }
-
     /// Wait until the hold started, or `until`: whether it did.
     fn reached_by(&self, until: Instant) -> bool {
         loop {
-            if self.reached() {
+            if self.words.reached(self.slot, self.gen) {
                 return true;
             }
             if Instant::now() >= until {
@@ -412,26 +499,32 @@ impl PeerHeld {
 impl Drop for PeerHeld {
     fn drop(&mut self) {
         self.words.release(self.slot, self.gen);
-        if self.reached() {
-            self.words.give_back(self.slot);
-        } else {
+        let started = self.words.reached(self.slot, self.gen);
+        if !started {
             log::debug!("device {}: a hold let go before it started", self.dev);
         }
+        self.words.give_back(self.slot, started);
     }
 }
 
 /// Hold the legacy default stream of each device in `peers` (their primary contexts) for a
 /// move whose own fence is `fence`, and wait up to [`PEER_WAIT`] for the holds to start: the
 /// holds that started, and how many did not (those are let go: the move goes on without
-/// them). A watchdog lets every one go after twice [`PEER_WAIT`] unless `fence` runs.
+/// them). The watchdog lets every one go after twice [`PEER_WAIT`] unless `fence` runs, and
+/// after [`PEER_HOLD_MAX`] in any case.
 fn hold_peers(
     t: &DriverTable,
     peers: &[i32],
     fence: &std::sync::Arc<Fence>,
 ) -> (Vec<PeerHeld>, u32) {
+    let none = (Vec::new(), peers.len() as u32);
     let Some(words) = Words::get(t) else {
-        return (Vec::new(), peers.len() as u32);
+        return none;
     };
+    if !words.still_mapped(t) {
+        log::debug!("the page of peers' holds is no longer registered: peers not held");
+        return none;
+    }
     let mut slots = Vec::with_capacity(peers.len());
     for &dev in peers {
         match words.take() {
@@ -439,11 +532,20 @@ fn hold_peers(
             None => log::debug!("device {dev}: no free slot for a hold"),
         }
     }
-    watch(Watch {
+    let now = Instant::now();
+    let watched = watch(Watch {
         fence: fence.clone(),
         holds: slots.iter().map(|&(_, slot, gen)| (slot, gen)).collect(),
-        until: Instant::now() + 2 * PEER_WAIT,
+        until: now + 2 * PEER_WAIT,
+        max: now + PEER_HOLD_MAX,
+        looked: false,
     });
+    if !watched {
+        for &(_, slot, _) in &slots {
+            words.give_back(slot, true); // nothing was queued
+        }
+        return none;
+    }
     let mut held: Vec<PeerHeld> = slots
         .into_iter()
         .filter_map(|(dev, slot, gen)| hold_one(t, words, dev, slot, gen))
@@ -480,22 +582,26 @@ fn hold_one(
         [WRITE_VALUE_32, reached, gen as u64, 0, 0, 0],
         [WAIT_VALUE_32, reached + 4, gen as u64, WAIT_GEQ, 0, 0],
     ];
-    let rc = match (t.cuStreamBatchMemOp_v2, push_primary(t, dev)) {
-        (None, _) => NOT_SUPPORTED,
-        (_, Err(e)) => e,
-        (Some(batch), Ok(pushed)) => {
-            // SAFETY: two parameter blocks of the driver's layout, addresses in the page
-            // every device maps; the stream is `dev`'s primary context's legacy one.
-            let rc = unsafe { batch(CU_STREAM_LEGACY, 2, ops.as_mut_ptr().cast(), 0) };
-            if pushed {
-                pop_primary(t);
+    let rc = match t.cuStreamBatchMemOp_v2 {
+        None => NOT_SUPPORTED,
+        Some(batch) => match push_primary(t, dev) {
+            Err(e) => e,
+            Ok(pushed) => {
+                // SAFETY: two parameter blocks of the driver's layout, addresses in the page
+                // every device maps; the stream is `dev`'s primary context's legacy one.
+                let rc = unsafe { batch(CU_STREAM_LEGACY, 2, ops.as_mut_ptr().cast(), 0) };
+                if pushed {
+                    pop_primary(t);
+                }
+                rc
             }
-            rc
-        }
+        },
     };
     if rc != 0 {
         log::debug!("device {dev}: no hold on its default stream (CUresult {rc})");
-        words.give_back(slot); // nothing was queued
+        // Nothing should be queued; should the driver have queued it anyway, it passes.
+        words.release(slot, gen);
+        words.give_back(slot, false);
         return None;
     }
     Some(PeerHeld {
@@ -504,4 +610,92 @@ fn hold_one(
         gen,
         dev,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Words over plain memory (no driver): the slots' books alone.
+    fn words() -> &'static Words {
+        let page: &'static mut [u32] = Box::leak(vec![0u32; 2 * SLOTS].into_boxed_slice());
+        Box::leak(Box::new(Words {
+            host: std::ptr::NonNull::new(page.as_mut_ptr()).unwrap(),
+            dev: 0,
+            slots: std::sync::Mutex::new(vec![(0, SlotState::Free); SLOTS]),
+        }))
+    }
+
+    #[test]
+    fn a_slot_comes_back_with_the_next_generation() {
+        let w = words();
+        assert_eq!(w.take(), Some((0, 1)));
+        assert_eq!(w.take(), Some((1, 1)), "a taken slot is not handed out");
+        w.give_back(0, true);
+        assert_eq!(w.take(), Some((0, 2)));
+    }
+
+    #[test]
+    fn a_hold_let_go_before_it_started_keeps_its_slot_until_the_device_ran_it() {
+        let w = words();
+        let (slot, gen) = w.take().unwrap();
+        w.release(slot, gen);
+        w.give_back(slot, false);
+        assert_eq!(
+            w.take(),
+            Some((1, 1)),
+            "abandoned: the device may still write it"
+        );
+        // The device runs the old hold: it writes `reached` and passes the released wait.
+        w.word(slot, 0)
+            .store(gen, std::sync::atomic::Ordering::Release);
+        assert_eq!(w.take(), Some((slot, gen + 1)));
+        assert!(!w.reached(slot, gen + 1), "the new hold has not started");
+    }
+
+    #[test]
+    fn the_watchdog_lets_go_where_the_fence_has_not_run_and_at_the_last_deadline() {
+        let t0 = Instant::now();
+        let job = |state: u8| {
+            let fence = std::sync::Arc::new(Fence::default());
+            *fence.lock() = state;
+            Watch {
+                fence,
+                holds: vec![(0, 1)],
+                until: t0 + 2 * PEER_WAIT,
+                max: t0 + PEER_HOLD_MAX,
+                looked: false,
+            }
+        };
+        let early = t0 + PEER_WAIT;
+        let (late, last) = (t0 + 3 * PEER_WAIT, t0 + PEER_HOLD_MAX);
+        // Queued, the fence not running at the first deadline: let go, and the mover told.
+        let mut w = job(0);
+        assert!(!w.due(early));
+        assert!(w.due(late));
+        assert!(w
+            .fence
+            .peers_let_go
+            .load(std::sync::atomic::Ordering::SeqCst));
+        // Running (the move under way): looked at, then done at the last deadline.
+        let mut w = job(1);
+        assert!(!w.due(late) && w.looked);
+        assert!(!w
+            .fence
+            .peers_let_go
+            .load(std::sync::atomic::Ordering::SeqCst));
+        assert!(w.due(last));
+        // Released (the move done): nothing left to watch.
+        assert!(job(2).due(late));
+    }
+
+    #[test]
+    fn a_release_never_lowers_the_word_and_spent_slots_stay_unused() {
+        let w = words();
+        w.release(0, 5);
+        w.release(0, 3); // a late watchdog's release of an older hold
+        assert_eq!(w.word(0, 1).load(std::sync::atomic::Ordering::SeqCst), 5);
+        w.slots.lock().unwrap()[0].0 = u32::MAX;
+        assert_eq!(w.take(), Some((1, 1)), "no generation left after u32::MAX");
+    }
 }

@@ -135,9 +135,10 @@ pub struct Held {
     what: Option<Box<dyn Send>>,
     /// Peers whose default stream stays held until the move is done (`EXPSEG_PEER_HOLD`).
     pub peers_held: u32,
-    /// Peers whose hold was let go before the move's copies ran: it did not start in time,
-    /// or the device's own fence did not start while they were held (their streams wait on
-    /// each other's work); the move then goes on as without a peer hold.
+    /// Peers asked for whose hold was let go before the move was done: it did not start in
+    /// time, or the device's own fence did not run in time while they were held (their
+    /// streams wait on each other's work; by the mover or by the watchdog), or the move ran
+    /// without its fence; the move then goes on as without a peer hold.
     pub peers_let_go: u32,
 }
 
