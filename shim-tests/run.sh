@@ -282,7 +282,9 @@ fi
 # The launch wrapper under torchrun, 1 process and (with 2 GPUs) 2: every rank runs under
 # expseg and writes its own report; the reports merge into one table; expseg doctor passes.
 # One process on two GPUs (issue 24), with two or more: the coalescing stress on both devices
-# (TWO_GPU_RUNS runs, default 1) and a model split over them trained against the native run.
+# (TWO_GPU_RUNS runs, default 1; STRESS_FREE_GIB=N, passed through, leaves N GiB of each
+# device free so its forced out-of-memory operations take fewer pages) and a model split over
+# them trained against the native run.
 # empty_cache() while a freed tensor's kernels still run, with another context current
 # (PyTorch waits on the current context's stream before unmapping, issue 24): natively an
 # illegal memory access (printed, not counted: it is PyTorch's); under expseg the handle's

@@ -11,6 +11,12 @@ byte of a live tensor at the end and fails unless the check finds it).
 
     LD_PRELOAD=libexpseg.so python3 torch_coalesce_stress.py [OPS] [DEVICES] [LIVE_GIB]
 
+STRESS_FREE_GIB=N: before the loop, a plain process (no LD_PRELOAD, PyTorch's default
+allocator) holds all but N GiB of each device's free memory until the stress ends, so the
+device looks like a smaller card. The two out-of-memory operations make PyTorch map 20 MiB
+pages until the driver refuses; on a 141 GB card that is most of the stress's time, and the
+operations, the checks and the pressure they put on expseg are the same on a smaller one.
+
 Prints one JSON line; exit 1 on any mismatch or unexpected error, and on any allocation that
 finds no memory other than the forced ones (live tensors stay far below the device's memory,
 and the near-full retry asks for 80 % of what is free or cached).
@@ -19,6 +25,7 @@ import ctypes
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -35,12 +42,41 @@ KEEP = os.environ.get("STRESS_KEEP") == "1"
 SELFTEST = os.environ.get("STRESS_SELFTEST") == "1"
 GIB = 1 << 30
 
+BALLAST = r"""
+import sys, torch
+keep = float(sys.argv[1]) * (1 << 30)
+held = []
+for d in range(int(sys.argv[2])):
+    free, _ = torch.cuda.mem_get_info(d)
+    n = int(free - keep) >> 21 << 21
+    if n > 0:
+        held.append(torch.empty(n, dtype=torch.uint8, device=d))
+print("held", [t.numel() >> 20 for t in held], flush=True)
+sys.stdin.read()  # until the stress ends (its end closes this pipe)
+"""
+
+
+def hold_all_but(free_gib, ndev):
+    """A plain process that holds all but free_gib of each device; returns it once it holds."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "LD_PRELOAD" and not k.startswith("EXPSEG_") and k != "PYTORCH_CUDA_ALLOC_CONF"}
+    p = subprocess.Popen([sys.executable, "-c", BALLAST, str(free_gib), str(ndev)], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline().strip()
+    if not line.startswith("held"):
+        p.kill()
+        raise SystemExit(f"STRESS_FREE_GIB: the process holding memory did not start ({line!r})")
+    return p, line
+
 
 def main():
     ops = int(sys.argv[1]) if len(sys.argv) > 1 else 10000
     ndev = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     live_cap = float(sys.argv[3]) if len(sys.argv) > 3 else 20.0
     devices = [torch.device("cuda", i) for i in range(ndev)]
+    ballast = None
+    if os.environ.get("STRESS_FREE_GIB"):
+        ballast, held = hold_all_but(float(os.environ["STRESS_FREE_GIB"]), ndev)
     rt = ctypes.CDLL("libcudart.so.13")
     rng = random.Random(1234)
     live = {}  # key -> (tensor, value)
@@ -209,6 +245,10 @@ def main():
     stats["check_s"] = round(stats["check_s"], 2)
     stats["op_s"] = {k: round(v, 2) for k, v in sorted(op_s.items(), key=lambda kv: -kv[1])}
     stats["wall_s"] = round(time.perf_counter() - start, 2)
+    if ballast:
+        stats["ballast_mib"] = held
+        ballast.stdin.close()
+        ballast.wait()
     stats["errors"] = stats["errors"][:10]
     stats["live_at_end"] = len(live)
     print(json.dumps(stats))
