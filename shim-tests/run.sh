@@ -26,7 +26,7 @@ fi
 build=$(mktemp -d)
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce crossctx reclaim threads twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce ahead crossctx reclaim threads twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -127,6 +127,23 @@ if want static && [ -x "$build/driver_test" ]; then
     result "$name" $rc "$(tail -n 1 "$logs/$name.log")"
     grep -E '^ +[0-9]+ MiB' "$logs/$name.log" | sed 's/^/    /'
   done
+fi
+
+# A handle grown ahead over a mapping expseg's books do not know (the program's own, made
+# through the driver's exported cuMemMap inside its reservation): the pages get memory
+# without the bytes ahead, access and data as natively (f13cfb9; the native run is the control).
+if want ahead; then
+  if nvcc -O2 -cudart shared -o "$build/grow_ahead_test" "$here/grow_ahead_test.cu" -lcuda >>"$logs/build.log" 2>&1; then
+    "$build/grow_ahead_test" >"$logs/grow_ahead_native.log" 2>&1
+    result grow_ahead_test_native $? "$(tail -n 1 "$logs/grow_ahead_native.log")"
+    EXPSEG_COALESCE=all EXPSEG_REPORT="$logs/grow_ahead_report.txt" LD_PRELOAD="$lib" "$build/grow_ahead_test" >"$logs/grow_ahead.log" 2>&1
+    rc=$?
+    grep -q 'growing ahead is off' "$logs/grow_ahead.log" || { echo "    no handle grown ahead met the program's mapping: the test did not test"; rc=1; }
+    grep -E '^(ok|FAIL)|growing ahead' "$logs/grow_ahead.log" | sed 's/^/    /'
+    result grow_ahead_over_a_mapping_expseg_does_not_know $rc "$(tail -n 1 "$logs/grow_ahead.log")"
+  else
+    result build_grow_ahead_test 1 "(nvcc failed: $logs/build.log)"
+  fi
 fi
 
 # CuPy (static runtime): arrays from the pool, ipcGetMemHandle to plain and expseg consumers.
