@@ -338,18 +338,19 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             e => Err(e),
         }
     };
-    driver_boundary("cuMemAllocPitch_v2", || {
-        match api::cuMemAllocPitch(width, height, probe) {
-            Answer::Done(Ok((p, row))) => {
-                *dptr = p;
-                *pitch = row;
-                0
-            }
-            Answer::Done(Err(e)) => e,
-            Answer::PassThrough => {
-                next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
-            }
+    let once = || match api::cuMemAllocPitch(width, height, probe) {
+        Answer::Done(Ok((p, row))) => {
+            *dptr = p;
+            *pitch = row;
+            0
         }
+        Answer::Done(Err(e)) => e,
+        Answer::PassThrough => next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem),
+    };
+    driver_boundary("cuMemAllocPitch_v2", || match once() {
+        // As cuMemAlloc_v2: memory held for reuse must not cost this allocation its memory.
+        api::DRV_OUT_OF_MEMORY if api::make_room_driver(None) => once(),
+        e => e,
     })
 }
 

@@ -24,6 +24,19 @@ const NO_DRIVER: u32 = 3;
 /// `CUDA_ERROR_UNKNOWN`: a panic caught at the boundary.
 const UNKNOWN: u32 = 999;
 
+/// A panic caught in the hook `name`: counted and said once a time, as the exported hooks do.
+/// `then` says what the call does instead.
+fn caught(name: &str, then: &str) {
+    crate::stats::GLOBAL.panics_caught.add(1);
+    log::error!("{name}: internal error caught; {then}");
+}
+
+/// A panic caught where the call has no other answer: `CUDA_ERROR_UNKNOWN`.
+fn unknown(name: &str) -> u32 {
+    caught(name, "returning CUDA_ERROR_UNKNOWN");
+    UNKNOWN
+}
+
 /// `CUmemAllocationProp`, read field by field (no enum may hold an unknown value).
 #[repr(C)]
 struct RawProp {
@@ -92,6 +105,9 @@ pub unsafe extern "C" fn cuMemCreate(
         return f(h, size, prop.cast(), flags);
     };
     let r = catch_unwind(|| {
+        if crate::api::config().test_panic("cuMemCreate") {
+            panic!("EXPSEG_TEST_PANIC=cuMemCreate");
+        }
         crate::api::serve_reclaims();
         vmm::create(dev, size as u64, props)
     });
@@ -102,7 +118,7 @@ pub unsafe extern "C" fn cuMemCreate(
         }
         Ok(Some(Err(e))) => e,
         Ok(None) => f(h, size, prop.cast(), flags),
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemCreate"),
     }
 }
 
@@ -113,7 +129,7 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     match catch_unwind(|| vmm::release(h)) {
         Ok(Some(c)) => c,
         Ok(None) => f(h),
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemRelease"),
     }
 }
 
@@ -131,7 +147,7 @@ pub unsafe extern "C" fn cuMemMap(
             let _ = catch_unwind(|| vmm::clear(va, size as u64));
             f(va, size, offset, h, flags)
         }
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemMap"),
     }
 }
 
@@ -140,10 +156,17 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => c,
         Ok(None) => {
-            let _unmapping = catch_unwind(|| crate::api::reads::begin_unmap(va, size as u64)).ok();
-            f(va, size)
+            let unmapping = catch_unwind(|| crate::api::reads::begin_unmap(va, size as u64)).ok();
+            let r = f(va, size);
+            drop(unmapping);
+            if r == 0 {
+                // Shares of runs that started here (mirrors, tickets) stand for nothing any
+                // more, as when the exported cuMemUnmap or a coalesced page's unmap ends them.
+                let _ = catch_unwind(|| crate::api::forget_foreign_range(va, size as u64));
+            }
+            r
         }
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemUnmap"),
     }
 }
 
@@ -165,7 +188,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
     match catch_unwind(|| vmm::set_access(va, size as u64, &descs)) {
         Ok(Some(c)) => c,
         Ok(None) => f(va, size, desc.cast(), count),
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemSetAccess"),
     }
 }
 
@@ -185,7 +208,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         Ok(Some(Ok(real_h))) => f(out, real_h, kind, flags),
         Ok(Some(Err(e))) => e,
         Ok(None) => f(out, h, kind, flags),
-        Err(_) => UNKNOWN,
+        Err(_) => unknown("cuMemExportToShareableHandle"),
     };
     // A POSIX descriptor for another process: served over expseg's socket to consumers whose
     // pidfd_getfd the kernel denies (api::fdshare).
@@ -211,7 +234,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
                 return 0;
             }
             Ok(Some(Err(e))) => return e,
-            _ => {}
+            Ok(None) => {}
+            Err(_) => caught("cuMemRetainAllocationHandle", "asking the driver"),
         }
     }
     f(h, addr)
@@ -225,7 +249,14 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
         return NO_DRIVER;
     };
     if !prop.is_null() {
-        if let Ok(Some((dev, p))) = catch_unwind(|| vmm::props_of(h)) {
+        let props = catch_unwind(|| vmm::props_of(h)).unwrap_or_else(|_| {
+            caught(
+                "cuMemGetAllocationPropertiesFromHandle",
+                "asking the driver",
+            );
+            None
+        });
+        if let Some((dev, p)) = props {
             *(prop as *mut RawProp) = RawProp {
                 type_: PINNED,
                 handle_types: if p.shareable { POSIX_FD } else { 0 },
@@ -263,7 +294,11 @@ pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemAddressFree);
     match catch_unwind(|| vmm::address_free(va, size as u64)) {
         Ok(Some(c)) => c,
-        _ => f(va, size),
+        Ok(None) => f(va, size),
+        Err(_) => {
+            caught("cuMemAddressFree", "passing it to the driver");
+            f(va, size)
+        }
     }
 }
 

@@ -1670,6 +1670,40 @@ fn the_mirror_of_a_foreign_run_goes_when_its_allocator_unmaps_it() {
 }
 
 #[test]
+fn unmapping_through_the_vmm_hook_ends_the_shares_of_pages_it_passes_through() {
+    let r = run("foreign_unmap_hooked", &[("EXPSEG_COALESCE", "all")]).ok();
+    assert_eq!(
+        r.get("hooked"),
+        "1",
+        "the entry point API gave expseg's hook"
+    );
+    assert_eq!(r.get("get_rc"), "0");
+    assert_eq!(r.get("mirror_freed"), "1", "{}", r.stderr());
+}
+
+#[test]
+fn a_panic_in_a_vmm_hook_becomes_an_error_code_and_one_line() {
+    let r = pages(
+        "libc10_cuda.so",
+        "oom",
+        &[("EXPSEG_TEST_PANIC", "cuMemCreate")],
+    )
+    .ok();
+    assert_eq!(r.get("pages_before_oom"), "0");
+    assert_eq!(
+        r.get("oom_rc"),
+        "999",
+        "CUDA_ERROR_UNKNOWN, the process lives on"
+    );
+    assert!(
+        r.stderr()
+            .contains("cuMemCreate: internal error caught; returning CUDA_ERROR_UNKNOWN"),
+        "{}",
+        r.stderr()
+    );
+}
+
+#[test]
 fn a_mirror_refresh_waits_for_the_device_without_holding_up_allocations_or_frees() {
     let f = fixture();
     let dir = f.dir.join("sockets-refresh-wait");
@@ -2220,12 +2254,23 @@ fn one_shared_gpu(c: &mut Command, dir: &Path) {
 /// and frees 64 MiB and holds on, then another asks for 48 MiB at once. Returns the second's
 /// `need_rc` and both reports' JSON.
 fn handoff(holder_env: &[(&str, &str)], second_preloaded: bool) -> (String, String, String) {
+    handoff_to(holder_env, second_preloaded, &[])
+}
+
+/// `handoff` with `second_env` set for the second process.
+fn handoff_to(
+    holder_env: &[(&str, &str)],
+    second_preloaded: bool,
+    second_env: &[(&str, &str)],
+) -> (String, String, String) {
     use std::io::{BufRead as _, Write as _};
     let f = fixture();
+    // One folder (shared GPU counter, sockets) a call: tests run in parallel.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "expseg-handoff-{}-{}",
         std::process::id(),
-        holder_env.len()
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -2250,6 +2295,9 @@ fn handoff(holder_env: &[(&str, &str)], second_preloaded: bool) -> (String, Stri
     common(&mut s);
     s.args(["need", "48"])
         .env("EXPSEG_REPORT", dir.join("second.txt"));
+    for (k, v) in second_env {
+        s.env(k, v);
+    }
     if second_preloaded {
         s.env("LD_PRELOAD", &f.shim);
     }
@@ -2295,6 +2343,22 @@ fn freed_memory_goes_back_at_once_and_kept_memory_is_reclaimed_by_expseg_process
         holder.contains(&format!("\"given_back_bytes\":{}", 64u64 << 20)),
         "{holder}"
     );
+}
+
+#[test]
+fn a_pitched_driver_allocation_that_finds_no_memory_reclaims_and_tries_again() {
+    // cuMemAllocPitch_v2 as cuMemAlloc_v2: the holder keeps 64 MiB (opted in); the second
+    // process's pitched 48 MiB finds none, asks the holder, and gets it on the second try.
+    let keep = [("EXPSEG_CACHE_MAX", "1G")];
+    let (rc, holder, second) = handoff_to(&keep, true, &[("NEED_PITCH", "1")]);
+    assert_eq!(rc, "0", "reclaimed: {second}");
+    assert!(
+        holder.contains(&format!("\"given_back_bytes\":{}", 64u64 << 20)),
+        "{holder}"
+    );
+    // Without expseg in the second process nothing is asked: the driver's out of memory.
+    let (rc, _, _) = handoff_to(&keep, false, &[("NEED_PITCH", "1")]);
+    assert_eq!(rc, "2");
 }
 
 #[test]

@@ -30,6 +30,11 @@ long fakecu_access(uint64_t);
 void* fakecu_real(const char*);
 void* fakert_driver_fn(const char*);
 int cudaGetDriverEntryPoint(const char*, void**, unsigned long long, int*);
+int cuMemAllocPitch_v2(uint64_t*, size_t*, size_t, size_t, unsigned);
+int cuMemFree_v2(uint64_t);
+int cuInit(unsigned);
+int cuDevicePrimaryCtxRetain(void**, int);
+int cuCtxSetCurrent(void*);
 
 #define MIB ((size_t)1 << 20)
 #define CHECK(c) do { if (!(c)) { printf("check_failed=%s:%d %s\n", __FILE__, __LINE__, #c); exit(1); } } while (0)
@@ -456,6 +461,22 @@ static int foreign_unmap(void) {
   return 0;
 }
 
+/* The same unmaps through PyTorch's way of getting cuMemUnmap (the runtime's entry point API;
+ * expseg's VMM hook under EXPSEG_COALESCE=all): pages expseg did not make pass through it to
+ * the driver, and their shares end as above. */
+static int foreign_unmap_hooked(void) {
+  int (*un)(uint64_t, size_t) = 0; int st = 0;
+  CHECK(cudaGetDriverEntryPoint("cuMemUnmap", (void**)&un, 0, &st) == 0 && un);
+  printf("hooked=%d", (void*)un != (void*)cuMemUnmap && (void*)un != fakecu_real("cuMemUnmap"));
+  unsigned char* m = foreign_run(2, 4 * MIB);
+  unsigned char h[64];
+  printf(" get_rc=%d", cudaIpcGetMemHandle(h, m));
+  long frees = fakert_count("cudaFree");
+  CHECK(un((uint64_t)m, 4 * MIB) == 0 && un((uint64_t)m + 4 * MIB, 4 * MIB) == 0);
+  printf(" mirror_freed=%ld\n", fakert_count("cudaFree") - frees);
+  return 0;
+}
+
 /* Refreshing a pool allocation's mirror waits for the device without the global lock: another
  * thread's cudaMalloc meanwhile is not held up. Then a free beside refreshes. */
 static volatile int refresh_stop;
@@ -525,7 +546,8 @@ static int wait_for_term(void) {
 }
 
 /* Reclaim: "hold N" takes N MiB, frees it and holds on (its memory kept where keeping is
- * opted into) until its stdin closes; "need N" takes N MiB at once and says whether it got it. */
+ * opted into) until its stdin closes; "need N" takes N MiB at once and says whether it got it
+ * (NEED_PITCH=1: through the driver's cuMemAllocPitch_v2 instead of cudaMalloc). */
 static int hold(size_t mib) {
   void* p = 0; CHECK(cudaMalloc(&p, mib * MIB) == 0);
   fill(p, mib * MIB, 7);
@@ -538,7 +560,20 @@ static int hold(size_t mib) {
 
 static int need(size_t mib) {
   void* p = 0;
-  int rc = cudaMalloc(&p, mib * MIB);
+  int rc;
+  if (getenv("NEED_PITCH")) {
+    /* The driver's pitched allocation in the primary context: rows of 4 MiB. */
+    void* c = 0; uint64_t d = 0; size_t pitch = 0;
+    CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0 && cuCtxSetCurrent(c) == 0);
+    rc = cuMemAllocPitch_v2(&d, &pitch, 4 * MIB, mib / 4, 4);
+    printf("need_rc=%d\n", rc);
+    if (rc) return 0;
+    CHECK(pitch == 4 * MIB);
+    fill((void*)(uintptr_t)d, mib * MIB, 9); CHECK(holds((void*)(uintptr_t)d, mib * MIB, 9));
+    CHECK(cuMemFree_v2(d) == 0);
+    return 0;
+  }
+  rc = cudaMalloc(&p, mib * MIB);
   printf("need_rc=%d\n", rc);
   if (rc) return 0;
   fill(p, mib * MIB, 9); CHECK(holds(p, mib * MIB, 9));
@@ -652,6 +687,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "pause_self")) return pause_self();
   if (!strcmp(s, "sleeper")) return sleeper();
   if (!strcmp(s, "retry")) return retry();
+  if (!strcmp(s, "foreign_unmap_hooked")) return foreign_unmap_hooked();
   if (!strcmp(s, "threads")) return threads();
   if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "peer_mirror")) return peer_mirror();
