@@ -323,12 +323,14 @@ pub fn for_caller(name: &[u8]) -> Option<*mut c_void> {
     if c.disabled {
         return None;
     }
+    let torch = || caller_object().is_some_and(|f| f.contains("c10_cuda"));
     let yes = match c.coalesce {
         Coalesce::Off => false,
         Coalesce::All => true,
-        Coalesce::Torch => caller_object().is_some_and(|f| f.contains("c10_cuda")),
+        Coalesce::Torch => torch(),
     };
-    if yes && name == b"cuMemCreate" {
+    // The line about PyTorch's allocator is for PyTorch (with `all`, other callers get pages too).
+    if yes && name == b"cuMemCreate" && (c.coalesce == Coalesce::Torch || torch()) {
         note_torch_defaults();
         log::info!("coalescing VMM pages of this process's expandable segments");
     }
