@@ -37,6 +37,9 @@ pub enum PeerHold {
 pub struct Config {
     /// `EXPSEG_DISABLE`: pure pass-through.
     pub disabled: bool,
+    /// `EXPSEG_TORCH_DEFAULTS`: at load, PyTorch's allocator gets `expandable_segments:True`
+    /// when the user set no allocator options (false: left as configured).
+    pub torch_defaults: bool,
     /// `EXPSEG_LOG`: env_logger filter.
     pub log: String,
     /// `EXPSEG_PASSTHROUGH_BELOW`: requests smaller than this go to the real `cudaMalloc`.
@@ -124,6 +127,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             disabled: false,
+            torch_defaults: true,
             log: "warn".into(),
             // VMM memory comes in 2 MiB pages: smaller requests would waste most of a page,
             // while cudaMalloc packs them. PyTorch's smallest segment is exactly 2 MiB.
@@ -233,6 +237,15 @@ const VARS: &[Var] = &[
             Ok(())
         },
         show: |c| format!("{:?}", c.coalesce).to_lowercase(),
+    },
+    Var {
+        name: "EXPSEG_TORCH_DEFAULTS",
+        // Empty is the default, as `expseg-run` reads it (`${EXPSEG_TORCH_DEFAULTS:-1}`).
+        set: |c, v| {
+            c.torch_defaults = v.trim().is_empty() || parse_bool(v)?;
+            Ok(())
+        },
+        show: |c| u8::from(c.torch_defaults).to_string(),
     },
     Var {
         name: "EXPSEG_COALESCE_MAX",

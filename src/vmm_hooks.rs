@@ -388,23 +388,21 @@ fn env_set(name: &std::ffi::CStr) -> bool {
     unsafe { !libc::getenv(name.as_ptr()).is_null() }
 }
 
-fn env_is(name: &std::ffi::CStr, v: &[u8]) -> bool {
-    // SAFETY: as above; a non-null result is a NUL-terminated string of the environment.
-    unsafe {
-        let p = libc::getenv(name.as_ptr());
-        !p.is_null() && std::ffi::CStr::from_ptr(p).to_bytes() == v
-    }
-}
-
 /// Load time, in `libexpseg.so` only (not in test programs or tools that link the crate):
 /// PyTorch's allocator default, as `expseg-run` applies it, when the user set none.
 extern "C" fn apply_torch_defaults() {
     let _ = catch_unwind(|| {
         let loaded_as_library = real::self_file().is_some_and(|f| f.ends_with(".so"));
-        if !loaded_as_library
-            || env_is(c"EXPSEG_TORCH_DEFAULTS", b"0")
-            || env_is(c"EXPSEG_DISABLE", b"1")
-            || env_is(c"EXPSEG_COALESCE", b"off")
+        if !loaded_as_library {
+            return;
+        }
+        // The variables read as the configuration reads them (`EXPSEG_DISABLE=true`,
+        // `EXPSEG_COALESCE=0`, `EXPSEG_TORCH_DEFAULTS=off` all count); an invalid value is
+        // said once, when the configuration is read at the first hooked call.
+        let c = crate::config::Config::from_lookup(crate::config::Config::env_value, |_| {});
+        if !c.torch_defaults
+            || c.disabled
+            || c.coalesce == Coalesce::Off
             || env_set(c"PYTORCH_CUDA_ALLOC_CONF")
             || env_set(c"PYTORCH_ALLOC_CONF")
             || env_set(c"PYTORCH_HIP_ALLOC_CONF")

@@ -1115,12 +1115,45 @@ fn the_wrapper_sets_pytorch_defaults_only_when_none_are_set() {
         }
         assert!(!said(&out));
     }
-    let out = wrapped(
-        &["env"],
-        &[("EXPSEG_REPORT_DIR", d), ("EXPSEG_TORCH_DEFAULTS", "0")],
+    // Off in every spelling the configuration reads, and when expseg or coalescing is off: by
+    // the wrapper, and by the library alone at load time.
+    let f = fixture();
+    for opt_out in [
+        ("EXPSEG_TORCH_DEFAULTS", "0"),
+        ("EXPSEG_TORCH_DEFAULTS", "false"),
+        ("EXPSEG_TORCH_DEFAULTS", "Off"),
+        ("EXPSEG_DISABLE", "1"),
+        ("EXPSEG_DISABLE", "true"),
+        ("EXPSEG_COALESCE", "off"),
+        ("EXPSEG_COALESCE", "0"),
+    ] {
+        let out = wrapped(&["env"], &[("EXPSEG_REPORT_DIR", d), opt_out]);
+        assert_eq!(env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"), None, "{opt_out:?}");
+        assert!(!said(&out), "{opt_out:?}");
+        let out = Command::new("env")
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("LD_PRELOAD", &f.shim)
+            .env(opt_out.0, opt_out.1)
+            .output()
+            .unwrap();
+        assert_eq!(
+            env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"),
+            None,
+            "library, {opt_out:?}"
+        );
+    }
+    // The library alone with nothing set applies it.
+    let out = Command::new("env")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_PRELOAD", &f.shim)
+        .output()
+        .unwrap();
+    assert_eq!(
+        env_of(&out, "PYTORCH_CUDA_ALLOC_CONF").as_deref(),
+        Some("expandable_segments:True")
     );
-    assert_eq!(env_of(&out, "PYTORCH_CUDA_ALLOC_CONF"), None);
-    assert!(!said(&out));
 }
 
 #[test]
