@@ -23,6 +23,11 @@ pub const MAX_CHUNKS: usize = 1 << 16;
 /// Most descriptors in one message.
 pub const BATCH: usize = 64;
 
+/// Request ids from here up name requests, not tickets: `control`'s `QUERY_ID`, `RESUME_ID`
+/// and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and `fdshare`'s `GETFD_ID` (`u32::MAX`). Ticket ids
+/// stay below it.
+pub const FIRST_REQUEST_ID: u32 = u32::MAX - 4;
+
 /// Fill `buf` from the kernel's random source (`getrandom`, else `/dev/urandom`). Never from
 /// anything guessable: without a random source there are no tickets.
 pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {

@@ -34,6 +34,18 @@ pub(crate) struct IpcState {
 }
 
 impl IpcState {
+    /// The next ticket id: counting up from 1 and wrapping below the request ids
+    /// (`transport::FIRST_REQUEST_ID`), past any id still live or remembered as stale.
+    fn next_ticket_id(&mut self) -> u32 {
+        loop {
+            self.next_id = self.next_id % (transport::FIRST_REQUEST_ID - 1) + 1;
+            let id = self.next_id;
+            if !self.by_id.contains_key(&id) && !self.freed.contains(&id) {
+                return id;
+            }
+        }
+    }
+
     /// Memory opened through tickets on device `dev`.
     pub(crate) fn opened_on(&self, dev: i32) -> impl Iterator<Item = &Imported> {
         self.opened.values().filter(move |i| i.dev == dev)
@@ -49,9 +61,7 @@ impl IpcState {
                     log::error!("IPC: no random source for a ticket's nonce; no ticket");
                     return None;
                 };
-                // Ids count up from 1; `fdshare::GETFD_ID` (u32::MAX) is never one.
-                self.next_id = (self.next_id % (crate::api::fdshare::record::GETFD_ID - 1)) + 1;
-                let id = self.next_id;
+                let id = self.next_ticket_id();
                 self.by_id.insert(id, (dev, base, nonce));
                 GLOBAL.ipc_tickets_issued.add(1);
                 self.by_alloc.insert((dev, base), id);
@@ -111,6 +121,38 @@ mod tests {
         assert!(t.is_none(), "no guessable nonce");
         assert!(r.is_none());
         assert!(s.by_id.is_empty());
+    }
+
+    #[test]
+    fn ticket_ids_wrap_below_the_request_ids_and_past_live_ones() {
+        use crate::ipc::{control, reclaim};
+        for request in [
+            control::QUERY_ID,
+            control::RESUME_ID,
+            control::PAUSE_ID,
+            reclaim::RECLAIM_ID,
+            crate::api::fdshare::record::GETFD_ID,
+        ] {
+            assert!(request >= transport::FIRST_REQUEST_ID);
+        }
+        let mut s = IpcState::default();
+        let live = s.ticket(0, 1 << 21).unwrap().id;
+        assert_eq!(live, 1);
+        s.next_id = transport::FIRST_REQUEST_ID - 3;
+        let ids: Vec<u32> = (2..6).map(|b| s.ticket(0, b << 21).unwrap().id).collect();
+        assert_eq!(
+            ids,
+            vec![
+                transport::FIRST_REQUEST_ID - 2,
+                transport::FIRST_REQUEST_ID - 1,
+                2, // 1 is still live
+                3
+            ]
+        );
+        // A stale one (freed, still remembered) is not given again either.
+        s.forget(0, 4 << 21);
+        s.next_id = 1;
+        assert_eq!(s.ticket(0, 9 << 21).unwrap().id, 4);
     }
 
     #[test]
