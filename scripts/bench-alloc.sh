@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Allocation benchmark, on a GPU machine. Each run times native cudaMalloc/cudaFree and
-# expseg's alternately in one process (see bench_alloc.cu), in three configurations: the
-# default cache bound (1 GiB), EXPSEG_CACHE_MAX=0 (every pair goes to the driver: the
-# first-touch cost) and EXPSEG_CACHE_MAX=64G; and first-touch with 2 GiB chunks.
+# expseg's alternately in one process (see bench_alloc.cu), in three configurations:
+# EXPSEG_CACHE_MAX=0 (the default: every pair goes to the driver, the first-touch cost),
+# EXPSEG_CACHE_MAX=1G (opt-in keeping, the default before 2026-11-23) and
+# EXPSEG_CACHE_MAX=64G (opt-in); and first-touch with 2 GiB chunks.
 #
 #     scripts/bench-alloc.sh [path/to/libexpseg.so] [OUT_DIR]
 set -eu
@@ -11,8 +12,8 @@ lib=$(readlink -f "${1:-${EXPSEG_LIB:-$here/../target/release/libexpseg.so}}")
 out=${2:-$(mktemp -d)}
 mkdir -p "$out"
 nvcc -O2 -cudart shared -o "$out/bench_alloc" "$here/bench_alloc.cu"
-LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_default.txt" "$out/bench_alloc" >"$out/bench_default.txt"
 EXPSEG_CACHE_MAX=0 LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache0.txt" "$out/bench_alloc" >"$out/bench_cache0.txt"
+EXPSEG_CACHE_MAX=1G LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache1G.txt" "$out/bench_alloc" >"$out/bench_cache1G.txt"
 EXPSEG_CACHE_MAX=64G LD_PRELOAD="$lib" EXPSEG_REPORT="$out/report_cache64G.txt" "$out/bench_alloc" >"$out/bench_cache64G.txt"
 # The chunk-size choice: first-touch cost with chunks of at most 2 GiB instead of one per
 # allocation (the default).

@@ -5,7 +5,7 @@ import os
 import sys
 
 d = sys.argv[1]
-order = ["default", "cache0", "cache64G", "cache0_chunk2G"]
+order = ["cache1G", "cache0", "cache64G", "cache0_chunk2G", "default"]
 runs = {}
 for f in os.listdir(d):
     if f.startswith("bench_") and f.endswith(".txt"):

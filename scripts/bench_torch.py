@@ -82,6 +82,10 @@ HANDOFF_MODES = [
 ]
 ALT_LIB = [None]  # --alt-lib: a second library, as mode expseg-alt (LD_PRELOAD alone)
 MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", "expseg-release0"]
+# Every mode mode_env knows (a name it does not know would run as the default allocator).
+KNOWN_MODES = set(MODES) | set(HANDOFF_MODES) | {
+    "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead",
+}
 
 
 def mode_env(mode, lib):
@@ -838,6 +842,13 @@ def main():
     elif args.fill is not None:
         filler(args.fill)
     else:
+        unknown = [m for m in args.modes + args.handoff_modes if m not in KNOWN_MODES]
+        unknown += [w for w in args.workloads if w not in WORKLOADS and w != "handoff"]
+        if unknown:
+            ap.error(f"unknown mode or workload: {' '.join(unknown)} (modes: {' '.join(sorted(KNOWN_MODES))}; "
+                     f"workloads: {' '.join(WORKLOADS)} handoff)")
+        if "expseg-alt" in args.modes and not args.alt_lib:
+            ap.error("mode expseg-alt needs --alt-lib")
         args.lib = os.path.abspath(args.lib)
         if args.alt_lib:
             ALT_LIB[0] = os.path.abspath(args.alt_lib)
