@@ -80,14 +80,7 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let Ok(t) = crate::real::driver() else {
         return NO_DRIVER;
     };
-    let unmapping = catch_unwind(|| api::reads::begin_unmap(va, size as u64)).ok();
-    let r = (t.cuMemUnmap)(va, size);
-    drop(unmapping);
-    if r == 0 {
-        // Shares of runs that started here (mirrors, tickets) stand for nothing any more.
-        let _ = catch_unwind(|| api::forget_foreign_range(va, size as u64));
-    }
-    r
+    api::unmap_unserved(va, size as u64, || (t.cuMemUnmap)(va, size))
 }
 
 /// `cuMemCreate` of programs that link the driver (vLLM's CuMemAllocator): the driver's own,

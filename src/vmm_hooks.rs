@@ -24,7 +24,8 @@ const NO_DRIVER: u32 = 3;
 /// `CUDA_ERROR_UNKNOWN`: a panic caught at the boundary.
 const UNKNOWN: u32 = 999;
 
-/// A panic caught in the hook `name`: counted and said once a time, as the exported hooks do.
+/// A panic caught in the hook `name`: counted and logged once per panic, as the exported hooks
+/// do.
 /// `then` says what the call does instead.
 fn caught(name: &str, then: &str) {
     crate::stats::GLOBAL.panics_caught.add(1);
@@ -155,17 +156,7 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => c,
-        Ok(None) => {
-            let unmapping = catch_unwind(|| crate::api::reads::begin_unmap(va, size as u64)).ok();
-            let r = f(va, size);
-            drop(unmapping);
-            if r == 0 {
-                // Shares of runs that started here (mirrors, tickets) stand for nothing any
-                // more, as when the exported cuMemUnmap or a coalesced page's unmap ends them.
-                let _ = catch_unwind(|| crate::api::forget_foreign_range(va, size as u64));
-            }
-            r
-        }
+        Ok(None) => crate::api::unmap_unserved(va, size as u64, || f(va, size)),
         Err(_) => unknown("cuMemUnmap"),
     }
 }

@@ -92,6 +92,20 @@ pub fn serve_reclaims() {
     }
 }
 
+/// A `cuMemUnmap` of a range expseg does not serve, made by `real` (the driver's call): an IPC
+/// mirror refresh reading the range is waited for (and held back) while it runs, and on
+/// success the shares of runs that start in the range (mirrors, tickets) end, since they
+/// stand for nothing any more. For the exported hook and the VMM hook's pass-through alike.
+pub fn unmap_unserved(va: u64, size: u64, real: impl FnOnce() -> u32) -> u32 {
+    let unmapping = std::panic::catch_unwind(|| reads::begin_unmap(va, size)).ok();
+    let r = real();
+    drop(unmapping);
+    if r == 0 {
+        let _ = std::panic::catch_unwind(|| forget_foreign_range(va, size));
+    }
+    r
+}
+
 /// A runtime allocation of the calling thread's device found no memory: make room for one
 /// more try (`trim::make_room`: this process's held memory, then other expseg processes').
 pub fn make_room_runtime() -> bool {
