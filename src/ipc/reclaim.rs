@@ -6,8 +6,9 @@
 //! (from its UUID, so the same GPU under any `CUDA_VISIBLE_DEVICES`) as the nonce. The answer
 //! is a grant header with no chunks whose size is the bytes given back. The same checks as for
 //! tickets hold both ways: the asker only talks to a socket in its own private directory
-//! served by the process its name says, of its own uid; the server admits only its own uid
-//! (or `EXPSEG_IPC_ALLOW_UIDS`). A peer that does not answer within the bound is skipped.
+//! served by the process its name says, of its own uid; the server serves it only to its own
+//! uid (not to `EXPSEG_IPC_ALLOW_UIDS`, which may map shared memory, not trim this process).
+//! A peer that does not answer within the bound is skipped.
 
 use super::transport::{self, AskError};
 use std::path::Path;

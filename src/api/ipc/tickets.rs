@@ -137,24 +137,30 @@ fn admitted(uid: u32) -> bool {
     ok
 }
 
+/// Whether a process of `peer` may ask request `id` of a process of `own`: a ticket, the own
+/// user or one of `allowed` (EXPSEG_IPC_ALLOW_UIDS); a request that is not a ticket (pause,
+/// resume, query, reclaim, a descriptor for pidfd_getfd), the own user only: other users may
+/// map memory shared with them, not stop or trim this process's work, nor take descriptors no
+/// ticket names.
+fn may_ask(id: u32, peer: u32, own: u32, allowed: &[u32]) -> bool {
+    peer == own || (id < transport::FIRST_REQUEST_ID && allowed.contains(&peer))
+}
+
 /// The producer's answer to a ticket: runs on a thread of the socket server. A reclaim
 /// (another expseg process of the user found no memory on the GPU the nonce names) is no
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
-    if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
-        // Only the process's own user pauses it: EXPSEG_IPC_ALLOW_UIDS lets other users map
-        // shared memory, not stop this process's work.
-        if peer != transport::current_uid() {
-            log::warn!("IPC: refused a pause/resume request from uid {peer} (only this process's own user may)");
-            return Err(Refusal::Forbidden);
+    if !may_ask(id, peer, transport::current_uid(), &config().ipc_allow_uids) {
+        if id >= transport::FIRST_REQUEST_ID {
+            log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)");
         }
+        return Err(Refusal::Forbidden);
+    }
+    if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
         return control(c);
     }
     if id == crate::ipc::reclaim::RECLAIM_ID {
-        if !admitted(peer) {
-            return Err(Refusal::Forbidden);
-        }
         let size = crate::api::trim::trim_gpu(nonce);
         let none = transport::fds_of(Vec::new());
         return Ok((
@@ -165,7 +171,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
             none,
         ));
     }
-    let d = decide_once(id, nonce, peer);
+    let d = decide_once(id, nonce);
     match &d {
         Ok(_) => GLOBAL.ipc_tickets_granted.add(1),
         Err(_) => GLOBAL.ipc_tickets_refused.add(1),
@@ -198,10 +204,7 @@ fn control(c: crate::ipc::control::Control) -> Decision {
     }
 }
 
-fn decide_once(id: u32, nonce: u64, peer: u32) -> Decision {
-    if !admitted(peer) {
-        return Err(Refusal::Forbidden);
-    }
+fn decide_once(id: u32, nonce: u64) -> Decision {
     if id == crate::api::fdshare::record::GETFD_ID {
         return crate::api::fdshare::record::serve(nonce);
     }
@@ -293,3 +296,44 @@ fn check_in_child(dev: i32) -> Result<(), String> {
 
 /// `cudaErrorNotSupported`.
 pub(super) const NOT_SUPPORTED: i32 = 801;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_that_are_not_tickets_come_only_from_the_processs_own_user() {
+        let (me, other, stranger) = (1000, 1001, 1002);
+        let allowed = [other];
+        for id in [
+            crate::api::fdshare::record::GETFD_ID,
+            crate::ipc::reclaim::RECLAIM_ID,
+            crate::ipc::control::QUERY_ID,
+            crate::ipc::control::RESUME_ID,
+            crate::ipc::control::PAUSE_ID,
+        ] {
+            assert!(may_ask(id, me, me, &allowed), "{id:#x} from the own user");
+            assert!(
+                !may_ask(id, other, me, &allowed),
+                "{id:#x} from an allowed user"
+            );
+        }
+        for ticket in [1, transport::FIRST_REQUEST_ID - 1] {
+            assert!(may_ask(ticket, me, me, &allowed));
+            assert!(
+                may_ask(ticket, other, me, &allowed),
+                "tickets: allowed users too"
+            );
+            assert!(!may_ask(ticket, stranger, me, &allowed));
+        }
+        // Through decide: a descriptor asked by another user is refused before anything is
+        // looked up; from the own user one nobody exported is unknown.
+        let own = transport::current_uid();
+        let getfd = crate::api::fdshare::record::GETFD_ID;
+        assert!(matches!(
+            decide(getfd, 3, own.wrapping_add(1)),
+            Err(Refusal::Forbidden)
+        ));
+        assert!(matches!(decide(getfd, 1 << 40, own), Err(Refusal::Unknown)));
+    }
+}
