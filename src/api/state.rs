@@ -329,7 +329,8 @@ pub fn write_exit_report() {
 }
 
 /// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
-/// (their tickets go stale, their mirrors are freed once no refresh uses them).
+/// (their tickets go stale, their mirrors are freed once no refresh uses them), and a run it
+/// cuts after its start is shared up to the cut from now on (`IpcState::unmapped`).
 pub fn forget_foreign_range(va: u64, size: u64) {
     if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
         return;
@@ -338,20 +339,7 @@ pub fn forget_foreign_range(va: u64, size: u64) {
     if st.ipc.foreign.is_empty() {
         return;
     }
-    let gone: Vec<u64> = st
-        .ipc
-        .foreign
-        .keys()
-        .filter(|b| (va..va + size).contains(*b))
-        .copied()
-        .collect();
-    let mut dropped = Vec::new();
-    for base in gone {
-        if let Some(f) = st.ipc.foreign.remove(&base) {
-            st.ipc.forget(f.dev, base);
-            dropped.push(f);
-        }
-    }
+    let dropped = st.ipc.unmapped(va, size);
     drop(st);
     drop(dropped); // cudaFree outside the lock
 }

@@ -90,6 +90,33 @@ impl IpcState {
             }
         }
     }
+
+    /// The program unmapped `[va, va+size)`: shares of runs that start there end (their
+    /// tickets go stale; returned, to be dropped outside the lock: a mirror is freed), and a
+    /// run cut short after its start stands for its part before the cut from now on, so its
+    /// ticket never exports pages mapped there later.
+    pub(crate) fn unmapped(&mut self, va: u64, size: u64) -> Vec<ForeignShare> {
+        let end = va.saturating_add(size);
+        let gone: Vec<u64> = self
+            .foreign
+            .keys()
+            .filter(|b| (va..end).contains(*b))
+            .copied()
+            .collect();
+        let mut dropped = Vec::new();
+        for base in gone {
+            if let Some(f) = self.foreign.remove(&base) {
+                self.forget(f.dev, base);
+                dropped.push(f);
+            }
+        }
+        for (b, f) in self.foreign.iter_mut() {
+            if *b < va && va < b.saturating_add(f.size) {
+                f.size = va - b;
+            }
+        }
+        dropped
+    }
 }
 
 /// How many freed tickets are remembered as stale.
@@ -153,6 +180,43 @@ mod tests {
         s.forget(0, 4 << 21);
         s.next_id = 1;
         assert_eq!(s.ticket(0, 9 << 21).unwrap().id, 4);
+    }
+
+    #[test]
+    fn an_unmap_ends_the_runs_it_starts_in_and_cuts_the_one_it_splits() {
+        const MIB: u64 = 1 << 20;
+        let mut s = IpcState::default();
+        let share = |size| ForeignShare {
+            dev: 0,
+            size,
+            mirror: None,
+        };
+        for (base, size) in [(0, 100 * MIB), (200 * MIB, 40 * MIB), (300 * MIB, 20 * MIB)] {
+            s.foreign.insert(base, share(size));
+            s.ticket(0, base).unwrap();
+        }
+        // The tail of the first run and the whole second one.
+        let dropped = s.unmapped(60 * MIB, 180 * MIB);
+        assert_eq!(dropped.len(), 1, "the second run started in the range");
+        assert!(!s.foreign.contains_key(&(200 * MIB)));
+        assert_eq!(
+            s.foreign[&0].size,
+            60 * MIB,
+            "the first stands for what is left"
+        );
+        assert_eq!(
+            s.foreign[&(300 * MIB)].size,
+            20 * MIB,
+            "the third untouched"
+        );
+        assert!(
+            s.by_alloc.contains_key(&(0, 0)),
+            "the first run's ticket stands"
+        );
+        assert!(
+            !s.by_alloc.contains_key(&(0, 200 * MIB)),
+            "the second's is stale"
+        );
     }
 
     #[test]
