@@ -167,7 +167,12 @@ pub fn serve(
         .name("expseg-ipc".into())
         .spawn(move || {
             for conn in listener.incoming() {
-                let Ok(s) = conn else { continue };
+                let Ok(s) = conn else {
+                    // Out of descriptors (EMFILE/ENFILE): the connection stays queued and
+                    // accept fails again at once; a pause keeps this thread off the CPU.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
                 let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     peer_uid(&s).filter(|u| admit(*u))
                 }));
@@ -195,6 +200,66 @@ pub fn serve(
         })
         .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
     Ok(())
+}
+
+/// Connect to the socket at `path`, waiting at most `timeout` (`std`'s connect waits without a
+/// bound while the server's backlog is full: a stopped process's socket). Linux bounds a Unix
+/// socket's connect by its send timeout; past it the answer is `TimedOut`.
+pub(crate) fn connect_within(path: &Path, timeout: Duration) -> std::io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: a zeroed sockaddr_un is valid; the path fits with its terminating NUL (checked).
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *b as libc::c_char;
+    }
+    // SAFETY: a new socket; the descriptor is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made and is ours alone.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let t = timeout.max(Duration::from_micros(1)); // zero would mean no bound at all
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: t.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: a valid option value of its own size, on our socket.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `addr` is a filled sockaddr_un of the size given.
+    let r = unsafe {
+        libc::connect(
+            fd,
+            (&addr as *const libc::sockaddr_un).cast(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EINPROGRESS) => {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            }
+            _ => e,
+        });
+    }
+    Ok(UnixStream::from(owned))
 }
 
 /// Read one request from an admitted peer and answer it.
@@ -302,7 +367,7 @@ fn request(
     nonce: u64,
     timeout: Duration,
 ) -> Result<(UnixStream, [u8; 16]), AskError> {
-    let mut s = UnixStream::connect(path).map_err(AskError::Unreachable)?;
+    let mut s = connect_within(path, timeout).map_err(AskError::Unreachable)?;
     match peer_cred(&s) {
         Some(c) if c == (uid, pid) => {}
         Some((u, p)) => {
@@ -492,6 +557,29 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connect_to_a_socket_that_accepts_nothing_ends_within_its_bound() {
+        // A stopped process's socket: its backlog fills, and std's connect would wait for ever.
+        let dir = std::env::temp_dir().join(format!("expseg-connect-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let _listener = UnixListener::bind(&path).unwrap();
+        let mut queued = Vec::new();
+        let started = std::time::Instant::now();
+        let err = loop {
+            match connect_within(&path, Duration::from_millis(100)) {
+                Ok(s) => queued.push(s),
+                Err(e) => break e,
+            }
+            assert!(queued.len() < 10_000, "the backlog never filled");
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(!queued.is_empty(), "connects succeed while there is room");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_grant_carries_its_descriptors_and_refusals_carry_none() {
