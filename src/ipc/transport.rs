@@ -141,8 +141,14 @@ pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
     })
 }
 
-/// Most requests served at once; a connection beyond them is closed unanswered.
+/// Most requests served at once; a connection beyond them waits for a slot up to
+/// [`SLOT_WAIT`] (a burst of consumers opening one producer's handles at once), then is
+/// closed unanswered.
 pub const MAX_IN_FLIGHT: usize = 32;
+
+/// How long a connection beyond [`MAX_IN_FLIGHT`] waits for a request to end (well within
+/// the asker's 10 s).
+const SLOT_WAIT: Duration = Duration::from_secs(2);
 
 /// Listen at `path` on a thread of its own. Each connection's peer is checked with
 /// `SO_PEERCRED` before a byte is read (`admit(uid)`; refused peers are closed at once), and
@@ -180,9 +186,19 @@ pub fn serve(
                     continue; // closed unread
                 };
                 use std::sync::atomic::Ordering::AcqRel;
-                if in_flight.fetch_add(1, AcqRel) >= MAX_IN_FLIGHT {
+                let waited = std::time::Instant::now();
+                let slot = loop {
+                    if in_flight.fetch_add(1, AcqRel) < MAX_IN_FLIGHT {
+                        break true;
+                    }
                     in_flight.fetch_sub(1, AcqRel);
-                    continue;
+                    if waited.elapsed() >= SLOT_WAIT {
+                        break false;
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                };
+                if !slot {
+                    continue; // closed unanswered
                 }
                 let (decide, mine) = (decide.clone(), in_flight.clone());
                 let spawned = std::thread::Builder::new()
@@ -685,6 +701,26 @@ mod tests {
             t.elapsed()
         );
         drop(idle);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_burst_beyond_the_requests_served_at_once_waits_for_a_slot() {
+        // MAX_IN_FLIGHT peers hold every slot for 0.5 s (idle connections: the server thread
+        // waits for their request); a request meanwhile waits and is answered.
+        let (path, _) = counting_server("burst", |_| true);
+        let idle: Vec<UnixStream> = (0..MAX_IN_FLIGHT)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(400));
+            drop(idle);
+        });
+        let me = (current_uid(), std::process::id());
+        let (g, _) = ask(&path, me.0, me.1, 7, 1).expect("answered once a slot was free");
+        assert_eq!(g.chunks.len(), 1);
+        closer.join().unwrap();
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
