@@ -450,24 +450,9 @@ static int move_race(void) {
   return 0;
 }
 
-/* A foreign run shared through a mirror, then unmapped by its allocator: the mirror goes. */
-static int foreign_unmap(void) {
-  unsigned char* m = foreign_run(2, 4 * MIB);
-  unsigned char h[64];
-  printf("get_rc=%d", cudaIpcGetMemHandle(h, m));
-  long frees = fakert_count("cudaFree");
-  CHECK(cuMemUnmap((uint64_t)m, 4 * MIB) == 0 && cuMemUnmap((uint64_t)m + 4 * MIB, 4 * MIB) == 0);
-  printf(" mirror_freed=%ld\n", fakert_count("cudaFree") - frees);
-  return 0;
-}
-
-/* The same unmaps through PyTorch's way of getting cuMemUnmap (the runtime's entry point API;
- * expseg's VMM hook under EXPSEG_COALESCE=all): pages expseg did not make pass through it to
- * the driver, and their shares end as above. */
-static int foreign_unmap_hooked(void) {
-  int (*un)(uint64_t, size_t) = 0; int st = 0;
-  CHECK(cudaGetDriverEntryPoint("cuMemUnmap", (void**)&un, 0, &st) == 0 && un);
-  printf("hooked=%d", (void*)un != (void*)cuMemUnmap && (void*)un != fakecu_real("cuMemUnmap"));
+/* A foreign run shared through a mirror, then unmapped by its allocator with `un`: the mirror
+ * goes. */
+static int unmap_shared_run(int (*un)(uint64_t, size_t)) {
   unsigned char* m = foreign_run(2, 4 * MIB);
   unsigned char h[64];
   printf(" get_rc=%d", cudaIpcGetMemHandle(h, m));
@@ -475,6 +460,19 @@ static int foreign_unmap_hooked(void) {
   CHECK(un((uint64_t)m, 4 * MIB) == 0 && un((uint64_t)m + 4 * MIB, 4 * MIB) == 0);
   printf(" mirror_freed=%ld\n", fakert_count("cudaFree") - frees);
   return 0;
+}
+
+/* Through the driver's exported cuMemUnmap. */
+static int foreign_unmap(void) { return unmap_shared_run(cuMemUnmap); }
+
+/* Through PyTorch's way of getting cuMemUnmap (the runtime's entry point API; expseg's VMM
+ * hook under EXPSEG_COALESCE=all): pages expseg did not make pass through it to the driver,
+ * and their shares end as above. */
+static int foreign_unmap_hooked(void) {
+  int (*un)(uint64_t, size_t) = 0; int st = 0;
+  CHECK(cudaGetDriverEntryPoint("cuMemUnmap", (void**)&un, 0, &st) == 0 && un);
+  printf("hooked=%d", (void*)un != (void*)cuMemUnmap && (void*)un != fakecu_real("cuMemUnmap"));
+  return unmap_shared_run(un);
 }
 
 /* Refreshing a pool allocation's mirror waits for the device without the global lock: another
