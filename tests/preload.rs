@@ -778,6 +778,11 @@ fn another_allocators_vmm_memory_is_shared_both_ways_with_an_expseg_consumer() {
             "1",
             "the consumer mapped the producer's own pages ({pieces:?})"
         );
+        assert_eq!(
+            r.get("primary_refs"),
+            "0",
+            "the thread that answered the ticket keeps no reference on the primary context ({pieces:?})"
+        );
     }
 }
 

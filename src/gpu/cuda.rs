@@ -350,24 +350,53 @@ fn is_vmm(t: &DriverTable, ptr: u64) -> bool {
     unsafe { attr((&mut v as *mut libc::c_int).cast(), LEGACY_IPC, ptr) == 0 && v == 0 }
 }
 
-/// Make `dev`'s primary context current on a thread that has none (the ticket thread): the
-/// driver's pointer queries and exports need one.
-pub fn ensure_context(t: &DriverTable, dev: i32) {
-    if has_context(t) {
-        return;
+/// A context made current for a while on a thread that has none (the ticket thread): the
+/// driver's pointer queries and exports need one. Where `dev`'s primary context is active
+/// (the program's memory lives there) it is made current without a reference of ours;
+/// otherwise (a program of its own `cuCtxCreate` contexts) it is retained while the guard
+/// lives, then released, so no request leaves a context created or a reference held.
+pub struct ThreadContext {
+    t: &'static DriverTable,
+    retained: Option<i32>,
+}
+
+/// See [`ThreadContext`]; the thread keeps the context it has, if any.
+pub fn ensure_context(t: &'static DriverTable, dev: i32) -> ThreadContext {
+    let mut guard = ThreadContext { t, retained: None };
+    if has_context(t) || make_primary_current(t, dev) == 0 {
+        return guard;
     }
     if let (Some(primary), Some(set)) = (t.cuDevicePrimaryCtxRetain, t.cuCtxSetCurrent) {
         let mut c: CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the primary context stays retained for the process.
+        // SAFETY: valid out-pointer; the guard gives the reference back.
         if unsafe { primary(&mut c, dev) } == 0 {
+            guard.retained = Some(dev);
             // SAFETY: a context the driver just handed us.
             unsafe { set(c) };
+        }
+    }
+    guard
+}
+
+impl Drop for ThreadContext {
+    fn drop(&mut self) {
+        let Some(dev) = self.retained else {
+            return;
+        };
+        // SAFETY: the thread stops using the context before the reference it holds goes.
+        unsafe {
+            if let Some(set) = self.t.cuCtxSetCurrent {
+                set(std::ptr::null_mut());
+            }
+            if let Some(release) = self.t.cuDevicePrimaryCtxRelease_v2 {
+                release(dev);
+            }
         }
     }
 }
 
 /// A POSIX descriptor of the physical memory mapped at `va` (another allocator's page), for a
-/// ticket. The calling thread needs a context (see [`ensure_context`]).
+/// ticket. The calling thread needs a context (see [`ThreadContext`]).
 pub fn export_mapping(t: &DriverTable, va: u64) -> DrvResult<OwnedFd> {
     let (retain, export) = (
         t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?,

@@ -27,7 +27,7 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 
 #define GRAN (2u << 20)
 static int initialised = 0;
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_PRIMARY_RETAIN, C_PRIMARY_RELEASE, C_NCOUNT };
 static long counts[C_NCOUNT];
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
@@ -46,7 +46,9 @@ static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserv
                               "fence_deadlock", "cuGraphLaunch",
                               /* a copy (cuMemcpyDtoD, the runtime's cudaMemcpy) reading a range some
                                * device still has work in flight on: on a GPU it may miss that work's writes */
-                              "stale_read"};
+                              "stale_read",
+                              /* references taken and given back on primary contexts */
+                              "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -81,8 +83,8 @@ CUresult cuCtxSetCurrent(CUcontext c) { if (!c) { if (depth) depth--; return 0; 
 CUresult cuCtxPushCurrent_v2(CUcontext c) { if (ctx_device(c) < 0 || depth == 8) return 201; stack[depth++] = c; return 0; }
 CUresult cuCtxPopCurrent_v2(CUcontext* c) { if (!depth) return 201; depth--; if (c) *c = stack[depth]; return 0; }
 CUresult cuCtxGetDevice(CUdevice* d) { if (!initialised) return 3; int dev = ctx_device(current()); if (dev < 0) return 201; *d = dev; return 0; }
-CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; *c = PRIMARY(d); return 0; }
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= ndev() ? 101 : 0; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RETAIN); *c = PRIMARY(d); return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RELEASE); return 0; }
 CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
 /* Peer access between contexts: only counted and checked (the fake's memory is host memory). */
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {

@@ -361,6 +361,8 @@ static int share_foreign(const char* self, const char* how) {
   printf("again_rc=%d same_handle=%d\n", again_rc, !memcmp(h, again, 64));
   run_consumer(self, how, h, 0x41, 0x42);
   printf("producer_sees_write=%d\n", holds(m, 32 * MIB, 0x42));
+  /* References on primary contexts that expseg's threads took and kept (the program takes none). */
+  printf("primary_refs=%ld\n", fakecu_count("cuDevicePrimaryCtxRetain") - fakecu_count("cuDevicePrimaryCtxRelease_v2"));
   return 0;
 }
 

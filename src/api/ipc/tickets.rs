@@ -23,8 +23,9 @@ pub(super) fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
 /// mapping at once (so a refusal is clean), the others as the transport sends them.
 fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
-    // The ticket thread has no context of its own; the source below runs on it too.
-    cuda::ensure_context(t, dev);
+    // The ticket thread has no context of its own; the source below runs on it too, so it
+    // keeps the context until the last descriptor is exported.
+    let context = cuda::ensure_context(t, dev);
     let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
     // The mappings that make up the shared `size`: still mapped from the same start.
     let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
@@ -49,6 +50,7 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
         cuda::export_mapping(t, va).map_err(|e| std::io::Error::other(e.to_string()))
     }));
     let source: transport::FdSource = Box::new(move || {
+        let _held = &context;
         fds.next()
             .unwrap_or_else(|| Err(std::io::Error::other("no more mappings")))
     });
