@@ -47,10 +47,7 @@ impl<D: Driver> Pool<D> {
     /// Make the allocation containing `ptr` exportable with a legacy handle.
     pub fn export(&mut self, ptr: u64, policy: ExportPolicy) -> Result<Export, ExportError> {
         let (base, user) = self.find(ptr).ok_or(ExportError::NotOwned)?;
-        self.wake_block(base).map_err(|e| match e.is_oom() {
-            true => ExportError::OutOfMemory,
-            false => ExportError::Driver(e),
-        })?;
+        self.wake_block(base).map_err(ExportError::Paused)?;
         let b = &self.blocks[&base];
         if movable(b, &policy) {
             match self.move_in_place(base, policy.fail_move_at) {
@@ -125,6 +122,8 @@ impl<D: Driver> Pool<D> {
     /// existing mirror is returned as it is.
     pub fn prepare_mirror(&mut self, ptr: u64) -> Result<(u64, bool), ExportError> {
         let (base, _) = self.find(ptr).ok_or(ExportError::NotOwned)?;
+        // A paused block resumes first: its mirror's copy reads it.
+        self.wake_block(base).map_err(ExportError::Paused)?;
         if let Some(m) = self.blocks[&base].mirror {
             return Ok((m.ptr, false));
         }
@@ -181,9 +180,13 @@ impl<D: Driver> Pool<D> {
 
     /// Mark the live allocation containing `ptr` as shared with other processes: from now on
     /// its chunks may be mapped elsewhere, so they are never reused. Returns base and size.
+    /// `None` for a paused allocation (it has no chunks to share: [`Pool::wake_for`] first).
     pub fn share(&mut self, ptr: u64) -> Option<(u64, u64)> {
         let (base, user) = self.find(ptr)?;
         let b = self.blocks.get_mut(&base).expect("live block");
+        if b.asleep.is_some() {
+            return None;
+        }
         b.shared = true;
         // Descriptors are kept (a consumer's request then costs a dup) only up to a bound:
         // each is an open file of the process, and a process has about a thousand.

@@ -101,6 +101,9 @@ pub enum ExportError {
     OutOfMemory,
     /// The driver or runtime failed; the allocation is unchanged.
     Driver(DrvError),
+    /// The allocation is paused and could not be resumed for the export (out of memory: the
+    /// driver's code); it stays paused, its host copy kept.
+    Paused(DrvError),
     /// A move could not restore the original range (something else took the address). The
     /// data is safe at `kept`, still mapped, but the program's pointer no longer maps it.
     RangeLost { base: u64, kept: u64 },

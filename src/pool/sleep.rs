@@ -104,9 +104,17 @@ impl<D: Driver> Pool<D> {
         for &base in bases {
             match self.remake(base) {
                 Ok(c) => made.push((base, c)),
-                Err(e) => {
+                // Out of memory: the rest would fail too; they stay paused (retry).
+                Err(e) if e.is_oom() => {
                     failed = Some(e);
                     break;
+                }
+                // This block alone cannot come back: it stays paused with its host copy and
+                // the others go on.
+                Err(e) => {
+                    log::warn!("resuming paused allocation {base:#x} failed ({e}); it stays paused, the others resume");
+                    failed.get_or_insert(e);
+                    continue;
                 }
             }
             // Its bytes go back while the next block is made.
@@ -185,6 +193,15 @@ impl<D: Driver> Pool<D> {
         }
     }
 
+    /// A call about to touch the live allocation containing `ptr` (an IPC export): it
+    /// resumes first if paused. Err (out of memory): it stays paused, nothing lost.
+    pub fn wake_for(&mut self, ptr: u64) -> Result<(), DrvError> {
+        match self.find(ptr) {
+            Some((base, _)) => self.wake_block(base),
+            None => Ok(()),
+        }
+    }
+
     /// A call about to touch the block at `base` (an IPC export): it resumes first if paused.
     pub(super) fn wake_block(&mut self, base: u64) -> Result<(), DrvError> {
         match self.blocks.get(&base).is_some_and(|b| b.asleep.is_some()) {
@@ -198,6 +215,11 @@ impl<D: Driver> Pool<D> {
         let b: Block = self.blocks.remove(&base).expect("paused block");
         if let Some(s) = b.asleep.and_then(|s| s.saved) {
             self.host.done(&mut self.drv, s);
+        }
+        // Never both (a mirrored block is not paused; an export resumes first), but a
+        // mirror must not outlive its allocation.
+        if let Some(m) = b.mirror {
+            self.drop_mirror(m);
         }
         self.stats.paused_bytes -= b.size;
         self.stats.on_free(b.user, b.size);

@@ -192,3 +192,80 @@ fn a_failed_copy_pauses_nothing_and_no_host_memory_is_an_answer() {
     assert_eq!(p.pause(&|_| Some(true)).unwrap().bytes, 16 * MIB);
     check(&p);
 }
+
+#[test]
+fn the_mirror_and_share_paths_of_an_export_resume_a_paused_block_first() {
+    // cudaIpcGetMemHandle's default path makes the mirror with `prepare_mirror` (its copy is
+    // made outside the pool), and tickets mark the block with `share`: neither may work on
+    // a paused block's missing chunks.
+    let mut p = pool(1 << 30);
+    let a = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, a, 8 * MIB, 1);
+    p.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!(p.share(a), None, "no chunks to share while paused");
+    let (m, first) = p.prepare_mirror(a).unwrap();
+    assert!(first);
+    assert_eq!(p.paused_bytes(), 0, "resumed before its mirror");
+    assert!(stamped(&p, a, 8 * MIB, 1));
+    assert_eq!(p.driver_mut().copy(m, a, 8 * MIB), Ok(()));
+    p.free(a).unwrap();
+    assert_eq!(
+        p.driver().legacy_count(),
+        0,
+        "the mirror went with the allocation"
+    );
+    check(&p);
+
+    let b = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, b, 8 * MIB, 2);
+    p.pause(&|_| OFFLOAD).unwrap();
+    p.wake_for(b + 5).unwrap();
+    assert_eq!(p.share(b), Some((b, 8 * MIB)));
+    assert_eq!(p.export_fds(b).unwrap().unwrap().1.len(), 1);
+    p.free(b).unwrap();
+    assert_eq!(p.paused_bytes(), 0);
+    assert_eq!(p.driver().host_buffers(), (0, 0));
+    check(&p);
+}
+
+#[test]
+fn an_export_that_cannot_resume_a_paused_block_fails_and_keeps_it_paused() {
+    let mut p = pool(64 * MIB);
+    let a = p.alloc(16 * MIB).unwrap();
+    stamp(&mut p, a, 16 * MIB, 3);
+    p.pause(&|_| OFFLOAD).unwrap();
+    let other = p.driver_mut().create(56 * MIB).unwrap();
+    for r in [
+        p.prepare_mirror(a).map(|_| ()),
+        p.export(a, ExportPolicy::default()).map(|_| ()),
+    ] {
+        assert!(
+            matches!(r, Err(ExportError::Paused(e)) if e.is_oom()),
+            "{r:?}"
+        );
+    }
+    assert!(p.wake_for(a).unwrap_err().is_oom());
+    assert_eq!(p.paused_bytes(), 16 * MIB, "still paused, host copy kept");
+    assert_eq!(p.driver().legacy_count(), 0);
+    p.driver_mut().release(other).unwrap();
+    p.resume(&|_| true).unwrap();
+    assert!(stamped(&p, a, 16 * MIB, 3));
+    check(&p);
+}
+
+#[test]
+fn a_block_that_cannot_resume_does_not_hold_back_the_others() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(8 * MIB).unwrap();
+    let b = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, a, 8 * MIB, 7);
+    stamp(&mut p, b, 8 * MIB, 8);
+    p.pause(&|_| OFFLOAD).unwrap();
+    p.driver_mut().fail(Op::Map, DrvError(1));
+    assert_eq!(p.resume(&|_| true).unwrap_err(), DrvError(1));
+    assert_eq!(p.paused_bytes(), 8 * MIB, "one resumed, one still paused");
+    assert_eq!(p.resume(&|_| true).unwrap(), 8 * MIB);
+    assert!(stamped(&p, a, 8 * MIB, 7) && stamped(&p, b, 8 * MIB, 8));
+    assert_eq!(p.driver().host_buffers(), (0, 0));
+    check(&p);
+}

@@ -56,6 +56,10 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
             None => return Answer::PassThrough,
         }
     }
+    // A paused allocation resumes first (every path below reads or shares its chunks).
+    if let Some(e) = st.open_pool(dev).and_then(|p| p.wake_for(ptr).err()) {
+        return export_error(ptr, ExportError::Paused(e));
+    }
     if c.ipc_peers_expseg && !(c.ipc_tickets && tickets_ready(&mut st, dev)) {
         return Answer::Done(Err(peers_without_tickets(&st, ptr)));
     }
@@ -191,6 +195,10 @@ fn export_error(ptr: u64, e: ExportError) -> Answer<Result<IpcHandle, i32>> {
     match e {
         ExportError::NotOwned => Answer::PassThrough,
         ExportError::OutOfMemory => Answer::Done(Err(OUT_OF_MEMORY)),
+        ExportError::Paused(e) => {
+            log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}): the allocation is paused and could not be resumed ({e}); it stays paused, nothing lost: resume or free memory first");
+            Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
+        }
         ExportError::Driver(e) => {
             log::error!("IPC export of {ptr:#x} failed: {e}; the allocation is unchanged");
             Answer::Done(Err(if e.0 < 1000 { e.0 as i32 } else { UNKNOWN }))
