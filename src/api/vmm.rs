@@ -195,27 +195,16 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
 /// Before the memory of the run starting at `ptr` is shared with another process: page-sized
 /// handles that never move. Only the device of `ptr`'s memory is touched (the run never
 /// leaves it): another device's paused pages stay paused and its handles stay where they are.
-pub fn isolate_run(ptr: u64) {
+pub fn isolate_run(ptr: u64) -> Result<(), u32> {
     if !started() {
-        return;
+        return Ok(());
     }
-    let Some((_, _, dev)) = crate::real::driver()
-        .ok()
-        .and_then(|t| crate::gpu::cuda::mapping_of(t, ptr))
-    else {
-        return;
-    };
+    // Found by the books, not the driver: a paused page has no mapping the driver could name.
     let mut v = lock();
-    let Some(c) = usize::try_from(dev)
-        .ok()
-        .and_then(|d| v.devs.get_mut(d))
-        .and_then(|c| c.as_mut())
-    else {
-        return;
+    let Some(c) = v.all().find(|c| c.range_of(ptr).is_some()) else {
+        return Ok(());
     };
-    if let Err(e) = in_context(c, |c| c.isolate_run(ptr)) {
-        log::warn!("splitting coalesced pages before sharing failed ({e}); a consumer may see memory that later moves");
-    }
+    in_context(c, |c| c.isolate_run(ptr)).map_err(|e| e.0)
 }
 
 /// The mapping the program made that contains `ptr`, as the driver would report it without

@@ -528,9 +528,6 @@ impl<D: Driver> Coalescer<D> {
     /// Parked handles leave their addresses first: the run is the driver's back-to-back
     /// mappings, and it must stop where the program's pages stop, as it does natively.
     pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
-        if self.any_asleep() {
-            self.wake(&|_| true)?;
-        }
         self.giving_back_ended();
         let parked: Vec<u64> = self.parked.keys().copied().collect();
         for b in parked {
@@ -550,6 +547,10 @@ impl<D: Driver> Coalescer<D> {
             if !(base..base + size).contains(&ptr) && base < ptr {
                 return Ok(());
             }
+            // The run's paused handles resume first (the consumer maps them); handles
+            // outside it stay paused.
+            self.wake_phys(pid)?;
+            let ph = &self.phys[&pid];
             let members: Vec<u64> = ph.slots.values().copied().collect();
             let split = ph.slots.len() > 1 || members.iter().any(|v| self.pages[v].size != size);
             for m in &members {

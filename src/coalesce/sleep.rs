@@ -68,6 +68,16 @@ impl<D: Driver> Coalescer<D> {
             if let Err(e) = self.drv.release(handle) {
                 self.hold(handle, size, e);
             }
+            // The whole handle went back, its released pages and bytes grown ahead with it:
+            // nothing of it is left to compact or give back while it sleeps (a pause from
+            // outside, which moves nothing, leaves both). It comes back whole, and the pages
+            // released by then are compacted at the program's next call.
+            self.dirty.remove(&pid);
+            if self.deferred.is_some_and(|(d, _)| d == pid) {
+                self.deferred = None;
+            }
+            let ph = self.phys.get_mut(&pid).unwrap();
+            self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
             out.bytes += size;
             out.offloaded += saved.as_ref().map_or(0, |s| s.bytes());
             let ph = self.phys.get_mut(&pid).unwrap();
@@ -97,9 +107,20 @@ impl<D: Driver> Coalescer<D> {
         for &pid in pids {
             match self.remake(pid) {
                 Ok(h) => made.push((pid, h)),
-                Err(e) => {
+                // Out of memory: the rest would fail too; they stay paused (retry).
+                Err(e) if e.is_oom() => {
                     failed = Some(e);
                     break;
+                }
+                // This handle alone cannot come back (its range taken): it stays paused with
+                // its host copy and the others go on.
+                Err(e) => {
+                    log::warn!(
+                        "device {}: resuming a paused handle failed ({e}); it stays paused, the others resume",
+                        self.drv.device()
+                    );
+                    failed.get_or_insert(e);
+                    continue;
                 }
             }
             // Its bytes go back while the next handle is made.
@@ -202,9 +223,14 @@ impl<D: Driver> Coalescer<D> {
 
     /// A program call about to touch page `vh`'s memory: its handle wakes first if paused.
     pub(super) fn wake_page(&mut self, vh: u64) -> DrvResult<()> {
-        let Some((pid, _)) = self.pages.get(&vh).and_then(|p| p.slot) else {
-            return Ok(());
-        };
+        match self.pages.get(&vh).and_then(|p| p.slot) {
+            Some((pid, _)) => self.wake_phys(pid),
+            None => Ok(()),
+        }
+    }
+
+    /// A program call about to touch phys `pid`'s memory: it wakes first if paused.
+    pub(super) fn wake_phys(&mut self, pid: u64) -> DrvResult<()> {
         match self.phys[&pid].asleep {
             Some(_) => self.wake_some(vec![pid]),
             None => Ok(()),

@@ -26,7 +26,13 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         return None;
     }
     let t = crate::real::driver().ok()?;
-    crate::api::vmm::isolate_run(ptr);
+    // Coalesced pages of the run become page-sized handles that never move (paused ones
+    // resume first): a consumer must map what stays the program's memory. Out of memory:
+    // the call fails, nothing changed that the program can see.
+    if let Err(e) = crate::api::vmm::isolate_run(ptr) {
+        log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}): the pages of its run could not be prepared for sharing (CUresult {e}: a paused page that could not resume, or no memory to split a coalesced handle)");
+        return Some(Err(if e < 1000 { e as i32 } else { UNKNOWN }));
+    }
     let c = config();
     for _ in 0..RACE_RETRIES {
         let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;

@@ -279,3 +279,102 @@ fn randomized_pauses_between_the_programs_calls_keep_data_and_books_exact() {
         assert_eq!(c.counts(), (0, 0), "seed {seed}");
     }
 }
+
+#[test]
+fn a_pause_from_outside_gives_back_bytes_grown_ahead_and_no_paused_handle_is_compacted() {
+    // `expseg pause PID` runs on the socket thread, which moves nothing: bytes grown ahead
+    // stay until the program's next call. The pause releases the whole handle, so they go
+    // back with it, and that next call must not compact the paused handle (its memory is
+    // not mapped: a copy would read nothing).
+    let (mut c, va) = setup(1 << 40, ahead(4));
+    c.peak_held = u64::MAX;
+    let _hs = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    assert!(c.ahead_bytes() > 0);
+    c.allow_moves(false);
+    c.pause(&|_| OFFLOAD).unwrap();
+    c.allow_moves(true);
+    assert_eq!(c.ahead_bytes(), 0, "went back with the paused handle");
+    assert_eq!(c.held_beyond_live(), 0);
+    assert_eq!(c.driver().used(), 0);
+    let creates = c.driver().calls_of(Op::Create);
+    let _n = grow(&mut c, va + 100 * PAGE, 1).unwrap();
+    assert_eq!(
+        c.stats().compaction_failures,
+        0,
+        "a paused handle was compacted"
+    );
+    assert_eq!(
+        c.driver().calls_of(Op::Create),
+        creates + 1,
+        "the new page only"
+    );
+    c.resume(&|_| true).unwrap();
+    assert!(intact(&c, va, 2));
+    c.trim();
+    assert_eq!(c.held_beyond_live(), 0);
+    assert_eq!(c.driver().used(), 3 * PAGE);
+}
+
+#[test]
+fn sharing_a_run_resumes_only_its_paused_handles() {
+    let (mut c, va) = setup(1 << 40, cfg());
+    let _w = grow_as(&mut c, va, 2, tagged(0));
+    let _kv = grow_as(&mut c, va + 10 * PAGE, 2, tagged(9));
+    fill(&mut c, va, 2);
+    fill(&mut c, va + 10 * PAGE, 2);
+    // Weights awake, the KV cache paused: sharing a weight leaves the KV cache paused.
+    c.pause(&|t| (t == 9).then_some(false)).unwrap();
+    c.isolate_run(va).unwrap();
+    assert_eq!(c.paused_bytes(), 2 * PAGE, "the KV cache stays paused");
+    // Sharing a paused page resumes its run, with its bytes.
+    c.isolate_run(va + 10 * PAGE + 5).unwrap();
+    assert_eq!(c.paused_bytes(), 0);
+    assert!(intact(&c, va + 10 * PAGE, 2));
+    // Its pages are shared now: a later pause leaves them alone.
+    assert_eq!(c.pause(&|_| OFFLOAD).unwrap().shared, 4 * PAGE);
+}
+
+#[test]
+fn sharing_a_paused_run_without_memory_to_resume_it_fails_and_shares_nothing() {
+    let (mut c, va) = setup(8 * PAGE, cfg());
+    let _w = grow_as(&mut c, va, 2, tagged(0));
+    let _kv = grow_as(&mut c, va + 10 * PAGE, 2, tagged(9));
+    fill(&mut c, va + 10 * PAGE, 2);
+    c.pause(&|t| (t == 9).then_some(false)).unwrap();
+    let other = c.driver_mut().create(6 * PAGE).unwrap();
+    assert!(c.isolate_run(va + 10 * PAGE).unwrap_err().is_oom());
+    // An awake run still shares while the paused one waits for memory.
+    c.isolate_run(va).unwrap();
+    c.driver_mut().release(other).unwrap();
+    let out = c.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!(
+        out.shared,
+        2 * PAGE,
+        "the shared run is left alone, the other was not shared"
+    );
+    c.resume(&|_| true).unwrap();
+    assert!(intact(&c, va + 10 * PAGE, 2));
+}
+
+#[test]
+fn a_handle_that_cannot_resume_does_not_hold_back_the_others() {
+    let (mut c, va) = setup(1 << 40, cfg());
+    let _a = grow_as(&mut c, va, 2, tagged(1));
+    let _b = grow_as(&mut c, va + 10 * PAGE, 2, tagged(2));
+    fill(&mut c, va, 2);
+    fill(&mut c, va + 10 * PAGE, 2);
+    c.pause(&|_| OFFLOAD).unwrap();
+    // The first handle's mapping fails (not for memory): the second still comes back.
+    c.driver_mut().fail(Op::Map, crate::gpu::DrvError(1));
+    assert_eq!(c.resume(&|_| true).unwrap_err(), crate::gpu::DrvError(1));
+    assert_eq!(
+        c.paused_bytes(),
+        2 * PAGE,
+        "one handle resumed, one still paused"
+    );
+    assert!(intact(&c, va, 2) || intact(&c, va + 10 * PAGE, 2));
+    assert_eq!(c.resume(&|_| true).unwrap(), 2 * PAGE);
+    assert!(intact(&c, va, 2) && intact(&c, va + 10 * PAGE, 2));
+    assert_eq!(c.driver().host_buffers(), (0, 0));
+}
