@@ -25,6 +25,7 @@
 //! | beside | [`config`] | the `EXPSEG_*` table |
 //! | beside | [`stats`] | counters and the exit report |
 //! | beside | [`elf`] | the glibc requirement of an ELF file |
+//! | beside | [`hostmem`] | host memory the process can take without the OOM killer (meminfo, cgroup limits) |
 //!
 //! So "where is cudaMalloc handled?" is answered by `grep 'fn cudaMalloc'`: the hook in
 //! `hooks.rs`, the policy in `api/mod.rs`; the pool behind it runs under `cargo test` against
@@ -44,6 +45,7 @@ pub mod gpu;
 #[allow(unsafe_code)]
 pub mod hooks;
 pub mod hostcopy;
+pub mod hostmem;
 pub mod ipc;
 pub mod pool;
 #[allow(unsafe_code)]

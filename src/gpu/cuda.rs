@@ -228,6 +228,9 @@ fn reaper() -> std::sync::mpsc::Sender<(i32, u64, u64)> {
 /// every page): buffers are made on up to this many threads at once.
 const PIN_THREADS: usize = 16;
 
+/// Host memory a pause leaves untaken, so the program and the system go on around it.
+const HOST_HEADROOM: u64 = 1 << 30;
+
 /// Number of devices the driver sees.
 pub fn device_count(t: &DriverTable) -> DrvResult<i32> {
     let mut n = 0;
@@ -581,6 +584,17 @@ impl Driver for CudaDriver {
 
     fn host_alloc(&mut self, sizes: &[u64]) -> DrvResult<Vec<u64>> {
         let (t, dev) = (self.t, self.dev);
+        // Pinning touches every page: past what the host (or the job's cgroup) can give,
+        // the kernel kills the process instead of failing a call. Refuse first.
+        let need: u64 = sizes.iter().sum();
+        if let Some(room) = crate::hostmem::available() {
+            if need.saturating_add(HOST_HEADROOM) > room {
+                log::warn!(
+                    "page-locking {need} bytes of host memory refused: {room} bytes can be taken (MemAvailable and cgroup limits) and {HOST_HEADROOM} are left to the rest of the system"
+                );
+                return Err(DrvError::OUT_OF_MEMORY);
+            }
+        }
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         let threads = PIN_THREADS.min(cores).min(sizes.len()).max(1);
         let got: Vec<DrvResult<u64>> = std::thread::scope(|scope| {
