@@ -79,7 +79,8 @@ extern "C" fn expseg_dlsym_redirect(
         CStr::from_ptr(n).to_bytes()
     };
     let file = path.rsplit(|b| *b == b'/').next().unwrap_or(path);
-    let runtime = file.starts_with(b"libcudart.so");
+    // Wheels ship the runtime under hashed names too (`libcudart-1a2b3c.so.12`).
+    let runtime = crate::real::is_shared_runtime_file(file);
     let driver = file.starts_with(b"libcuda.so");
     if (runtime && name.starts_with(b"cuda"))
         || (driver

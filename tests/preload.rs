@@ -931,6 +931,13 @@ extern "C" {
 
 #[test]
 fn lookups_through_a_runtime_handle_reach_expseg_and_ranges_describe_the_allocation() {
+    // A copy of the runtime under a wheel's hashed name, opened by the program.
+    let f = fixture();
+    std::fs::copy(
+        f.dir.join("libcudart.so.13"),
+        f.dir.join("libcudart-1a2b3c4d.so.13"),
+    )
+    .unwrap();
     // 2 MiB chunks: the 6 MiB allocation is three mappings, each of which the driver alone
     // would report as the range.
     let r = run(
@@ -942,6 +949,11 @@ fn lookups_through_a_runtime_handle_reach_expseg_and_ranges_describe_the_allocat
         r.get("handle_lookup_is_hook"),
         "1",
         "dlsym(libcudart handle) gives expseg's hook"
+    );
+    assert_eq!(
+        r.get("hashed_lookup_is_hook"),
+        "1",
+        "dlsym on a wheel's libcudart-<hash>.so gives expseg's hook"
     );
     assert_eq!(r.get("pooled_through_handle"), "1");
     assert_eq!(r.get("ipc_through_handle_rc"), "0");

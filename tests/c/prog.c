@@ -305,6 +305,10 @@ static int lookup(void) {
   rc |= cuPointerGetAttribute(&legacy_foreign, 10, (uint64_t)f);
   printf("legacy_rc=%d legacy=%d legacy_plural=%d legacy_foreign=%d\n", rc, legacy, legacy2, legacy_foreign);
   printf("other_lookup_ok=%d\n", dlsym(rt, "cudaGetLastError") != 0 && dlsym(RTLD_NEXT, "malloc") != 0);
+  /* A wheel's runtime under a hashed name (vLLM finds it by "libcudart" in /proc/self/maps
+   * and opens it with ctypes): its lookups reach expseg too. */
+  void* hashed = dlopen("libcudart-1a2b3c4d.so.13", RTLD_NOW | RTLD_LOCAL);
+  printf("hashed_lookup_is_hook=%d\n", hashed && dlsym(hashed, "cudaIpcGetMemHandle") == dlsym(RTLD_DEFAULT, "cudaIpcGetMemHandle"));
   return 0;
 }
 
