@@ -2736,3 +2736,29 @@ fn without_the_fence_the_same_race_faults_or_loses_additions() {
         r.stdout()
     );
 }
+
+#[test]
+fn cuda_malloc_in_a_context_of_the_programs_own_is_the_runtimes() {
+    let r = run("own_context", &[]).ok();
+    assert_eq!(r.get("own_rc"), "0");
+    assert_eq!(
+        (
+            r.get("own_to_runtime"),
+            r.get("own_pool_creates"),
+            r.get("own_driver_allocs")
+        ),
+        ("1".into(), "0".into(), "1".into()),
+        "the runtime allocates in the program's context; the pool stays out\n{}",
+        r.stderr()
+    );
+    assert_eq!(r.get("own_free_rc"), "0");
+    assert_eq!(
+        (
+            r.get("primary_rc"),
+            r.get("primary_pool_creates"),
+            r.get("primary_free_rc")
+        ),
+        ("0".into(), "1".into(), "0".into()),
+        "back in the primary context: the pool"
+    );
+}

@@ -66,9 +66,18 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
         drop(ensure_state());
         return pass_alloc(size);
     };
-    // The real cudaMalloc creates and binds the primary context; keep that side effect.
-    if !cuda::has_context(t) && runtime::free(0) != 0 {
-        return pass_alloc(size);
+    match cuda::current_is_primary(t, dev) {
+        Some(true) => {}
+        // A context of the program's own (`cuCtxCreate`, a green context): the runtime
+        // allocates in it and the memory is that context's (gone with it); the pool's belongs
+        // to the primary context.
+        Some(false) => return pass_alloc(size),
+        // The real cudaMalloc creates and binds the primary context; keep that side effect.
+        None => {
+            if runtime::free(0) != 0 {
+                return pass_alloc(size);
+            }
+        }
     }
     match serve(dev, size) {
         Served::Ptr(p) => Answer::Done(Ok(p)),

@@ -32,6 +32,20 @@ pub fn primary_device(t: &DriverTable) -> Option<i32> {
     (find_primary(t, dev).ok()? == cur).then_some(dev)
 }
 
+/// Whether the calling thread's current context is `dev`'s primary context: `None` when it
+/// has no context. One `cuCtxGetCurrent` where the primary context was seen before.
+pub fn current_is_primary(t: &DriverTable, dev: i32) -> Option<bool> {
+    let mut cur: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; an uninitialised driver answers an error.
+    if unsafe { (t.cuCtxGetCurrent)(&mut cur) } != 0 || cur.is_null() {
+        return None;
+    }
+    if cached_primary(dev) == Some(cur) {
+        return Some(true);
+    }
+    Some(primary_device(t) == Some(dev))
+}
+
 /// `CUDA_ERROR_INVALID_CONTEXT`.
 const INVALID_CONTEXT: u32 = 201;
 

@@ -680,6 +680,28 @@ static int sleeper(void) {
   return 0;
 }
 
+/* cudaMalloc while a context of the program's own is current (cuCtxCreate: PyCUDA, TensorRT,
+ * green contexts): the runtime allocates in that context, which owns the memory; expseg's
+ * pool belongs to the primary context, so the call is the runtime's. Then the primary
+ * context again: the pool. */
+int cuCtxCreate_v2(void**, unsigned, int);
+int cuCtxPopCurrent_v2(void**);
+static int own_context(void) {
+  CHECK(cuInit(0) == 0);
+  void* mine = 0; unsigned char* p = 0;
+  CHECK(cuCtxCreate_v2(&mine, 0, 0) == 0);
+  long rt = fakert_count("cudaMalloc"), creates = fakecu_count("cuMemCreate"), allocs = fakecu_count("cuMemAlloc_v2");
+  printf("own_rc=%d", cudaMalloc((void**)&p, 64 * MIB));
+  printf(" own_to_runtime=%d own_pool_creates=%ld own_driver_allocs=%ld\n", fakert_count("cudaMalloc") - rt == 1,
+         fakecu_count("cuMemCreate") - creates, fakecu_count("cuMemAlloc_v2") - allocs);
+  printf("own_free_rc=%d\n", cudaFree(p));
+  CHECK(cuCtxPopCurrent_v2(&mine) == 0);
+  creates = fakecu_count("cuMemCreate");
+  printf("primary_rc=%d", cudaMalloc((void**)&p, 64 * MIB));
+  printf(" primary_pool_creates=%ld primary_free_rc=%d\n", fakecu_count("cuMemCreate") - creates, cudaFree(p));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
@@ -707,6 +729,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();
   if (!strcmp(s, "foreign")) return foreign();
+  if (!strcmp(s, "own_context")) return own_context();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
 }
