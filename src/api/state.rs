@@ -221,15 +221,20 @@ pub(super) fn bypass() -> bool {
     config().disabled || FORKED.load(Ordering::Relaxed)
 }
 
+/// Mark forked children (once per process, whichever of the pool and the coalescers starts
+/// first): a child's CUDA state is not its own, so expseg passes everything through there.
 fn register_fork_hook() {
     extern "C" fn child_after_fork() {
         FORKED.store(true, Ordering::Relaxed);
     }
-    #[allow(unsafe_code)]
-    // SAFETY: registers a plain extern "C" function that only sets an atomic.
-    unsafe {
-        libc::pthread_atfork(None, None, Some(child_after_fork));
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: registers a plain extern "C" function that only sets an atomic.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(child_after_fork));
+        }
+    });
 }
 
 /// What a hook should do.
@@ -363,6 +368,7 @@ pub(super) mod coalescers {
     }
 
     pub(crate) static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
+        super::register_fork_hook();
         let devs = match real::driver() {
             Ok(t) => {
                 let n = cuda::device_count(t).unwrap_or(0);
@@ -412,8 +418,11 @@ pub(super) mod coalescers {
         g
     }
 
+    /// Whether the coalescers serve: started, and not in a forked child (whose pages and
+    /// locks are copies of the parent's, possibly taken by a thread that does not exist there;
+    /// everything passes through to the driver, which answers a child's calls as natively).
     pub(crate) fn started() -> bool {
-        STARTED.load(Ordering::Acquire)
+        STARTED.load(Ordering::Acquire) && !super::forked()
     }
 
     impl Vmm {

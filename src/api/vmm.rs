@@ -42,6 +42,9 @@ fn code(r: Result<(), DrvError>) -> u32 {
 /// c904993, first device only, faulted 3 times in 19 runs of the two-device stress; this one,
 /// both devices coalesced, passed 19 of 19 — shim-tests/RESULTS.md, session 10.)
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
+    if super::state::forked() {
+        return None;
+    }
     let props = PageProps {
         tag: super::sleep::current_tag(),
         ..props

@@ -407,6 +407,21 @@ int expandable(const char* what) {
   for (int i = 0; i < 8; i++) fill(i);
   printf("shrink_rc=%d\n", shrink(2, 4));
   printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
+  if (getenv("FORK_CHILD")) {
+    /* A forked child (a DataLoader worker) asks for free memory: CUDA state is not the
+     * child's, so expseg does nothing of its own there (no compaction, no lock the parent's
+     * threads may have held at the fork). */
+    fflush(stdout);
+    pid_t k = fork();
+    if (k == 0) {
+      long before = fakecu_count("cuMemCreate") + fakecu_count("cuMemMap");
+      size_t f0, t0; cudaMemGetInfo(&f0, &t0);
+      printf("child_driver_calls=%ld\n", fakecu_count("cuMemCreate") + fakecu_count("cuMemMap") - before);
+      fflush(stdout); _exit(0);
+    }
+    int st; waitpid(k, &st, 0);
+    printf("child_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  }
   if (getenv("MEMINFO_THREAD")) {
     /* Another thread asks first: it may be running while this one launches work on the live
      * pages, so nothing that needs them moved goes back then. */
