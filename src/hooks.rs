@@ -526,13 +526,8 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
         }
         return 0;
     }
-    match crate::real::driver()
-        .ok()
-        .and_then(|t| t.cuMemGetAddressRange_v2)
-    {
-        Some(f) => f(base, size, ptr),
-        None => NO_DRIVER,
-    }
+    // The driver's own, found by name: it answers even where the VMM table cannot load.
+    next_driver::cuMemGetAddressRange_v2(base, size, ptr)
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -543,13 +538,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
             return 0;
         }
     }
-    let e = match crate::real::driver()
-        .ok()
-        .and_then(|t| t.cuPointerGetAttribute)
-    {
-        Some(f) => f(data, attr, ptr),
-        None => NO_DRIVER,
-    };
+    let e = next_driver::cuPointerGetAttribute(data, attr, ptr);
     if e == 0 && attr == LEGACY_IPC {
         legacy_ipc_capable(data, ptr);
     }

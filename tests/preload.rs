@@ -408,6 +408,11 @@ fn missing_vmm_symbols_pass_through_with_one_line() {
         ("0".into(), "1".into())
     );
     assert_eq!(r.get("free_rc"), "0");
+    assert_eq!(
+        (r.get("type_rc"), r.get("type")),
+        ("0".into(), "2".into()),
+        "pointer queries are the driver's answers, not CUDA_ERROR_NOT_INITIALIZED"
+    );
     let err = r.stderr();
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
@@ -1413,6 +1418,17 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         ("used_end", "0"),
     ] {
         assert_eq!(m.get(k), v, "{k}\n{}", m.stdout());
+    }
+    // A forked child's cudaMemGetInfo leaves the parent's coalesced pages alone.
+    let k = pages("libc10_cuda.so", "full", &[("FORK_CHILD", "1")]).ok();
+    for (k_, v) in [
+        ("child_driver_calls", "0"),
+        ("child_exit", "0"),
+        ("used_compacted_mib", "80"),
+        ("live_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(k.get(k_), v, "{k_}\n{}\n{}", k.stdout(), k.stderr());
     }
     // The program's own expseg_trim() gives everything back, from whichever of its threads.
     let t = pages("libc10_cuda.so", "full", &[("TRIM_THREAD", "1")]).ok();

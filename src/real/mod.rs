@@ -213,6 +213,8 @@ forwarders! {
     cuIpcCloseMemHandle(dptr: u64);
     cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint);
     cuPointerGetAttributes(count: c_uint, attrs: *const c_int, data: *mut *mut c_void, ptr: u64);
+    cuPointerGetAttribute(data: *mut c_void, attr: c_int, ptr: u64);
+    cuMemGetAddressRange_v2(base: *mut u64, size: *mut size_t, ptr: u64);
     cuCtxDisablePeerAccess(peer: *mut c_void);
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
     cuMemFree_v2(dptr: u64);

@@ -492,6 +492,11 @@ long fakecu_access(uint64_t va) {
   pthread_mutex_unlock(&mu); return r;
 }
 long fakecu_used(void) { return (long)used; }
+#else
+/* A driver without VMM still answers range and attribute queries: any pointer is memory of
+ * device 0 (CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 2: device), nothing else is known. */
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) { (void)ptr; if (attr != 2 || !data) return 1; *(unsigned*)data = 2; return 0; }
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) { (void)base; (void)size; (void)ptr; return 1; }
 #endif
 
 /* Legacy IPC and copies at the driver, as the fake runtime's (a handle names the memfd of a

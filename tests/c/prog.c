@@ -591,6 +591,10 @@ static int simple(void) {
   printf("malloc_rc=%d to_runtime=%ld\n", rc, fakert_count("cudaMalloc") - rt);
   if (rc) return 0;
   fill(p, 4 * MIB, 1);
+  /* The driver's own answer to a pointer query (CU_POINTER_ATTRIBUTE_MEMORY_TYPE). */
+  unsigned type = 0;
+  int type_rc = cuPointerGetAttribute(&type, 2, (uint64_t)p);
+  printf("type_rc=%d type=%u\n", type_rc, type);
   printf("free_rc=%d\n", cudaFree(p));
   return 0;
 }
