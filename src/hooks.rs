@@ -628,7 +628,7 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
         _ => match driver_hook_for(name, version, crate::vmm_hooks::caller_pc) {
             Some(p) => p,
-            None => match crate::vmm_hooks::for_caller(name).filter(|_| runtime_api) {
+            None => match crate::vmm_hooks::for_caller(name, version).filter(|_| runtime_api) {
                 Some(p) => p,
                 None => return,
             },

@@ -211,6 +211,62 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     r
 }
 
+/// The real handle behind `h` for a call that names the memory by its handle and keeps using
+/// it (`cuMulticastBindMem`): a page of ours gets a handle of its own that never moves, as for
+/// an export; anything else is the driver's handle already.
+fn real_handle(name: &str, h: u64) -> Result<u64, u32> {
+    match catch_unwind(|| vmm::export(h)) {
+        Ok(Some(r)) => r,
+        Ok(None) => Ok(h),
+        Err(_) => Err(unknown(name)),
+    }
+}
+
+/// Before a call that binds the memory mapped at `[va, ..)` for good (`cuMulticastBindAddr`):
+/// the coalesced pages of the run there get handles that never move (as for IPC).
+fn pin_pages(name: &str, va: u64) -> Result<(), u32> {
+    match catch_unwind(|| vmm::isolate_run(va)) {
+        Ok(r) => r,
+        Err(_) => Err(unknown(name)),
+    }
+}
+
+/// `cuMulticastBindMem`: PyTorch's symmetric memory binds its pages to a multicast object by
+/// handle; the driver knows only the real one.
+pub unsafe extern "C" fn cuMulticastBindMem(
+    mc: u64,
+    mc_offset: size_t,
+    h: u64,
+    offset: size_t,
+    size: size_t,
+    flags: u64,
+) -> u32 {
+    let Some(f) = real::driver().ok().and_then(|t| t.cuMulticastBindMem) else {
+        return NO_DRIVER;
+    };
+    match real_handle("cuMulticastBindMem", h) {
+        Ok(h) => f(mc, mc_offset, h, offset, size, flags),
+        Err(e) => e,
+    }
+}
+
+/// `cuMulticastBindAddr`: the driver binds what is mapped at `va`; those pages must stay.
+pub unsafe extern "C" fn cuMulticastBindAddr(
+    mc: u64,
+    mc_offset: size_t,
+    va: u64,
+    size: size_t,
+    flags: u64,
+) -> u32 {
+    let Some(f) = real::driver().ok().and_then(|t| t.cuMulticastBindAddr) else {
+        return NO_DRIVER;
+    };
+    match pin_pages("cuMulticastBindAddr", va) {
+        Ok(()) => f(mc, mc_offset, va, size, flags),
+        Err(e) => e,
+    }
+}
+
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
     let Some(f) = real::driver()
         .ok()
@@ -293,8 +349,9 @@ pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     }
 }
 
-/// The hook for `name` if the caller of the entry point lookup gets coalesced pages.
-pub fn for_caller(name: &[u8]) -> Option<*mut c_void> {
+/// The hook for `name`, looked up at CUDA `version`, if the caller of the entry point lookup
+/// gets coalesced pages.
+pub fn for_caller(name: &[u8], version: c_int) -> Option<*mut c_void> {
     let hook = match name {
         b"cuMemCreate" => cuMemCreate as *mut c_void,
         b"cuMemRelease" => cuMemRelease as *mut c_void,
@@ -308,6 +365,11 @@ pub fn for_caller(name: &[u8]) -> Option<*mut c_void> {
         }
         b"cuMemAddressReserve" => cuMemAddressReserve as *mut c_void,
         b"cuMemAddressFree" => cuMemAddressFree as *mut c_void,
+        // The signatures of CUDA 12.1. CUDA 13 added `_v2` variants with a device argument,
+        // which a lookup at a 13.x version may get under the same name: those stay the
+        // driver's (no hook with the wrong arguments).
+        b"cuMulticastBindMem" if version < 13000 => cuMulticastBindMem as *mut c_void,
+        b"cuMulticastBindAddr" if version < 13000 => cuMulticastBindAddr as *mut c_void,
         _ => return None,
     };
     let c = crate::api::config();

@@ -2778,3 +2778,17 @@ fn cuda_malloc_in_a_context_of_the_programs_own_is_the_runtimes() {
         "back in the primary context: the pool"
     );
 }
+
+#[test]
+fn multicast_binding_of_pytorch_pages_gets_real_handles_and_pins_the_pages() {
+    let r = pages("libc10_cuda.so", "multicast", &[]).ok();
+    for (k, v) in [
+        ("bind_addr_rc", "0"),
+        ("bind_addr_split", "1"),
+        ("bind_mem_rc", "0"),
+        ("shrink_rc", "0"),
+        ("intact", "1"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}

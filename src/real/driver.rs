@@ -73,6 +73,8 @@ driver_table! {
         cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
         cuMemGetAllocationPropertiesFromHandle(*mut c_void, CUmemGenericAllocationHandle);
         cuMemGetAccess(*mut u64, *const c_void, CUdeviceptr);
+        cuMulticastBindMem(CUmemGenericAllocationHandle, size_t, CUmemGenericAllocationHandle, size_t, size_t, u64);
+        cuMulticastBindAddr(CUmemGenericAllocationHandle, size_t, CUdeviceptr, size_t, u64);
         cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
         cuCtxSetCurrent(CUcontext);
         cuCtxGetDevice(*mut CUdevice);

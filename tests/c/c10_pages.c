@@ -43,11 +43,12 @@ static CUresult (*props)(Prop*, uint64_t);
 #define NP 64
 static uint64_t va, h[NP];
 
-static void* get(const char* name) {
+static void* get_at(const char* name, unsigned version) {
   void* f = 0; int st = 0;
-  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, 0, &st) || !f) { fprintf(stderr, "no %s\n", name); exit(2); }
+  if (cudaGetDriverEntryPointByVersion(name, &f, version, 0, &st) || !f) { fprintf(stderr, "no %s\n", name); exit(2); }
   return f;
 }
+static void* get(const char* name) { return get_at(name, 12000); }
 static int dev_ = 0;
 /* A monitor's cudaMemGetInfo, from a thread that is not the allocator's. */
 static void* meminfo_thread(void* arg) { size_t f, t; (void)arg; cudaMemGetInfo(&f, &t); return 0; }
@@ -283,6 +284,23 @@ int expandable(const char* what) {
   import_ = get("cuMemImportFromShareableHandle"); retain = get("cuMemRetainAllocationHandle");
   props = get("cuMemGetAllocationPropertiesFromHandle");
   if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
+  if (!strcmp(what, "multicast")) {
+    /* PyTorch's symmetric memory binds its pages to a multicast object by handle (and may
+     * by address): the driver must get a real handle, and the bound pages must stay. */
+    CUresult (*bind_mem)(uint64_t, size_t, uint64_t, size_t, size_t, unsigned long long) = get_at("cuMulticastBindMem", 12030);
+    CUresult (*bind_addr)(uint64_t, size_t, uint64_t, size_t, unsigned long long) = get_at("cuMulticastBindAddr", 12030);
+    if (grow(0, 4)) return 3;
+    for (int i = 0; i < 4; i++) fill(i);
+    long creates = fakecu_count("cuMemCreate");
+    printf("bind_addr_rc=%d", bind_addr(1, 0, va + 2 * PAGE, PAGE, 0));
+    printf(" bind_addr_split=%d", fakecu_count("cuMemCreate") > creates);
+    printf(" bind_mem_rc=%d\n", bind_mem(1, PAGE, h[1], 0, PAGE, 0));
+    /* Pages released around them do not move them (they are single now), and data holds. */
+    printf("shrink_rc=%d", shrink(0, 1));
+    size_t f, t; cudaMemGetInfo(&f, &t);
+    printf(" intact=%d\n", holds((char*)(va + PAGE), 1) && holds((char*)(va + 2 * PAGE), 2) && holds((char*)(va + 3 * PAGE), 3));
+    return 0;
+  }
   if (!strcmp(what, "two_inflight")) return two_inflight();
   if (!strcmp(what, "launch_race")) return launch_race(20);
   if (!strcmp(what, "consume_fd")) {

@@ -492,6 +492,17 @@ long fakecu_access(uint64_t va) {
   pthread_mutex_unlock(&mu); return r;
 }
 long fakecu_used(void) { return (long)used; }
+/* Multicast binding (PyTorch's symmetric memory): only checked, by handle or by a mapped
+ * address; a handle the driver never made is an invalid value, as on a GPU. */
+CUresult cuMulticastBindMem(CUmemGenericAllocationHandle mc, size_t mco, CUmemGenericAllocationHandle h, size_t off, size_t n, unsigned long long f) {
+  (void)mc; (void)mco; (void)f;
+  pthread_mutex_lock(&mu); int ok = h > 0 && h < MAXH && handles[h].size && off + n <= handles[h].size; pthread_mutex_unlock(&mu);
+  return ok ? 0 : 1;
+}
+CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle mc, size_t mco, CUdeviceptr va, size_t n, unsigned long long f) {
+  (void)mc; (void)mco; (void)f; CUdeviceptr b; size_t sz;
+  return cuMemGetAddressRange_v2(&b, &sz, va) || va + n > b + sz ? 1 : 0;
+}
 #else
 /* A driver without VMM still answers range and attribute queries: any pointer is memory of
  * device 0 (CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 2: device), nothing else is known. */
@@ -608,6 +619,7 @@ static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuMemRetainAllocationHandle", 11000, (void*)cuMemRetainAllocationHandle},
   {"cuMemGetAllocationPropertiesFromHandle", 10020, (void*)cuMemGetAllocationPropertiesFromHandle},
   {"cuMemGetAccess", 10020, (void*)cuMemGetAccess},
+  {"cuMulticastBindMem", 12010, (void*)cuMulticastBindMem}, {"cuMulticastBindAddr", 12010, (void*)cuMulticastBindAddr},
 #endif
 };
 CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long long flags, int* status) {
