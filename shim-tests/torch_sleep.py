@@ -12,8 +12,9 @@ output equal, 3 more steps; g) the 6 losses equal bit for bit a run without paus
 h) pinned-memcpy baselines of the same bytes (pause/D2H and resume/H2D: targets <= 1.2,
 reported); i) pause and resume twice; j) a tagged KV cache dropped with
 pause("kv_cache", offload=False) (target <= 50 ms for 40 GiB) and resumed (target <= 2x a
-plain allocation of the same tensors), the model untouched. Targets are reported, not
-asserted. Prints PASS/FAIL lines; JSON rewritten after every step; exit 1 on any failure.
+plain allocation of the same tensors), the model untouched; k) raw IPC handles (ctypes, as
+vLLM) while a tagged tensor pair is paused: an awake weight's handle resumes nothing, a paused
+tensor's handle resumes its pages with their bytes. Targets are reported, not asserted. Prints PASS/FAIL lines; JSON rewritten after every step; exit 1 on any failure.
 Internal modes: --reference (6 steps, no pause, prints LOSSES), --child-alloc BYTES and
 --child-alloc-list GIB (plain processes)."""
 import argparse
@@ -329,6 +330,36 @@ def run(args, r):
     r.check("j_plain_allocation_ran", plain_s is not None, f"{k} x 1 GiB in {plain_s} s {p.stderr.strip()[-300:]}")
     if plain_s:
         r.target("kv_resume_over_plain_alloc", kv_resume_s / plain_s, 2.0)
+    ipc_of_paused_memory(r, tensors)
+
+
+def ipc_of_paused_memory(r, tensors):
+    """k) Raw IPC (vLLM-style, through ctypes) while part of the memory is paused: a handle of
+    an awake weight leaves the paused memory paused; a handle of a paused tensor resumes the
+    pages it shares, with their bytes, before the handle is made."""
+    import torch
+    import expseg
+
+    sys.path.insert(0, HERE)
+    from torch_ipc import ctypes_handle
+
+    torch.cuda.empty_cache()
+    with expseg.tag("kv_ipc"):
+        kv = [torch.full((GIB // 4,), float(i + 1), device="cuda") for i in range(2)]
+    torch.cuda.synchronize()
+    paused = expseg.pause("kv_ipc")
+    r.check("k_paused", paused >= 2 * GIB - 64 * (1 << 20), f"{paused / GIB:.3f} GiB")
+    rc, _, _ = ctypes_handle(tensors[0])
+    r.check("k_ipc_of_awake_weight_leaves_paused_memory_paused", rc == 0 and expseg.paused() == paused,
+            f"rc {rc}, paused {paused} -> {expseg.paused()}")
+    rc, _, _ = ctypes_handle(kv[1])
+    after = expseg.paused()
+    ok = rc == 0 and after < paused and bool((kv[1] == 2.0).all().item())
+    r.check("k_ipc_of_paused_tensor_resumes_its_pages_with_their_bytes", ok,
+            f"rc {rc}, paused {paused} -> {after}")
+    expseg.resume("kv_ipc")
+    r.check("k_rest_resumes", expseg.paused() == 0 and bool((kv[0] == 1.0).all().item()) and bool((kv[1] == 2.0).all().item()))
+    del kv
 
 
 def main():
