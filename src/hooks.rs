@@ -122,6 +122,19 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
     })
 }
 
+/// `cudaDeviceReset`: the pool's allocations of the device go first, as the reset destroys
+/// the runtime's (`api::cudaDeviceReset`), then the real reset.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
+    if let Some(_g) = Guard::enter() {
+        if catch_unwind(api::cudaDeviceReset).is_err() {
+            crate::stats::GLOBAL.panics_caught.add(1);
+            log::error!("cudaDeviceReset: internal error caught; resetting anyway");
+        }
+    }
+    next::cudaDeviceReset()
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {

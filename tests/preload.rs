@@ -2792,3 +2792,19 @@ fn multicast_binding_of_pytorch_pages_gets_real_handles_and_pins_the_pages() {
         assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
     }
 }
+
+#[test]
+fn a_device_reset_frees_the_pools_allocations_as_it_frees_the_runtimes() {
+    let r = run("reset", &[]).ok();
+    for (k, v) in [
+        ("used_before_mib", "64"),
+        ("reset_rc", "0"),
+        ("resets", "1"),
+        ("used_after_mib", "0"),
+        ("stale_free_rc", "1"),
+        ("again_ok", "1"),
+        ("again_free_rc", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}

@@ -283,6 +283,36 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
     free_with(ptr, synchronize)
 }
 
+/// `cudaDeviceReset` of the calling thread's device, before the real call. The reset destroys
+/// every runtime allocation of the device and gives its memory back, but not memory made with
+/// `cuMemCreate` (measured on an H100: `scripts/vmm-cost/reset_vmm.cu`), so the pool's
+/// allocations of the device, which the program made with `cudaMalloc`, go now, their IPC
+/// shares and mirrors with them: afterwards their memory is free and a `cudaFree` of one is an
+/// error, as natively. PyTorch's coalesced pages stay, as the program's own VMM memory does.
+pub fn cudaDeviceReset() {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return;
+    }
+    let Ok(dev) = runtime::get_device() else {
+        return;
+    };
+    let _ = synchronize(dev);
+    let mut st = lock();
+    let Some(pool) = st.pool(dev) else {
+        return;
+    };
+    let freed = pool.reset();
+    for base in &freed {
+        st.ipc.forget(dev, *base);
+    }
+    if !freed.is_empty() {
+        log::info!(
+            "cudaDeviceReset: the {} allocation(s) of device {dev}'s pool are freed, as the reset frees runtime memory",
+            freed.len()
+        );
+    }
+}
+
 /// Free `ptr` if it is a live pool allocation, after `sync` waited for its device; the
 /// answer is `sync`'s error if it failed (the allocation then stays live).
 fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {

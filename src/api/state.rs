@@ -223,7 +223,7 @@ pub(super) fn bypass() -> bool {
 
 /// Mark forked children (once per process, whichever of the pool and the coalescers starts
 /// first): a child's CUDA state is not its own, so expseg passes everything through there.
-fn register_fork_hook() {
+pub(super) fn register_fork_hook() {
     extern "C" fn child_after_fork() {
         FORKED.store(true, Ordering::Relaxed);
     }
@@ -368,7 +368,7 @@ pub(super) mod coalescers {
     }
 
     pub(crate) static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
-        super::register_fork_hook();
+        crate::api::state::register_fork_hook();
         let devs = match real::driver() {
             Ok(t) => {
                 let n = cuda::device_count(t).unwrap_or(0);
@@ -422,7 +422,7 @@ pub(super) mod coalescers {
     /// locks are copies of the parent's, possibly taken by a thread that does not exist there;
     /// everything passes through to the driver, which answers a child's calls as natively).
     pub(crate) fn started() -> bool {
-        STARTED.load(Ordering::Acquire) && !super::forked()
+        STARTED.load(Ordering::Acquire) && !crate::api::state::forked()
     }
 
     impl Vmm {

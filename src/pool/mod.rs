@@ -561,6 +561,25 @@ impl<D: Driver> Pool<D> {
         Ok(user)
     }
 
+    /// `cudaDeviceReset`: the reset destroys every runtime allocation of the device, so every
+    /// allocation of the pool goes (shared ones, paused ones and mirrors included) and every
+    /// byte goes back to the driver, reservations too. Returns the bases freed. The caller
+    /// has waited for the device.
+    pub fn reset(&mut self) -> Vec<u64> {
+        let live: Vec<u64> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.cached_at.is_none())
+            .map(|(a, _)| *a)
+            .collect();
+        for base in &live {
+            let _ = self.free(*base);
+        }
+        self.retry_window = false;
+        self.trim(0);
+        live
+    }
+
     /// Give every cached byte back to the driver now (`expseg.trim()`, another expseg process
     /// that found no memory): the bytes given back. An open retry window stays open (the
     /// program's own retry after a failure is what it keeps frees for).

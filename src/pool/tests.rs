@@ -393,3 +393,33 @@ fn without_a_cache_bound_a_failed_allocation_keeps_nothing_back() {
     assert_eq!(k.give_back_cache(), 0);
     check(&k);
 }
+
+#[test]
+fn a_device_reset_frees_every_allocation_and_gives_every_byte_back() {
+    let mut p = Pool::new(
+        FakeDriver::new(0, GRAN, 1 << 30),
+        PoolConfig {
+            cache_max: 1 << 30,
+            max_chunk: 16 * MIB,
+        },
+    );
+    let a = p.alloc(8 * MIB).unwrap();
+    let b = p.alloc(40 * MIB).unwrap();
+    let c = p.alloc(4 * MIB).unwrap();
+    p.free(c).unwrap(); // cached
+    p.share(b).unwrap();
+    let mut freed = p.reset();
+    freed.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(freed, want);
+    assert_eq!(p.driver().used(), 0);
+    assert_eq!(p.driver().reservation_count(), 0);
+    assert_eq!(p.find(a), None);
+    assert_eq!(p.free(a), Err(FreeError::NotOwned));
+    p.validate().unwrap();
+    // The pool serves again after the reset.
+    let d = p.alloc(8 * MIB).unwrap();
+    p.free(d).unwrap();
+    p.validate().unwrap();
+}

@@ -264,6 +264,7 @@ forwarders! {
     cudaGetDevice(dev: *mut c_int);
     cudaSetDevice(dev: c_int);
     cudaDeviceSynchronize();
+    cudaDeviceReset();
     cudaMemcpy(dst: *mut c_void, src: *const c_void, count: size_t, kind: c_int);
     cudaIpcOpenMemHandle(dev_ptr: *mut *mut c_void, handle: CudaIpcMemHandle, flags: c_uint);
     cudaIpcCloseMemHandle(dev_ptr: *mut c_void);

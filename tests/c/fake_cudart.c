@@ -21,6 +21,7 @@ int fakecu_current_device(void);
 int fakecu_lookup(const void* p, void** base, size_t* n, int* fd);
 static __thread int last_error, cur_dev;
 static long n_malloc, n_free, n_sync, n_ipc, n_peer_on, n_peer_off;
+static long n_reset;
 /* Allocations are the driver's memfd mappings, so another process can open them by handle
  * (/proc/PID/fd/FD): the fake's legacy IPC. */
 static struct { void* p; size_t n; } opened[256];
@@ -31,6 +32,7 @@ long fakert_count(const char* w) {
   if (!strcmp(w, "cudaMalloc")) return n_malloc;
   if (!strcmp(w, "cudaFree")) return n_free;
   if (!strcmp(w, "cudaDeviceSynchronize")) return n_sync;
+  if (!strcmp(w, "cudaDeviceReset")) return n_reset;
   if (!strcmp(w, "cudaIpcGetMemHandle")) return n_ipc;
   if (!strcmp(w, "cudaDeviceEnablePeerAccess")) return n_peer_on;
   if (!strcmp(w, "cudaDeviceDisablePeerAccess")) return n_peer_off;
@@ -94,6 +96,9 @@ int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = 
 /* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
 void fakecu_sync_dev(int);
 void fakecu_legacy_wait(void);
+/* A reset frees the runtime's allocations (here: counted only; the fake's memory of them stays,
+ * and tests check what expseg did with its own). */
+int cudaDeviceReset(void) { __atomic_add_fetch(&n_reset, 1, __ATOMIC_RELAXED); return 0; }
 int cudaDeviceSynchronize(void) {
   __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
   fakecu_legacy_wait();

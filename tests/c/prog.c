@@ -706,6 +706,27 @@ static int own_context(void) {
   return 0;
 }
 
+/* cudaDeviceReset destroys the runtime's allocations and gives their memory back: pool memory
+ * too, then a cudaFree of it is an error, and allocating goes on. */
+int cudaDeviceReset(void);
+long fakecu_used(void);
+static int reset(void) {
+  unsigned char* p = 0;
+  CHECK(cudaMalloc((void**)&p, 64 * MIB) == 0);
+  fill(p, 64 * MIB, 3);
+  printf("used_before_mib=%ld", fakecu_used() >> 20);
+  int reset_rc = cudaDeviceReset();
+  printf(" reset_rc=%d resets=%ld", reset_rc, fakert_count("cudaDeviceReset"));
+  printf(" used_after_mib=%ld\n", fakecu_used() >> 20);
+  printf("stale_free_rc=%d\n", cudaFree(p));
+  cudaGetLastError();
+  CHECK(cudaMalloc((void**)&p, 64 * MIB) == 0);
+  fill(p, 64 * MIB, 4);
+  int again_ok = holds(p, 64 * MIB, 4);
+  printf("again_ok=%d again_free_rc=%d\n", again_ok, cudaFree(p));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
@@ -734,6 +755,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "layers")) return layers();
   if (!strcmp(s, "foreign")) return foreign();
   if (!strcmp(s, "own_context")) return own_context();
+  if (!strcmp(s, "reset")) return reset();
   fprintf(stderr, "unknown scenario %s\n", s);
   return 2;
 }
