@@ -135,6 +135,19 @@ pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
     next::cudaDeviceReset()
 }
 
+/// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API and
+/// statically linked runtimes (a shared runtime's own reset is served by `cudaDeviceReset`).
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
+    if let Some(_g) = Guard::enter() {
+        if catch_unwind(|| api::cuDevicePrimaryCtxReset(dev)).is_err() {
+            crate::stats::GLOBAL.panics_caught.add(1);
+            log::error!("cuDevicePrimaryCtxReset_v2: internal error caught; resetting anyway");
+        }
+    }
+    next_driver::cuDevicePrimaryCtxReset_v2(dev)
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
@@ -473,6 +486,9 @@ fn driver_hook_for(
         b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
         b"cuCtxEnablePeerAccess" => cuCtxEnablePeerAccess as *mut c_void,
         b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
+        // The reset's `_v2` (11000) has the same argument; the pool's memory goes first.
+        b"cuDevicePrimaryCtxReset" if version >= 11000 => cuDevicePrimaryCtxReset_v2 as *mut c_void,
+        b"cuDevicePrimaryCtxReset_v2" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
         _ => return None,
     };
     match caller() {
@@ -737,6 +753,8 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuIpcCloseMemHandle" => cuIpcCloseMemHandle as *mut c_void,
         b"cuCtxEnablePeerAccess" => cuCtxEnablePeerAccess as *mut c_void,
         b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
+        b"cuDevicePrimaryCtxReset_v2" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
+        b"cudaDeviceReset" => cudaDeviceReset as *mut c_void,
         _ => return None,
     })
 }

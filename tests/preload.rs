@@ -2808,3 +2808,20 @@ fn a_device_reset_frees_the_pools_allocations_as_it_frees_the_runtimes() {
         assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
     }
 }
+
+#[test]
+fn a_primary_context_reset_frees_the_pools_allocations_for_driver_programs() {
+    let r = run_in(&fixture().dir, "drv", &["reset"], &[]).ok();
+    for round in ["r0", "r1"] {
+        for (k, v) in [
+            ("used_before_mib", "64"),
+            ("reset_rc", "0"),
+            ("used_after_mib", "0"),
+            ("stale_free_rc", "1"),
+        ] {
+            let key = format!("{round}_{k}");
+            assert_eq!(r.get(&key), v, "{key}\n{}\n{}", r.stdout(), r.stderr());
+        }
+    }
+    assert_eq!(r.get("resets"), "2");
+}

@@ -290,12 +290,18 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
 /// shares and mirrors with them: afterwards their memory is free and a `cudaFree` of one is an
 /// error, as natively. PyTorch's coalesced pages stay, as the program's own VMM memory does.
 pub fn cudaDeviceReset() {
+    if let Ok(dev) = runtime::get_device() {
+        cuDevicePrimaryCtxReset(dev);
+    }
+}
+
+/// `cuDevicePrimaryCtxReset_v2(dev)` (what the runtime's reset does; static runtimes and
+/// programs of the driver API call it themselves), before the real call: as
+/// [`cudaDeviceReset`], for `dev`.
+pub fn cuDevicePrimaryCtxReset(dev: i32) {
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
         return;
     }
-    let Ok(dev) = runtime::get_device() else {
-        return;
-    };
     let _ = synchronize(dev);
     let mut st = lock();
     let Some(pool) = st.pool(dev) else {

@@ -217,6 +217,7 @@ forwarders! {
     cuMemGetAddressRange_v2(base: *mut u64, size: *mut size_t, ptr: u64);
     cuCtxDisablePeerAccess(peer: *mut c_void);
     cuMemAlloc_v2(dptr: *mut u64, size: size_t);
+    cuDevicePrimaryCtxReset_v2(dev: c_int);
     cuMemFree_v2(dptr: u64);
     cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t);
     cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut size_t, width: size_t, height: size_t, elem: c_uint);

@@ -189,9 +189,35 @@ static int peer(void) {
   return 0;
 }
 
+/* A primary context reset (what the runtime's cudaDeviceReset does; a static runtime calls it
+ * through cuGetProcAddress): the pool's allocations of the device go, as the driver's do. */
+CUresult cuDevicePrimaryCtxReset_v2(int);
+long fakecu_used(void);
+long fakecu_primary_resets(void);
+static int reset(void) {
+  CUcontext c;
+  CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0 && cuCtxSetCurrent(c) == 0);
+  CUresult (*by_proc)(int) = 0;
+  CHECK(cuGetProcAddress_v2("cuDevicePrimaryCtxReset", (void**)&by_proc, 12000, 0, 0) == 0 && by_proc);
+  for (int round = 0; round < 2; round++) {
+    uint64_t p = 0;
+    CHECK(cuMemAlloc_v2(&p, 64 * MIB) == 0);
+    memset((void*)(uintptr_t)p, 5, 64 * MIB);
+    long used = fakecu_used() >> 20;
+    int rc = round == 0 ? cuDevicePrimaryCtxReset_v2(0) : by_proc(0);
+    long after = fakecu_used() >> 20;
+    int stale = cuMemFree_v2(p);
+    printf("r%d_used_before_mib=%ld r%d_reset_rc=%d r%d_used_after_mib=%ld r%d_stale_free_rc=%d\n", round, used, round, rc,
+           round, after, round, stale);
+  }
+  printf("resets=%ld\n", fakecu_primary_resets());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "";
   if (!strcmp(s, "peer")) return peer();
+  if (!strcmp(s, "reset")) return reset();
   if (!strcmp(s, "ranges")) return ranges();
   if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2, cuMemAllocPitch_v2);
   if (!strcmp(s, "dlsym")) return by_dlsym();

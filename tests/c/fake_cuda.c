@@ -85,6 +85,10 @@ CUresult cuCtxPopCurrent_v2(CUcontext* c) { if (!depth) return 201; depth--; if 
 CUresult cuCtxGetDevice(CUdevice* d) { if (!initialised) return 3; int dev = ctx_device(current()); if (dev < 0) return 201; *d = dev; return 0; }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RETAIN); *c = PRIMARY(d); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RELEASE); return 0; }
+/* A reset: counted only (the fake's own memory of the context stays). */
+static long n_primary_resets;
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { if (d < 0 || d >= ndev()) return 101; __atomic_add_fetch(&n_primary_resets, 1, __ATOMIC_RELAXED); return 0; }
+long fakecu_primary_resets(void) { return n_primary_resets; }
 CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
 /* Peer access between contexts: only counted and checked (the fake's memory is host memory). */
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
@@ -601,7 +605,7 @@ static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuCtxGetDevice", 0, (void*)cuCtxGetDevice}, {"cuCtxSynchronize", 0, (void*)cuCtxSynchronize},
   {"cuCtxCreate", 3020, (void*)cuCtxCreate_v2}, {"cuCtxPushCurrent", 4000, (void*)cuCtxPushCurrent_v2}, {"cuCtxPopCurrent", 4000, (void*)cuCtxPopCurrent_v2},
   {"cuDevicePrimaryCtxRetain", 7000, (void*)cuDevicePrimaryCtxRetain}, {"cuDevicePrimaryCtxRelease", 11000, (void*)cuDevicePrimaryCtxRelease_v2},
-  {"cuDevicePrimaryCtxGetState", 7000, (void*)cuDevicePrimaryCtxGetState},
+  {"cuDevicePrimaryCtxGetState", 7000, (void*)cuDevicePrimaryCtxGetState}, {"cuDevicePrimaryCtxReset", 11000, (void*)cuDevicePrimaryCtxReset_v2},
   {"cuDeviceGet", 0, (void*)cuDeviceGet}, {"cuDeviceGetCount", 0, (void*)cuDeviceGetCount}, {"cuDeviceGetAttribute", 0, (void*)cuDeviceGetAttribute},
   {"cuMemAlloc", 0, (void*)cuMemAlloc}, {"cuMemAlloc", 3020, (void*)cuMemAlloc_v2}, {"cuMemFree", 3020, (void*)cuMemFree_v2},
   {"cuMemGetInfo", 3020, (void*)cuMemGetInfo_v2}, {"cuMemAllocPitch", 3020, (void*)cuMemAllocPitch_v2},
