@@ -626,9 +626,16 @@ fn share(how: &str, extra: &[(&str, &str)]) -> Run {
 
 fn share_in(scenario: &str, how: &str, extra: &[(&str, &str)]) -> Run {
     let f = fixture();
+    // One directory per distinct call (tests run in parallel and each clears its own), named
+    // short: a socket's path must fit in 108 bytes.
+    let tag = extra.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, (k, v)| {
+        format!("{k}={v};")
+            .bytes()
+            .fold(h, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    });
     let dir = f
         .dir
-        .join(format!("sockets-{scenario}-{how}-{}", extra.len()));
+        .join(format!("sock-{scenario}-{how}-{:08x}", tag as u32));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let prog = f.dir.join("prog");
@@ -2824,4 +2831,34 @@ fn a_primary_context_reset_frees_the_pools_allocations_for_driver_programs() {
         }
     }
     assert_eq!(r.get("resets"), "2");
+}
+
+#[test]
+fn opening_a_ticket_twice_is_one_more_reference_to_the_same_memory() {
+    let r = share("expseg", &[("CONSUMER_TWICE", "1")]).ok();
+    for (k, v) in [
+        ("open_rc", "0"),
+        ("open2_rc", "0"),
+        ("same_ptr", "1"),
+        ("close_1", "0"),
+        ("kept_after_one_close", "1"),
+        ("close_2", "0"),
+        ("unmapped", "1"),
+        ("close_3", "1"),
+    ] {
+        assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
+fn a_device_reset_ends_memory_opened_through_a_ticket() {
+    let r = share("expseg", &[("CONSUMER_RESET", "1")]).ok();
+    for (k, v) in [
+        ("open_rc", "0"),
+        ("reset_rc", "0"),
+        ("after_reset_mapped", "0"),
+        ("close_after_reset_fails", "1"),
+    ] {
+        assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
 }

@@ -304,16 +304,24 @@ pub fn cuDevicePrimaryCtxReset(dev: i32) {
     }
     let _ = synchronize(dev);
     let mut st = lock();
-    let Some(pool) = st.pool(dev) else {
-        return;
-    };
-    let freed = pool.reset();
+    // Memory opened through tickets ends too, as memory opened with legacy IPC does (measured
+    // natively: a close after the reset fails).
+    let opened = st.ipc.take_opened_on(dev);
+    let freed = st.pool(dev).map(|p| p.reset()).unwrap_or_default();
     for base in &freed {
         st.ipc.forget(dev, *base);
     }
-    if !freed.is_empty() {
+    let driver = st.driver.as_ref().ok().copied();
+    drop(st);
+    let unmapped = opened.len();
+    if let Some(t) = driver {
+        for imp in opened {
+            cuda::unmap_imported(t, imp);
+        }
+    }
+    if !freed.is_empty() || unmapped > 0 {
         log::info!(
-            "cudaDeviceReset: the {} allocation(s) of device {dev}'s pool are freed, as the reset frees runtime memory",
+            "device {dev} reset: {} allocation(s) of its pool freed and {unmapped} mapping(s) opened through tickets unmapped, as the reset ends runtime and IPC memory",
             freed.len()
         );
     }

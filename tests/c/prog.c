@@ -221,6 +221,29 @@ static int consume(const char* hex, int expect, int write) {
   if (peer && !strcmp(peer, "before")) { cudaSetDevice(1); cudaDeviceEnablePeerAccess(0, 0); cudaSetDevice(0); }
   int rc = cudaIpcOpenMemHandle((void**)&q, h, 1);
   printf("open_rc=%d", rc);
+  if (rc == 0 && getenv("CONSUMER_TWICE")) {
+    /* CUDA: a second open of one handle in a context is the same pointer, one more reference
+     * (measured natively on an H100: scripts/vmm-cost/ipc_open_twice.cu). */
+    unsigned char* q2 = 0;
+    int rc2 = cudaIpcOpenMemHandle((void**)&q2, h, 1);
+    int c1 = cudaIpcCloseMemHandle(q2);
+    int kept = fakecu_access((uint64_t)q) != -1 && holds(q, 32 * MIB, (unsigned char)expect);
+    int c2 = cudaIpcCloseMemHandle(q);
+    int gone = fakecu_access((uint64_t)q) == -1;
+    int c3 = cudaIpcCloseMemHandle(q);
+    printf(" open2_rc=%d same_ptr=%d close_1=%d kept_after_one_close=%d close_2=%d unmapped=%d close_3=%d\n", rc2, q2 == q,
+           c1, kept, c2, gone, c3 != 0);
+    return 0;
+  }
+  if (rc == 0 && getenv("CONSUMER_RESET")) {
+    /* A reset ends memory opened through IPC: a close after it fails (measured natively). */
+    extern int cudaDeviceReset(void);
+    int r = cudaDeviceReset();
+    int mapped = fakecu_access((uint64_t)q) != -1;
+    int c = cudaIpcCloseMemHandle(q);
+    printf(" reset_rc=%d after_reset_mapped=%d close_after_reset_fails=%d\n", r, mapped, c != 0);
+    return 0;
+  }
   if (rc == 0 && peer) {
     printf(" import_access=%ld", fakecu_access((uint64_t)q));
     if (!strcmp(peer, "after")) {

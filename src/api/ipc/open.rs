@@ -2,6 +2,7 @@
 //! memory, `cudaIpcCloseMemHandle` unmaps it, and range queries see such memory (and pool
 //! allocations) whole.
 
+use super::shares::Closed;
 use crate::api::state::{bypass, ensure_state, lock, Answer, STATE_STARTED};
 use crate::gpu::cuda;
 use crate::gpu::IpcHandle;
@@ -25,6 +26,16 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         return Answer::PassThrough;
     };
     let ticket_only = handle[24..].iter().all(|b| *b == 0);
+    let Ok(dev) = runtime::get_device() else {
+        return Answer::Done(Err(INVALID_HANDLE));
+    };
+    // Opened in this context already: the same address, one reference more (as CUDA does).
+    let key = (t.uid, t.pid, t.id, t.nonce, dev);
+    if STATE_STARTED.load(Ordering::Acquire) {
+        if let Some(va) = lock().ipc.reopen(key) {
+            return Answer::Done(Ok(va));
+        }
+    }
     let path = transport::socket_path(t.uid, t.pid);
     let started = std::time::Instant::now();
     let (grant, mut incoming) = match transport::ask(&path, t.uid, t.pid, t.id, t.nonce) {
@@ -60,9 +71,6 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             return Answer::PassThrough;
         }
     };
-    let Ok(dev) = runtime::get_device() else {
-        return Answer::Done(Err(INVALID_HANDLE));
-    };
     let Some(drv) = ensure_state().driver.as_ref().ok().copied() else {
         return Answer::Done(Err(INVALID_HANDLE));
     };
@@ -75,7 +83,6 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
     });
     match imported {
         Ok(imp) => {
-            let va = imp.va;
             log::debug!(
                 "IPC: ticket {} of process {} opened: {} bytes in {} chunk(s); ask {:.3} ms, import and map {:.3} ms",
                 t.id,
@@ -95,10 +102,19 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                     }
                 }
             }
-            st.ipc.opened.insert(va, imp);
-            drop(st);
-            GLOBAL.ipc_tickets_opened.add(1);
-            Answer::Done(Ok(va))
+            match st.ipc.record_open(key, imp) {
+                Ok(va) => {
+                    drop(st);
+                    GLOBAL.ipc_tickets_opened.add(1);
+                    Answer::Done(Ok(va))
+                }
+                // Another thread opened the same ticket meanwhile: its mapping serves.
+                Err((first, twin)) => {
+                    drop(st);
+                    cuda::unmap_imported(drv, twin);
+                    Answer::Done(Ok(first))
+                }
+            }
         }
         Err(e) => {
             log::error!("IPC: mapping the memory of process {} failed: {e}", t.pid);
@@ -123,8 +139,7 @@ pub fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
     if let Some(r) = st.open_pools().find_map(|(_, p)| p.find(ptr)) {
         return Some(r);
     }
-    let (va, imp) = st.ipc.opened.range(..=ptr).next_back()?;
-    (ptr < va + imp.size).then_some((*va, imp.user))
+    st.ipc.opened_at(ptr).map(|imp| (imp.va, imp.user))
 }
 
 /// The pool allocation containing `ptr` (memory opened through a ticket excluded).
@@ -137,13 +152,16 @@ pub fn pool_allocation_range(ptr: u64) -> Option<(u64, u64)> {
     found
 }
 
-/// `cudaIpcCloseMemHandle`: unmap memory opened through a ticket; others pass through.
+/// `cudaIpcCloseMemHandle`: one reference of memory opened through a ticket goes; the last
+/// unmaps it. Others pass through.
 pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
         return Answer::PassThrough;
     }
-    let Some(imp) = lock().ipc.opened.remove(&ptr) else {
-        return Answer::PassThrough;
+    let imp = match lock().ipc.close(ptr) {
+        None => return Answer::PassThrough,
+        Some(Closed::Kept) => return Answer::Done(0),
+        Some(Closed::Last(imp)) => imp,
     };
     // Work of this process may still use the mapping: the device it was opened for (not
     // whichever is current now).

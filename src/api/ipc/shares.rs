@@ -30,7 +30,27 @@ pub(crate) struct IpcState {
     /// Mirrors of VMM memory expseg does not own, by the start of the mapping.
     pub(crate) foreign: HashMap<u64, ForeignShare>,
     /// Imported mappings by the address `cudaIpcOpenMemHandle` returned.
-    pub(super) opened: std::collections::BTreeMap<u64, Imported>,
+    pub(super) opened: std::collections::BTreeMap<u64, Opened>,
+}
+
+/// Which ticket, opened on which device: (producer uid, pid, ticket id, nonce, device).
+pub(crate) type OpenKey = (u32, u32, u32, u64, i32);
+
+/// Memory opened through a ticket: the mapping, the ticket and device it came from, and how
+/// many opens it stands for. CUDA counts a second `cudaIpcOpenMemHandle` of one handle in a
+/// context as one more reference to the first: the same address, one close each.
+pub(crate) struct Opened {
+    pub(crate) imp: Imported,
+    key: OpenKey,
+    refs: u32,
+}
+
+/// What one `cudaIpcCloseMemHandle` of memory opened through a ticket leaves.
+pub(crate) enum Closed {
+    /// Other opens still use it.
+    Kept,
+    /// The last reference: unmap it.
+    Last(Imported),
 }
 
 impl IpcState {
@@ -48,7 +68,63 @@ impl IpcState {
 
     /// Memory opened through tickets on device `dev`.
     pub(crate) fn opened_on(&self, dev: i32) -> impl Iterator<Item = &Imported> {
-        self.opened.values().filter(move |i| i.dev == dev)
+        self.opened
+            .values()
+            .map(|o| &o.imp)
+            .filter(move |i| i.dev == dev)
+    }
+
+    /// The address of ticket `key` if it is open already: one reference more.
+    pub(crate) fn reopen(&mut self, key: OpenKey) -> Option<u64> {
+        let (va, o) = self.opened.iter_mut().find(|(_, o)| o.key == key)?;
+        o.refs += 1;
+        Some(*va)
+    }
+
+    /// Record memory just opened through ticket `key`. Another thread may have opened the
+    /// same ticket meanwhile: then that mapping gets the reference and this one comes back to
+    /// be unmapped.
+    pub(crate) fn record_open(
+        &mut self,
+        key: OpenKey,
+        imp: Imported,
+    ) -> Result<u64, (u64, Imported)> {
+        if let Some(va) = self.reopen(key) {
+            return Err((va, imp));
+        }
+        let va = imp.va;
+        self.opened.insert(va, Opened { imp, key, refs: 1 });
+        Ok(va)
+    }
+
+    /// One close of `va`; `None` if no ticket was opened there.
+    pub(crate) fn close(&mut self, va: u64) -> Option<Closed> {
+        let o = self.opened.get_mut(&va)?;
+        if o.refs > 1 {
+            o.refs -= 1;
+            return Some(Closed::Kept);
+        }
+        self.opened.remove(&va).map(|o| Closed::Last(o.imp))
+    }
+
+    /// Every mapping opened through a ticket on `dev`, whatever its references, taken out of
+    /// the books (a device reset ends them, as it ends memory opened with legacy IPC).
+    pub(crate) fn take_opened_on(&mut self, dev: i32) -> Vec<Imported> {
+        let vas: Vec<u64> = self
+            .opened
+            .iter()
+            .filter(|(_, o)| o.imp.dev == dev)
+            .map(|(va, _)| *va)
+            .collect();
+        vas.into_iter()
+            .filter_map(|va| self.opened.remove(&va).map(|o| o.imp))
+            .collect()
+    }
+
+    /// The mapping opened through a ticket that contains `ptr`.
+    pub(crate) fn opened_at(&self, ptr: u64) -> Option<&Imported> {
+        let (va, o) = self.opened.range(..=ptr).next_back()?;
+        (ptr < va + o.imp.size).then_some(&o.imp)
     }
 
     /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
