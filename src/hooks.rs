@@ -135,6 +135,36 @@ pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
     next::cudaDeviceReset()
 }
 
+/// `cuMemRetainAllocationHandle` for every caller but PyTorch's allocator (which gets the
+/// VMM hook and virtual handles): NCCL registers a user buffer by the range query's base
+/// (expseg answers the page PyTorch mapped) and the handle retained there, exports it and has
+/// the peer map the range's size from offset 0. The driver alone would retain the larger
+/// handle expseg mapped behind a run of pages, whose start is another page's. So a coalesced
+/// page there gets a handle of its own that never moves first (as for an IPC handle of such
+/// memory), then the driver retains it. A split that fails (out of memory): its code, no handle.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
+    let Some(f) = crate::real::driver()
+        .ok()
+        .and_then(|t| t.cuMemRetainAllocationHandle)
+    else {
+        return NO_DRIVER;
+    };
+    if let Some(_g) = Guard::enter() {
+        match catch_unwind(|| api::vmm::isolate_run(addr as u64)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return e,
+            Err(_) => {
+                crate::stats::GLOBAL.panics_caught.add(1);
+                log::error!(
+                    "cuMemRetainAllocationHandle: internal error caught; asking the driver"
+                );
+            }
+        }
+    }
+    f(h, addr)
+}
+
 /// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API and
 /// statically linked runtimes (a shared runtime's own reset is served by `cudaDeviceReset`).
 #[cfg_attr(not(test), no_mangle)]
@@ -488,6 +518,7 @@ fn driver_hook_for(
         b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
         // The reset's `_v2` (11000) has the same argument; the pool's memory goes first.
         b"cuDevicePrimaryCtxReset" if version >= 11000 => cuDevicePrimaryCtxReset_v2 as *mut c_void,
+        b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
         b"cuDevicePrimaryCtxReset_v2" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
         _ => return None,
     };
@@ -655,12 +686,15 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
         // `cuGetProcAddress` at version 12000 and gets `_v2`) keeps going through expseg.
         b"cuGetProcAddress" if version >= 12000 => cuGetProcAddress_v2 as *mut c_void,
         b"cuGetProcAddress" => cuGetProcAddress as *mut c_void,
-        _ => match driver_hook_for(name, version, crate::vmm_hooks::caller_pc) {
+        // PyTorch's table first (its retain hook answers virtual handles; every other caller's
+        // retain gets real ones), then the driver hooks.
+        _ => match runtime_api
+            .then(|| crate::vmm_hooks::for_caller(name, version))
+            .flatten()
+            .or_else(|| driver_hook_for(name, version, crate::vmm_hooks::caller_pc))
+        {
             Some(p) => p,
-            None => match crate::vmm_hooks::for_caller(name, version).filter(|_| runtime_api) {
-                Some(p) => p,
-                None => return,
-            },
+            None => return,
         },
     };
     *pfn = ours;
@@ -754,6 +788,7 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuCtxEnablePeerAccess" => cuCtxEnablePeerAccess as *mut c_void,
         b"cuCtxDisablePeerAccess" => cuCtxDisablePeerAccess as *mut c_void,
         b"cuDevicePrimaryCtxReset_v2" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
+        b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
         b"cudaDeviceReset" => cudaDeviceReset as *mut c_void,
         _ => return None,
     })

@@ -2862,3 +2862,19 @@ fn a_device_reset_ends_memory_opened_through_a_ticket() {
         assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
     }
 }
+
+#[test]
+fn nccl_buffer_registration_of_pytorch_pages_exports_the_page_itself() {
+    let r = pages("libc10_cuda.so", "nccl_register", &[]).ok();
+    for (k, v) in [
+        ("range_rc", "0"),
+        ("range_is_page", "1"),
+        ("retain_rc", "0"),
+        ("export_rc", "0"),
+        ("peer_sees_page", "1"),
+        ("shrink_rc", "0"),
+        ("intact", "1"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}

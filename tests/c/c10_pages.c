@@ -284,6 +284,45 @@ int expandable(const char* what) {
   import_ = get("cuMemImportFromShareableHandle"); retain = get("cuMemRetainAllocationHandle");
   props = get("cuMemGetAllocationPropertiesFromHandle");
   if (reserve(&va, NP * PAGE, 0, 0, 0)) return 2;
+  if (!strcmp(what, "nccl_register")) {
+    /* NCCL's user-buffer registration of a tensor in PyTorch's pages, with NCCL's own driver
+     * functions (cuGetProcAddress, not PyTorch's table): the range query's base, the handle
+     * retained there, exported; the peer maps the range's size from the handle's offset 0 and
+     * must see that page's bytes. */
+    CUresult (*getproc)(const char*, void**, int, unsigned long long, int*) = dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2");
+    void *range_p = 0, *retain_p = 0, *export_p = 0, *import_p = 0, *map_p = 0, *access_p = 0, *release_p = 0, *unmap_p = 0;
+    if (!getproc || getproc("cuMemGetAddressRange", &range_p, 12000, 0, 0) || getproc("cuMemRetainAllocationHandle", &retain_p, 12000, 0, 0) ||
+        getproc("cuMemExportToShareableHandle", &export_p, 12000, 0, 0) || getproc("cuMemImportFromShareableHandle", &import_p, 12000, 0, 0) ||
+        getproc("cuMemMap", &map_p, 12000, 0, 0) || getproc("cuMemSetAccess", &access_p, 12000, 0, 0) ||
+        getproc("cuMemRelease", &release_p, 12000, 0, 0) || getproc("cuMemUnmap", &unmap_p, 12000, 0, 0)) return 4;
+    CUresult (*range_)(uint64_t*, size_t*, uint64_t) = range_p;
+    CUresult (*dretain)(uint64_t*, void*) = retain_p;
+    CUresult (*dexport)(void*, uint64_t, int, unsigned long long) = export_p;
+    CUresult (*dimport)(uint64_t*, void*, int) = import_p;
+    CUresult (*dmap)(uint64_t, size_t, size_t, uint64_t, unsigned long long) = map_p;
+    CUresult (*daccess)(uint64_t, size_t, const Access*, size_t) = access_p;
+    CUresult (*drelease)(uint64_t) = release_p;
+    CUresult (*dunmap)(uint64_t, size_t) = unmap_p;
+    if (grow(0, 6)) return 3;
+    for (int i = 0; i < 6; i++) fill(i);
+    uint64_t base = 0, rh = 0, ih = 0, peer = 0; size_t size = 0; int fd = -1;
+    int rr = range_(&base, &size, va + 3 * PAGE + 5);
+    int rt = dretain(&rh, (void*)base);
+    int ex = dexport(&fd, rh, 1, 0);
+    drelease(rh);
+    int ok = 0;
+    if (!ex && !dimport(&ih, (void*)(intptr_t)fd, 1) && !reserve(&peer, size, 0, 0, 0) && !dmap(peer, size, 0, ih, 0)) {
+      Access a = {{1, 0}, 3}; daccess(peer, size, &a, 1);
+      ok = holds((char*)peer, 3);
+      dunmap(peer, size); drelease(ih);
+    }
+    printf("range_rc=%d range_is_page=%d retain_rc=%d export_rc=%d peer_sees_page=%d", rr, base == va + 3 * PAGE && size == PAGE, rt, ex, ok);
+    /* Later moves leave the registered page where it is. */
+    printf(" shrink_rc=%d", shrink(0, 3));
+    size_t f, t; cudaMemGetInfo(&f, &t);
+    printf(" intact=%d\n", holds((char*)(va + 3 * PAGE), 3) && holds((char*)(va + 5 * PAGE), 5));
+    return 0;
+  }
   if (!strcmp(what, "multicast")) {
     /* PyTorch's symmetric memory binds its pages to a multicast object by handle (and may
      * by address): the driver must get a real handle, and the bound pages must stay. */
