@@ -243,6 +243,11 @@ pub fn props_of(vh: u64) -> Option<(i32, PageProps)> {
 
 /// `cuMemAddressReserve` succeeded.
 pub fn reserved(va: u64, size: u64) {
+    // Not `started()`: reservations made before the first page count too. A forked child's
+    // are not ours to know.
+    if super::state::forked() {
+        return;
+    }
     for c in lock().all() {
         c.reserved(va, size);
     }

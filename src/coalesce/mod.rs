@@ -345,6 +345,10 @@ impl<D: Driver> Coalescer<D> {
         if let Some((va, vh)) = self.maps.range(..=ptr).next_back() {
             let p = self.pages.get_mut(vh).ok_or(INVALID)?;
             if ptr < va + p.size {
+                // A released page not backed yet is pending again (its release took it off).
+                if p.refs == 0 && p.slot.is_none() {
+                    self.pending_bytes += p.size;
+                }
                 p.refs += 1;
                 return Ok(Some(*vh));
             }

@@ -286,3 +286,19 @@ fn ranges_past_the_end_of_the_address_space_answer_without_panicking() {
     shrink(&mut c, va, &hs);
     all_given_back(&mut c);
 }
+
+#[test]
+fn retaining_a_released_page_not_backed_yet_counts_it_pending_again() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let h = c.create(PAGE, PROPS).unwrap();
+    c.map(va, PAGE, 0, h).unwrap();
+    c.release(h).unwrap();
+    assert_eq!(c.pending_bytes, 0);
+    assert_eq!(c.retain(va + G), Ok(Some(h)));
+    assert_eq!(c.pending_bytes, PAGE);
+    assert!(c.set_access(va, PAGE, &[(0, RW)]).unwrap());
+    assert_eq!(c.pending_bytes, 0);
+    assert!(c.unmap(va, PAGE).unwrap());
+    c.release(h).unwrap();
+    all_given_back(&mut c);
+}
