@@ -1,10 +1,14 @@
 //! `expseg doctor`: can expseg work on this machine? A table with a verdict per line; exits 1
-//! when it cannot (no driver, no VMM on any device, a library built for a newer glibc).
+//! when it cannot (no driver, no device it can serve, a library built for a newer glibc); a
+//! device it cannot serve beside others it can is a warning.
 //!
 //! `expseg glibc FILE`: the highest glibc version FILE requires (the portable-build check).
 //!
 //! `expseg pause|resume|paused PID...`: pause and resume the GPU memory of running expseg
-//! processes of the calling user, over their sockets (`expseg::ipc::control`).
+//! processes of the calling user, over their sockets (`expseg::ipc::control`). Processes
+//! found by `--tree`, `--gpu` or `--all` that are not expseg processes of the user's are
+//! skipped with a note; a named PID that does not answer is a failure (exit 1), and so is
+//! finding none that answers.
 
 use expseg::config::Config;
 use expseg::real::{self, DriverTable};
@@ -133,9 +137,11 @@ fn check_driver(r: &mut Report) -> Option<(&'static DriverTable, i32)> {
     }
 }
 
+/// One row per device; whether expseg can serve any of them (VMM, and its pool opens). A
+/// device it cannot serve is a warning (its allocations pass through); none at all fails.
 fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
     use cudarc::driver::sys::CUdevice_attribute as A;
-    let mut any_vmm = false;
+    let mut any_served = false;
     for d in 0..n {
         let mut name = [0 as c_char; 128];
         let attr = |a: A| {
@@ -154,7 +160,6 @@ fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
             .into_owned();
         let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) != 0;
         let fd = attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 0;
-        any_vmm |= vmm;
         r.add(format!("device {d}"), name, Verdict::Info);
         r.add(
             format!("device {d} VMM"),
@@ -163,7 +168,7 @@ fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
             } else {
                 "not supported: its allocations pass through"
             },
-            if vmm { Verdict::Ok } else { Verdict::Fail },
+            if vmm { Verdict::Ok } else { Verdict::Warn },
         );
         r.add(
             format!("device {d} POSIX-fd handles"),
@@ -178,10 +183,15 @@ fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
             let mut drv = match expseg::gpu::cuda::CudaDriver::open(t, d) {
                 Ok(drv) => drv,
                 Err(e) => {
-                    r.add(format!("device {d} pool"), e, Verdict::Fail);
+                    r.add(
+                        format!("device {d} pool"),
+                        format!("{e}: its allocations pass through"),
+                        Verdict::Warn,
+                    );
                     continue;
                 }
             };
+            any_served = true;
             use expseg::gpu::Driver;
             r.add(
                 format!("device {d} granularity"),
@@ -204,27 +214,31 @@ fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
             }
         }
     }
-    any_vmm
+    any_served
 }
 
 fn check_pidfd(r: &mut Report) {
     let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "absent".into());
-    // SAFETY: plain syscalls on our own process; descriptors closed below.
+    // Asked of this process by a child, as a torch.multiprocessing consumer asks its parent
+    // producer (a process asking itself is always allowed, whatever the settings).
+    // SAFETY: the child makes only plain syscalls and leaves with _exit.
     let permitted = unsafe {
-        let pfd = libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) as c_int;
-        let ok = pfd >= 0 && {
-            let fd = libc::syscall(libc::SYS_pidfd_getfd, pfd, 0, 0) as c_int;
-            if fd >= 0 {
-                libc::close(fd);
+        match libc::fork() {
+            0 => {
+                let pfd = libc::syscall(libc::SYS_pidfd_open, libc::getppid(), 0) as c_int;
+                let ok = pfd >= 0 && libc::syscall(libc::SYS_pidfd_getfd, pfd, 0, 0) >= 0;
+                libc::_exit(if ok { 0 } else { 1 })
             }
-            fd >= 0
-        };
-        if pfd >= 0 {
-            libc::close(pfd);
+            k if k > 0 => {
+                let mut st = 0;
+                libc::waitpid(k, &mut st, 0) == k
+                    && libc::WIFEXITED(st)
+                    && libc::WEXITSTATUS(st) == 0
+            }
+            _ => false,
         }
-        ok
     };
     r.add(
         "pidfd_getfd",
@@ -360,7 +374,7 @@ fn doctor() -> ExitCode {
         if !check_devices(&mut r, t, n) && n > 0 {
             r.add(
                 "VMM",
-                "no device supports it: expseg passes everything through",
+                "no device can be served (no VMM, or no context): expseg passes everything through",
                 Verdict::Fail,
             );
         }
@@ -453,6 +467,10 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     use expseg::ipc::control::{self, Control};
     use expseg::ipc::transport::{current_uid, AskError};
     let (mut pids, mut tag, mut discard, mut all) = (Vec::new(), None, false, false);
+    // Processes named by PID must answer; those found by --tree, --gpu or --all may be no
+    // expseg process of the user's (a launcher, a data loader worker, another user's job on
+    // the GPU): skipped with a note, not failures.
+    let mut named: Vec<u32> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -475,7 +493,10 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
                 None => return usage(cmd, "--gpu needs an index or a UUID"),
             },
             p => match p.parse::<u32>() {
-                Ok(p) => pids.push(p),
+                Ok(p) => {
+                    pids.push(p);
+                    named.push(p);
+                }
                 Err(_) => return usage(cmd, &format!("unknown argument {p}")),
             },
         }
@@ -501,22 +522,31 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
         "resume" => Control::Resume { tag },
         _ => Control::Query,
     };
-    let mut ok = true;
+    let (mut ok, mut answered) = (true, 0usize);
     for pid in pids {
+        let found = !named.contains(&pid);
         if let Some(owner) = owner_of(pid).filter(|o| *o != uid) {
-            eprintln!("pid {pid}: belongs to uid {owner}; expseg pauses and resumes only processes of your own user ({uid})");
-            ok = false;
+            if found {
+                eprintln!("pid {pid}: belongs to uid {owner}: skipped");
+            } else {
+                eprintln!("pid {pid}: belongs to uid {owner}; expseg pauses and resumes only processes of your own user ({uid})");
+                ok = false;
+            }
             continue;
         }
         let t = std::time::Instant::now();
         match control::ask(uid, pid, c, control::TIMEOUT) {
             Ok(n) => {
+                answered += 1;
                 let s = t.elapsed().as_secs_f64();
                 match c {
                     Control::Pause { .. } => println!("pid {pid}: paused {n} bytes in {s:.3} s"),
                     Control::Resume { .. } => println!("pid {pid}: resumed {n} bytes in {s:.3} s"),
                     Control::Query => println!("pid {pid}: {n} bytes paused"),
                 }
+            }
+            Err(AskError::Unreachable(_)) if found => {
+                eprintln!("pid {pid}: no expseg socket answers (not an expseg process, or no GPU allocation yet): skipped");
             }
             Err(e) => {
                 ok = false;
@@ -530,6 +560,10 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
                 eprintln!("pid {pid}: {cmd} failed: {why}");
             }
         }
+    }
+    if named.is_empty() && answered == 0 {
+        eprintln!("expseg {cmd}: no expseg process of yours among the processes found");
+        ok = false;
     }
     match ok {
         true => ExitCode::SUCCESS,

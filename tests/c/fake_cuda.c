@@ -2,7 +2,7 @@
  * chunks are memfds, reservations are PROT_NONE mappings, cuMemMap maps the memfd over the
  * reservation, so test programs can read and write pool memory and check it.
  * Environment: FAKE_DEVICES (default 1), FAKE_CAPACITY bytes (default 1 GiB),
- * FAKE_NO_VMM_ATTR=1 (device says no VMM). Built with -DNO_VMM it lacks the VMM symbols.
+ * FAKE_NO_VMM_ATTR=1 (device says no VMM), FAKE_NO_VMM_DEVICE=N (device N says so). Built with -DNO_VMM it lacks the VMM symbols.
  * Contexts: each device has a primary context (0x100 + device); cuCtxCreate makes others.
  * cuMemAlloc_v2 hands out memfd mappings (the fake runtime's cudaMalloc memory; another
  * process opens them through /proc/PID/fd: the fake's legacy IPC). cuGetProcAddress[_v2]
@@ -193,7 +193,8 @@ CUresult cuDeviceGet(CUdevice* d, int o) { if (o < 0 || o >= ndev()) return 101;
 CUresult cuDeviceGetCount(int* n) { *n = ndev(); return 0; }
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
   if (d < 0 || d >= ndev()) return 101;
-  if (attr == 102) *v = getenv("FAKE_NO_VMM_ATTR") ? 0 : 1; /* VMM supported */
+  /* VMM supported; FAKE_NO_VMM_ATTR: by no device, FAKE_NO_VMM_DEVICE=N: not by device N */
+  if (attr == 102) *v = getenv("FAKE_NO_VMM_ATTR") || envl("FAKE_NO_VMM_DEVICE", -1) == d ? 0 : 1;
   else if (attr == 103) *v = 1;                             /* POSIX fd handles */
   else *v = 0;
   return 0;
