@@ -139,9 +139,9 @@ pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
 /// VMM hook and virtual handles): NCCL registers a user buffer by the range query's base
 /// (expseg answers the page PyTorch mapped) and the handle retained there, exports it and has
 /// the peer map the range's size from offset 0. The driver alone would retain the larger
-/// handle expseg mapped behind a run of pages, whose start is another page's. So a coalesced
-/// page there gets a handle of its own that never moves first (as for an IPC handle of such
-/// memory), then the driver retains it. A split that fails (out of memory): its code, no handle.
+/// handle expseg mapped behind a run of pages, whose start is another page's. So the pages of
+/// the handle behind that page get handles of their own that never move first (as for an IPC
+/// handle of such memory), then the driver retains the page's. A split that fails (out of memory): its code, no handle.
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
     let Some(f) = crate::real::driver()
@@ -151,7 +151,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
         return NO_DRIVER;
     };
     if let Some(_g) = Guard::enter() {
-        match catch_unwind(|| api::vmm::isolate_run(addr as u64)) {
+        match catch_unwind(|| api::vmm::isolate_page(addr as u64)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return e,
             Err(_) => {

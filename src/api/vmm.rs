@@ -7,7 +7,7 @@ pub use super::state::coalescers::{report_rows, stats};
 
 use super::allocator;
 use super::state::coalescers::{in_context, lock, started, VMM};
-use crate::coalesce::is_virtual;
+use crate::coalesce::{is_virtual, Coalescer};
 use crate::gpu::{ChunkHandle, Driver as _, DrvError, PageProps};
 use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
 
@@ -199,6 +199,19 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
 /// handles that never move. Only the device of `ptr`'s memory is touched (the run never
 /// leaves it): another device's paused pages stay paused and its handles stay where they are.
 pub fn isolate_run(ptr: u64) -> Result<(), u32> {
+    isolate(ptr, Coalescer::isolate_run)
+}
+
+/// As [`isolate_run`] for the handle behind `ptr`'s page alone (a caller that retains that
+/// page's handle).
+pub fn isolate_page(ptr: u64) -> Result<(), u32> {
+    isolate(ptr, Coalescer::isolate_page)
+}
+
+fn isolate(
+    ptr: u64,
+    how: fn(&mut Coalescer<crate::gpu::cuda::CudaDriver>, u64) -> crate::gpu::DrvResult<()>,
+) -> Result<(), u32> {
     if !started() {
         return Ok(());
     }
@@ -207,7 +220,7 @@ pub fn isolate_run(ptr: u64) -> Result<(), u32> {
     let Some(c) = v.all().find(|c| c.range_of(ptr).is_some()) else {
         return Ok(());
     };
-    in_context(c, |c| c.isolate_run(ptr)).map_err(|e| e.0)
+    in_context(c, |c| how(c, ptr)).map_err(|e| e.0)
 }
 
 /// The mapping the program made that contains `ptr`, as the driver would report it without

@@ -532,6 +532,16 @@ impl<D: Driver> Coalescer<D> {
     /// Parked handles leave their addresses first: the run is the driver's back-to-back
     /// mappings, and it must stop where the program's pages stop, as it does natively.
     pub fn isolate_run(&mut self, ptr: u64) -> DrvResult<()> {
+        self.isolate(ptr, true)
+    }
+
+    /// As [`Coalescer::isolate_run`] for the handle behind the page containing `ptr` alone
+    /// (a caller that retains and exports that page's handle: NCCL's buffer registration).
+    pub fn isolate_page(&mut self, ptr: u64) -> DrvResult<()> {
+        self.isolate(ptr, false)
+    }
+
+    fn isolate(&mut self, ptr: u64, whole_run: bool) -> DrvResult<()> {
         self.giving_back_ended();
         let parked: Vec<u64> = self.parked.keys().copied().collect();
         for b in parked {
@@ -563,6 +573,9 @@ impl<D: Driver> Coalescer<D> {
             if split {
                 self.stats.exports_split += 1;
                 self.compact(pid, true)?;
+            }
+            if !whole_run {
+                return Ok(());
             }
             match self.bases.get(&(base + size)) {
                 Some(next) => pid = *next,

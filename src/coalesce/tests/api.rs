@@ -302,3 +302,19 @@ fn retaining_a_released_page_not_backed_yet_counts_it_pending_again() {
     c.release(h).unwrap();
     all_given_back(&mut c);
 }
+
+#[test]
+fn a_page_retained_for_another_process_splits_its_own_handle_only() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let _a = grow(&mut c, va, 4).unwrap();
+    let _b = grow(&mut c, va + 4 * PAGE, 3).unwrap();
+    fill(&mut c, va, 7);
+    assert_eq!(c.driver().chunk_count(), 2);
+    c.isolate_page(va + PAGE + 7).unwrap();
+    assert_eq!(
+        c.driver().chunk_count(),
+        5,
+        "the first batch page by page, the second whole"
+    );
+    assert!(intact(&c, va, 7));
+}
