@@ -49,6 +49,21 @@ fn boundary(name: &str, f: impl FnOnce() -> c_int) -> c_int {
     }
 }
 
+/// expseg's part of a call whose real call follows in any case: run under the re-entrancy
+/// guard (`None` inside expseg) and the panic boundary (`None` after a panic, counted and
+/// logged with `then`, what happens instead).
+fn before_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
+    let _g = Guard::enter()?;
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => Some(v),
+        Err(_) => {
+            GLOBAL.panics_caught.add(1);
+            log::error!("{name}: internal error caught; {then}");
+            None
+        }
+    }
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> c_int {
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
@@ -126,12 +141,7 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 /// the runtime's (`api::cudaDeviceReset`), then the real reset.
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
-    if let Some(_g) = Guard::enter() {
-        if catch_unwind(api::cudaDeviceReset).is_err() {
-            crate::stats::GLOBAL.panics_caught.add(1);
-            log::error!("cudaDeviceReset: internal error caught; resetting anyway");
-        }
-    }
+    before_real("cudaDeviceReset", "resetting anyway", api::cudaDeviceReset);
     next::cudaDeviceReset()
 }
 
@@ -141,7 +151,8 @@ pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
 /// the peer map the range's size from offset 0. The driver alone would retain the larger
 /// handle expseg mapped behind a run of pages, whose start is another page's. So the pages of
 /// the handle behind that page get handles of their own that never move first (as for an IPC
-/// handle of such memory), then the driver retains the page's. A split that fails (out of memory): its code, no handle.
+/// handle of such memory), then the driver retains the page's. A split that fails (out of
+/// memory): its code, no handle.
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
     let Some(f) = crate::real::driver()
@@ -150,31 +161,23 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
     else {
         return NO_DRIVER;
     };
-    if let Some(_g) = Guard::enter() {
-        match catch_unwind(|| api::vmm::isolate_page(addr as u64)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return e,
-            Err(_) => {
-                crate::stats::GLOBAL.panics_caught.add(1);
-                log::error!(
-                    "cuMemRetainAllocationHandle: internal error caught; asking the driver"
-                );
-            }
-        }
+    let split = before_real("cuMemRetainAllocationHandle", "asking the driver", || {
+        api::vmm::isolate_page(addr as u64)
+    });
+    if let Some(Err(e)) = split {
+        return e;
     }
     f(h, addr)
 }
 
-/// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API and
-/// statically linked runtimes (a shared runtime's own reset is served by `cudaDeviceReset`).
+/// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API (a
+/// shared runtime's reset is served by `cudaDeviceReset`; a static runtime's reaches neither,
+/// measured: docs/contract.md).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
-    if let Some(_g) = Guard::enter() {
-        if catch_unwind(|| api::cuDevicePrimaryCtxReset(dev)).is_err() {
-            crate::stats::GLOBAL.panics_caught.add(1);
-            log::error!("cuDevicePrimaryCtxReset_v2: internal error caught; resetting anyway");
-        }
-    }
+    before_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {
+        api::cuDevicePrimaryCtxReset(dev)
+    });
     next_driver::cuDevicePrimaryCtxReset_v2(dev)
 }
 
