@@ -276,6 +276,12 @@ if want torchipc && torch_for torchipc; then
     EXPSEG_IPC_EXTENT=$ext LD_PRELOAD="$lib" python3 "$here/torch_ipc_trained.py" --ballast-gib 30 >"$logs/torch_ipc_trained_$ext.log" 2>&1
     result torch_ipc_trained_extent_$ext $? "$(grep '^{' "$logs/torch_ipc_trained_$ext.log" | cut -c1-400 || tail -n 2 "$logs/torch_ipc_trained_$ext.log")"
   done
+  # NCCL's buffer registration by hand: another library retains the handle behind a PyTorch
+  # page and maps it elsewhere; it must hold that page's bytes (coalesced pages split first).
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_foreign_retain.py" >"$logs/foreign_retain_native.log" 2>&1
+  result torch_foreign_retain_native $? "$(grep '^{' "$logs/foreign_retain_native.log" | cut -c1-300 || tail -n 2 "$logs/foreign_retain_native.log")"
+  LD_PRELOAD="$lib" python3 "$here/torch_foreign_retain.py" >"$logs/foreign_retain.log" 2>&1
+  result torch_foreign_retain_expseg $? "$(grep '^{' "$logs/foreign_retain.log" | cut -c1-400 || tail -n 2 "$logs/foreign_retain.log")"
 fi
 if want nodump && torch_for nodump; then
   # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):
@@ -420,6 +426,20 @@ if want torchrun && torch_for torchrun; then
     result "torchrun_${n}_processes_under_expseg_run" $rc "$(grep -c 'all_reduce ok' "$logs/torchrun$n.log") ranks ok"
     grep '^rank' "$logs/torchrun$n.log" | sed 's/^/    /'
     sed 's/^/    /' "$logs/torchrun$n-merged.txt"
+  done
+  # NCCL user-buffer registration (ncclCommRegister) of pages inside coalesced PyTorch tensors:
+  # all_reduce and send/recv sums natively (expandable segments) and under expseg.
+  for n in 1 2; do
+    if [ "$n" -gt "$ngpu" ]; then echo "SKIP nccl_register with $n processes: $ngpu GPU"; continue; fi
+    for m in native expseg; do
+      pre=; [ $m = expseg ] && pre=$lib
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LD_PRELOAD="$pre" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$logs/nccl_reg_${m}_$n.%h.%p.txt" \
+        python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$here/nccl_register_test.py" >"$logs/nccl_reg_${m}_$n.log" 2>&1
+      rc=$?
+      [ "$(grep -c ': ok' "$logs/nccl_reg_${m}_$n.log")" = "$n" ] || rc=1
+      result "nccl_register_${n}_processes_$m" $rc "$(grep -c ': ok' "$logs/nccl_reg_${m}_$n.log") ranks ok; NCCL REG lines $(cat "$logs"/nccl_reg_${m}_$n.*.txt 2>/dev/null | grep -ci 'regist')"
+      grep '^rank' "$logs/nccl_reg_${m}_$n.log" | cut -c1-300 | sed 's/^/    /'
+    done
   done
 fi
 # Sleep and wake: a 24 GiB model paused to the host and resumed (bytes, CUDA graph, losses),
