@@ -119,6 +119,10 @@ pub struct Config {
     /// `EXPSEG_TEST_SLOW_CHECK`: for tests only, milliseconds the one-time ticket check waits
     /// (a hanging helper).
     pub test_slow_check_ms: Option<u64>,
+    /// `EXPSEG_TEST_SLOW_EXPORT`: for tests only, milliseconds a foreign run's ticket waits
+    /// after its first descriptor before exporting the others (a program changing the run
+    /// meanwhile).
+    pub test_slow_export_ms: Option<u64>,
     /// `EXPSEG_TEST_FAIL_MOVE`: for tests only, the step of an IPC move that fails on purpose.
     pub test_fail_move: Option<String>,
 }
@@ -175,6 +179,7 @@ impl Default for Config {
             report: None,
             test_panic: None,
             test_slow_check_ms: None,
+            test_slow_export_ms: None,
             test_fail_move: None,
         }
     }
@@ -403,6 +408,20 @@ const VARS: &[Var] = &[
         },
         show: |c| {
             c.test_slow_check_ms
+                .map(|m| m.to_string())
+                .unwrap_or_default()
+        },
+    },
+    Var {
+        name: "EXPSEG_TEST_SLOW_EXPORT",
+        set: |c, v| {
+            v.trim()
+                .parse::<u64>()
+                .map(|ms| c.test_slow_export_ms = Some(ms))
+                .map_err(|_| "milliseconds")
+        },
+        show: |c| {
+            c.test_slow_export_ms
                 .map(|m| m.to_string())
                 .unwrap_or_default()
         },

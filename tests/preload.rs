@@ -799,6 +799,29 @@ fn another_allocators_vmm_memory_is_shared_both_ways_with_an_expseg_consumer() {
 }
 
 #[test]
+fn a_consumer_gets_the_pages_its_open_found_even_if_the_program_swaps_one_meanwhile() {
+    // The producer replaces page 2 of the shared run (bytes 0x99) while its ticket's
+    // descriptors are being sent. Before, pages 2..n were looked up by address as they were
+    // sent, and the consumer mapped the new page: consumer_sees 0.
+    let r = share_in(
+        "foreign_swap",
+        "expseg",
+        &[("EXPSEG_TEST_SLOW_EXPORT", "300")],
+    )
+    .ok();
+    for (k, v) in [
+        ("get_rc", "0"),
+        ("export_seen", "1"),
+        ("swap_rc", "0"),
+        ("swapped_in_window", "1"),
+        ("open_rc", "0"),
+        ("consumer_sees", "1"),
+    ] {
+        assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
 fn a_plain_consumer_gets_a_mirror_of_the_whole_run_of_another_allocators_mappings() {
     let r = share_in("share_foreign", "plain", &[]).ok();
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "1".into()));

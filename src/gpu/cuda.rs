@@ -21,7 +21,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 const POSIX_FD: u32 = 1;
 
 /// `CUDA_ERROR_NOT_FOUND`: an optional driver function is missing.
-const NOT_FOUND: u32 = 500;
+pub const NOT_FOUND: u32 = 500;
 
 use super::{check, NOT_SUPPORTED};
 
@@ -398,22 +398,58 @@ impl Drop for ThreadContext {
     }
 }
 
-/// A POSIX descriptor of the physical memory mapped at `va` (another allocator's page), for a
-/// ticket. The calling thread needs a context (see [`ThreadContext`]).
-pub fn export_mapping(t: &DriverTable, va: u64) -> DrvResult<OwnedFd> {
-    let (retain, export) = (
-        t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?,
-        t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?,
-    );
-    let mut h = 0;
-    // SAFETY: valid out-pointer; the driver validates the address.
-    check(unsafe { retain(&mut h, va as usize as *mut libc::c_void) })?;
+/// The physical allocations mapped at `vas` (another allocator's pages), each with a
+/// reference of ours: what a ticket exports, pinned when its open is decided, so that pages
+/// the program unmaps and maps anew meanwhile are not what the consumer gets. The references
+/// go as each is exported, and the rest when this drops.
+pub struct RetainedRun {
+    t: &'static DriverTable,
+    handles: std::collections::VecDeque<u64>,
+}
+
+/// Retain the handle behind each mapping at `vas`, in order; all or nothing.
+pub fn retain_run(t: &'static DriverTable, vas: &[u64]) -> DrvResult<RetainedRun> {
+    let retain = t.cuMemRetainAllocationHandle.ok_or(DrvError(NOT_FOUND))?;
+    t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?;
+    let mut run = RetainedRun {
+        t,
+        handles: std::collections::VecDeque::with_capacity(vas.len()),
+    };
+    for &va in vas {
+        let mut h = 0;
+        // SAFETY: valid out-pointer; the driver validates the address.
+        check(unsafe { retain(&mut h, va as usize as *mut libc::c_void) })?;
+        run.handles.push_back(h);
+    }
+    Ok(run)
+}
+
+impl RetainedRun {
+    /// A POSIX descriptor of the next allocation, in the order retained; its reference goes.
+    /// The calling thread needs a context (see [`ThreadContext`]).
+    pub fn export_next(&mut self) -> Option<DrvResult<OwnedFd>> {
+        let h = self.handles.pop_front()?;
+        let r = export_handle(self.t, h);
+        // SAFETY: drops the reference the retain took; the descriptor keeps the memory.
+        unsafe { (self.t.cuMemRelease)(h) };
+        Some(r)
+    }
+}
+
+impl Drop for RetainedRun {
+    fn drop(&mut self) {
+        for h in self.handles.drain(..) {
+            // SAFETY: a reference `retain_run` took and nothing gave back.
+            unsafe { (self.t.cuMemRelease)(h) };
+        }
+    }
+}
+
+fn export_handle(t: &DriverTable, h: u64) -> DrvResult<OwnedFd> {
+    let export = t.cuMemExportToShareableHandle.ok_or(DrvError(NOT_FOUND))?;
     let mut fd: libc::c_int = -1;
     // SAFETY: `fd` receives an int for POSIX-fd handles.
-    let r = check(unsafe { export((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) });
-    // SAFETY: drops the reference the retain took; the mapping keeps the memory.
-    unsafe { (t.cuMemRelease)(h) };
-    r?;
+    check(unsafe { export((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) })?;
     // SAFETY: the driver handed us a new descriptor we now own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

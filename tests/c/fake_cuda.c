@@ -27,7 +27,7 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 
 #define GRAN (2u << 20)
 static int initialised = 0;
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_PRIMARY_RETAIN, C_PRIMARY_RELEASE, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_PRIMARY_RETAIN, C_PRIMARY_RELEASE, C_EXPORT, C_NCOUNT };
 static long counts[C_NCOUNT];
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
@@ -48,7 +48,7 @@ static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserv
                                * device still has work in flight on: on a GPU it may miss that work's writes */
                               "stale_read",
                               /* references taken and given back on primary contexts */
-                              "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2"};
+                              "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuMemExportToShareableHandle"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -422,6 +422,7 @@ CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAccessDesc* d, s
 /* POSIX-fd sharing: the chunk's memfd, duplicated; importing makes a handle of the fd. */
 CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h, int type, unsigned long long f) {
   (void)f;
+  count(C_EXPORT);
   if (type != 1 || h == 0 || h >= MAXH || !handles[h].size) return 1;
   *(int*)out = dup(handles[h].fd);
   return *(int*)out < 0 ? 2 : 0;

@@ -393,6 +393,36 @@ static int share_foreign(const char* self, const char* how) {
   return 0;
 }
 
+/* A page of a shared foreign run swapped for another while the producer sends the run's
+ * descriptors (EXPSEG_TEST_SLOW_EXPORT holds the export after the first one): the consumer
+ * maps the memory that was there when its open was decided (the pages the producer had), never
+ * the page mapped there since, whose bytes differ. */
+int cuMemRetainAllocationHandle(uint64_t*, void*);
+static int foreign_swap(const char* self) {
+  unsigned char* m = foreign_run(4, 8 * MIB);
+  fill(m, 32 * MIB, 0x41);
+  unsigned char h[64], hex[129];
+  printf("get_rc=%d\n", cudaIpcGetMemHandle(h, m));
+  for (int i = 0; i < 64; i++) sprintf((char*)hex + 2 * i, "%02x", h[i]);
+  long e0 = fakecu_count("cuMemExportToShareableHandle");
+  fflush(stdout);
+  pid_t k = fork();
+  if (k == 0) { execl(self, self, "consume", (char*)hex, "65", "66", (char*)0); _exit(127); }
+  /* The open is decided once the first descriptor is exported; then page 2 goes. */
+  int seen = 0;
+  for (int i = 0; i < 5000 && !seen; i++) if (fakecu_count("cuMemExportToShareableHandle") > e0) seen = 1; else usleep(1000);
+  uint64_t old = 0, fresh = 0, va = (uint64_t)m + 16 * MIB;
+  int rc = cuMemRetainAllocationHandle(&old, (void*)va) | cuMemUnmap(va, 8 * MIB) | cuMemRelease(old) | cuMemRelease(old);
+  Prop p; memset(&p, 0, sizeof p); p.type = 1; p.location.type = 1; p.requestedHandleTypes = 1;
+  Access a; memset(&a, 0, sizeof a); a.location.type = 1; a.flags = 3;
+  rc |= cuMemCreate(&fresh, 8 * MIB, &p, 0) | cuMemMap(va, 8 * MIB, 0, fresh, 0) | cuMemSetAccess(va, 8 * MIB, &a, 1);
+  fill((unsigned char*)va, 8 * MIB, 0x99);
+  int done = fakecu_count("cuMemExportToShareableHandle") - e0 < 4; /* swapped before the rest went */
+  int st; waitpid(k, &st, 0);
+  printf("export_seen=%d swap_rc=%d swapped_in_window=%d\n", seen, rc, done);
+  return 0;
+}
+
 /* Handle requests on a foreign run from two threads while a third grows and shrinks it (each
  * change of extent replaces the share and its mirror): no request may copy into a mirror
  * another thread freed. */
@@ -755,6 +785,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
   if (!strcmp(s, "share") && argc > 2) return share(argv[0], argv[2]);
   if (!strcmp(s, "share_foreign") && argc > 2) return share_foreign(argv[0], argv[2]);
+  if (!strcmp(s, "foreign_swap")) return foreign_swap(argv[0]);
   if (!strcmp(s, "hold") && argc > 2) return hold((size_t)atol(argv[2]));
   if (!strcmp(s, "need") && argc > 2) return need((size_t)atol(argv[2]));
   if (!strcmp(s, "basic")) return basic();

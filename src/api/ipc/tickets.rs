@@ -19,13 +19,19 @@ pub(super) fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
     server_ready(st) && plain_driver_ignores_tickets(dev)
 }
 
-/// Export the run of foreign mappings starting at `base` that a ticket stands for: the first
-/// mapping at once (so a refusal is clean), the others as the transport sends them.
+/// Export the run of foreign mappings starting at `base` that a ticket stands for. The run is
+/// checked and every mapping's allocation retained at once, with the program's unmaps of the
+/// range held back meanwhile (a registered read, as a mirror refresh takes), so the consumer
+/// gets the pages that were there when its open was decided even if the program unmaps and
+/// maps others there while the descriptors are sent (before, mappings 2..n were looked up by
+/// address as they were sent). The first is exported at once (so a refusal is clean), the
+/// others as the transport sends them; retained references go as each is exported.
 fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
     // The ticket thread has no context of its own; the source below runs on it too, so it
     // keeps the context until the last descriptor is exported.
     let context = cuda::ensure_context(t, dev);
+    let reading = crate::api::vmm::begin_read(base, size);
     let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
     // The mappings that make up the shared `size`: still mapped from the same start.
     let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
@@ -42,17 +48,31 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     if start != base || end != base + size || crate::api::vmm::parked_in(base, size) {
         return Err(Refusal::Stale);
     }
-    let first = cuda::export_mapping(t, base).map_err(|e| {
+    let cannot = |e: crate::gpu::DrvError| {
         log::warn!("IPC: the pages at {base:#x} cannot be exported ({e}); consumers fall back to the mirror");
         Refusal::Failed
-    })?;
-    let mut fds = std::iter::once(Ok(first)).chain(vas.into_iter().skip(1).map(move |va| {
-        cuda::export_mapping(t, va).map_err(|e| std::io::Error::other(e.to_string()))
-    }));
+    };
+    let mut run = cuda::retain_run(t, &vas).map_err(cannot)?;
+    drop(reading);
+    let first = run
+        .export_next()
+        .unwrap_or(Err(crate::gpu::DrvError(cuda::NOT_FOUND)))
+        .map_err(cannot)?;
+    let mut slow = config().test_slow_export_ms;
+    let mut first = Some(first);
+    // Fields drop in order: the references before the context.
+    let mut held = (run, context);
     let source: transport::FdSource = Box::new(move || {
-        let _held = &context;
-        fds.next()
-            .unwrap_or_else(|| Err(std::io::Error::other("no more mappings")))
+        if let Some(f) = first.take() {
+            return Ok(f);
+        }
+        if let Some(ms) = slow.take() {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+        match held.0.export_next() {
+            Some(r) => r.map_err(|e| std::io::Error::other(e.to_string())),
+            None => Err(std::io::Error::other("no more mappings")),
+        }
     });
     Ok((
         Grant {
