@@ -67,35 +67,36 @@ unsafe fn tag_arg(tag: *const c_char) -> Result<Option<u32>, ()> {
 const INVALID_VALUE: c_int = 1;
 const UNKNOWN: c_int = 999;
 
-/// Write a pause or resume outcome and turn it into the C answer.
+/// Write a pause or resume outcome (also what a failed one did anyway) and turn it into the
+/// C answer.
 ///
 /// # Safety
 /// `bytes` and `seconds` are null or writable.
 unsafe fn outcome(
-    r: std::thread::Result<Result<api::sleep::Outcome, u32>>,
+    r: std::thread::Result<Result<api::sleep::Outcome, api::sleep::Failed>>,
     bytes: *mut u64,
     seconds: *mut f64,
 ) -> c_int {
-    match r {
-        Ok(Ok(o)) => {
-            if !bytes.is_null() {
-                *bytes = o.bytes;
-            }
-            if !seconds.is_null() {
-                *seconds = o.seconds;
-            }
-            0
-        }
-        Ok(Err(e)) => e as c_int,
-        Err(_) => UNKNOWN,
+    let (o, code) = match r {
+        Ok(Ok(o)) => (o, 0),
+        Ok(Err(f)) => (f.done, f.code as c_int),
+        Err(_) => return UNKNOWN,
+    };
+    if !bytes.is_null() {
+        *bytes = o.bytes;
     }
+    if !seconds.is_null() {
+        *seconds = o.seconds;
+    }
+    code
 }
 
 /// `expseg.pause()`: pause the memory of tag `tag` (null: every tag) on every device — wait
 /// for the device, copy the live bytes to page-locked host memory (`discard` = 0) or drop
 /// them, give the physical memory back; addresses stay reserved. Memory shared with other
 /// processes is left alone. 0, or a CUDA error code (2: no host memory). `bytes`/`seconds`
-/// (either may be null) get the bytes paused and the time taken.
+/// (either may be null) get the bytes paused and the time taken, also when it fails (what
+/// paused before the failure stays paused).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string; `bytes`, `seconds` null or writable.
@@ -117,8 +118,8 @@ pub unsafe extern "C" fn expseg_pause(
 }
 
 /// `expseg.resume()`: make paused memory of tag `tag` (null: all) again at the same
-/// addresses, with its bytes. 0, or 2 when memory is short: what could be made is resumed,
-/// the rest stays paused with its host copy (call again).
+/// addresses, with its bytes. 0, or 2 when memory is short: what could be made is resumed
+/// (`bytes` says how much), the rest stays paused with its host copy (call again).
 ///
 /// # Safety
 /// As `expseg_pause`.
@@ -153,5 +154,30 @@ pub unsafe extern "C" fn expseg_set_tag(tag: *const c_char) -> c_int {
             0
         }
         Err(()) => INVALID_VALUE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::sleep::{Failed, Outcome};
+
+    #[test]
+    fn a_failed_pause_or_resume_still_says_what_it_did() {
+        let done = Outcome {
+            bytes: 3 << 30,
+            seconds: 0.5,
+            ..Outcome::default()
+        };
+        let (mut bytes, mut seconds) = (0u64, 0f64);
+        // SAFETY: both out-pointers are live locals.
+        let code = unsafe { outcome(Ok(Err(Failed { code: 2, done })), &mut bytes, &mut seconds) };
+        assert_eq!((code, bytes, seconds), (2, 3 << 30, 0.5));
+        // SAFETY: null out-pointers are allowed.
+        let code = unsafe { outcome(Ok(Ok(done)), std::ptr::null_mut(), std::ptr::null_mut()) };
+        assert_eq!(code, 0);
+        // SAFETY: as above.
+        let code = unsafe { outcome(Err(Box::new(())), &mut bytes, &mut seconds) };
+        assert_eq!(code, UNKNOWN);
     }
 }

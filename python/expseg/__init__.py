@@ -142,13 +142,15 @@ def _tag_arg(tag):
 
 
 class PausedMemoryError(RuntimeError):
-    """A pause or resume failed; ``code`` is the CUDA error code. On resume nothing is lost:
-    what could not be made stays paused with its host copy, and resume() may be called
-    again (a MemoryError subclass, ``ResumeOutOfMemory``, when memory was short)."""
+    """A pause or resume failed; ``code`` is the CUDA error code and ``bytes`` what it paused
+    or resumed anyway. On resume nothing is lost: what could not be made stays paused with
+    its host copy, and resume() may be called again (a MemoryError subclass,
+    ``ResumeOutOfMemory``, when memory was short)."""
 
-    def __init__(self, what, code):
-        super().__init__(f"expseg.{what}() failed with CUDA error {code}")
+    def __init__(self, what, code, nbytes=0):
+        super().__init__(f"expseg.{what}() failed with CUDA error {code} ({nbytes} bytes done)")
         self.code = code
+        self.bytes = nbytes
 
 
 class ResumeOutOfMemory(PausedMemoryError, MemoryError):
@@ -162,9 +164,9 @@ def _call(what, f, *args):
     secs = ctypes.c_double(0.0)
     code = f(*args, ctypes.byref(nbytes), ctypes.byref(secs))
     if code == 2 and what == "resume":
-        raise ResumeOutOfMemory(what, code)
+        raise ResumeOutOfMemory(what, code, int(nbytes.value))
     if code != 0:
-        raise PausedMemoryError(what, code)
+        raise PausedMemoryError(what, code, int(nbytes.value))
     return int(nbytes.value)
 
 

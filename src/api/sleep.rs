@@ -72,19 +72,30 @@ pub struct Outcome {
     pub seconds: f64,
 }
 
+/// A pause or resume that failed: the first failure's CUDA code, and what was done anyway
+/// (a pause pauses what it can on each device; a resume resumes what fits).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Failed {
+    pub code: u32,
+    pub done: Outcome,
+}
+
 /// Pause the memory of tag `tag` (None: every tag), offloading it to host memory or
-/// discarding it. Err: the first device's failure code (what paused before it stays paused;
-/// an out-of-memory pause of host memory pauses nothing on that device).
+/// discarding it. Err: the first device's failure code, with the bytes paused anyway (what
+/// paused before it stays paused; an out-of-memory pause of host memory pauses nothing on that
+/// device).
 ///
 /// `by_program`: the program asked (`expseg.pause()`), so what is held beyond live memory
 /// goes back first, live pages moved as its trim moves them; asked from outside (`expseg
 /// pause PID`, on the socket thread) only what needs no move.
-pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcome, u32> {
+pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcome, Failed> {
     let t0 = Instant::now();
     let choose = |t: u32| (tag.is_none() || tag == Some(t)).then_some(discard);
     let mut total = Paused::default();
     let mut first_err = None;
-    let mut add = |r: Result<Paused, crate::gpu::DrvError>| match r {
+    // A device's result, and the bytes it holds paused now beyond before (what a failed
+    // pause paused anyway).
+    let mut add = |r: Result<Paused, crate::gpu::DrvError>, grew: u64| match r {
         Ok(p) => {
             total.bytes += p.bytes;
             total.offloaded += p.offloaded;
@@ -92,28 +103,36 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
             total.pin_ns += p.pin_ns;
         }
         Err(e) => {
+            total.bytes += grew;
             first_err.get_or_insert(e.0);
         }
     };
     if state::forked() {
-        return Err(NOT_PERMITTED);
+        return Err(Failed {
+            code: NOT_PERMITTED,
+            done: Outcome::default(),
+        });
     }
     if STATE_STARTED.load(Ordering::Acquire) {
         let mut st = state::lock();
         if let Ok(t) = st.driver.as_ref().map(|t| *t) {
             for (dev, p) in st.open_pools() {
-                add(cuda::with_primary(t, dev, || p.pause(&choose)));
+                let before = p.paused_bytes();
+                let r = cuda::with_primary(t, dev, || p.pause(&choose));
+                add(r, p.paused_bytes().saturating_sub(before));
             }
         }
     }
     if coalescers::started() {
         for c in coalescers::lock().all() {
-            add(in_context(c, |c| {
+            let before = c.paused_bytes();
+            let r = in_context(c, |c| {
                 if by_program {
                     c.allow_moves(true);
                 }
                 c.pause(&choose)
-            }));
+            });
+            add(r, c.paused_bytes().saturating_sub(before));
         }
     }
     let out = Outcome {
@@ -137,14 +156,14 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
         );
     }
     match first_err {
-        Some(e) => Err(e),
+        Some(code) => Err(Failed { code, done: out }),
         None => Ok(out),
     }
 }
 
 /// Resume the paused memory of `tag` (None: all). Err (2: out of memory): what could be made
-/// is resumed, the rest stays paused with its host copy; call again.
-pub fn resume(tag: Option<u32>) -> Result<Outcome, u32> {
+/// is resumed (its bytes in the answer), the rest stays paused with its host copy; call again.
+pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
     let t0 = Instant::now();
     let choose = |t: u32| tag.is_none() || tag == Some(t);
     let mut bytes = 0;
@@ -195,7 +214,7 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, u32> {
                 "resume: {bytes} bytes resumed, {} still paused: CUresult {e} (nothing is lost; resume again when memory is free)",
                 paused_bytes()
             );
-            Err(e)
+            Err(Failed { code: e, done: out })
         }
         None => {
             log::info!(

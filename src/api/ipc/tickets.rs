@@ -221,7 +221,7 @@ fn control(c: crate::ipc::control::Control) -> Decision {
             },
             transport::fds_of(Vec::new()),
         )),
-        Err(e) if e == crate::gpu::CUDA_ERROR_OUT_OF_MEMORY => Err(Refusal::NoMemory),
+        Err(e) if e.code == crate::gpu::CUDA_ERROR_OUT_OF_MEMORY => Err(Refusal::NoMemory),
         Err(_) => Err(Refusal::Failed),
     }
 }
