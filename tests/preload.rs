@@ -1585,6 +1585,16 @@ fn a_threads_cudamemgetinfo_moves_only_the_live_pages_of_its_own_devices() {
     }
 }
 
+/// The name of user `uid`'s socket directory in this pid namespace, as expseg gives it
+/// (`transport::socket_dir`): `expseg-<uid>` in the host's, `expseg-<uid>-ns<inode>` elsewhere.
+fn socket_dir_name(uid: u32) -> String {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()) {
+        Ok(ino) if ino != 0xEFFF_FFFC => format!("expseg-{uid}-ns{ino}"),
+        _ => format!("expseg-{uid}"),
+    }
+}
+
 #[test]
 fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
     // SAFETY: geteuid cannot fail.
@@ -1596,7 +1606,7 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
     let run_with = |peers: Option<&str>| {
         let base = f.dir.join(format!("sockets-squatted-{}", peers.is_some()));
         let _ = std::fs::remove_dir_all(&base);
-        let squatted = base.join("expseg-0");
+        let squatted = base.join(socket_dir_name(0));
         std::fs::create_dir_all(&squatted).unwrap();
         std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
         let mut env = vec![("EXPSEG_IPC_DIR", base.to_str().unwrap().to_string())];
@@ -1617,7 +1627,7 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
     assert_eq!(r.get("get_rc"), "801", "{}", r.stderr());
     assert!(
         r.stderr().contains("EXPSEG_IPC_PEERS=expseg needs tickets")
-            && r.stderr().contains("expseg-0"),
+            && r.stderr().contains(&socket_dir_name(0)),
         "the line says why: {}",
         r.stderr()
     );

@@ -52,14 +52,34 @@ pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The directory holding the sockets of user `uid`: `${EXPSEG_IPC_DIR:-/tmp}/expseg-<uid>`.
-/// An invalid `EXPSEG_IPC_DIR` (named once on stderr by the configuration) means `/tmp`.
+/// The directory holding the sockets of user `uid`: `${EXPSEG_IPC_DIR:-/tmp}/expseg-<uid>`,
+/// or `expseg-<uid>-ns<inode>` in a pid namespace other than the host's (containers sharing
+/// `/tmp` each have their own pid 7: one process's socket must not be taken for, or removed
+/// as the stale socket of, another's; a ticket names its producer by pid, which a process of
+/// another pid namespace could not check anyway). An invalid `EXPSEG_IPC_DIR` (named once on
+/// stderr by the configuration) means `/tmp`.
 pub fn socket_dir(uid: u32) -> PathBuf {
     let base = std::env::var("EXPSEG_IPC_DIR")
         .ok()
         .filter(|v| crate::config::valid_ipc_dir(v).is_ok())
         .unwrap_or_else(|| "/tmp".into());
-    Path::new(&base).join(format!("expseg-{uid}"))
+    Path::new(&base).join(dir_name(uid, *PID_NAMESPACE))
+}
+
+/// The inode of the host's pid namespace (`PROC_PID_INIT_INO`).
+const HOST_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
+
+/// This process's pid namespace (the inode of `/proc/self/ns/pid`); unknown means the host's.
+static PID_NAMESPACE: once_cell::sync::Lazy<u64> = once_cell::sync::Lazy::new(|| {
+    std::fs::metadata("/proc/self/ns/pid").map_or(HOST_PID_NAMESPACE, |m| m.ino())
+});
+
+fn dir_name(uid: u32, pid_namespace: u64) -> String {
+    if pid_namespace == HOST_PID_NAMESPACE {
+        format!("expseg-{uid}")
+    } else {
+        format!("expseg-{uid}-ns{pid_namespace}")
+    }
 }
 
 /// The socket of producer `pid` of user `uid`.
@@ -814,6 +834,20 @@ mod tests {
             reply.join().unwrap();
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn each_pid_namespace_has_its_own_socket_directory() {
+        assert_eq!(dir_name(1000, HOST_PID_NAMESPACE), "expseg-1000");
+        assert_eq!(dir_name(1000, 4026532301), "expseg-1000-ns4026532301");
+        assert_ne!(dir_name(1000, 4026532301), dir_name(1000, 4026532302));
+        // This process: the name its own namespace gives (the host's here, or a container's).
+        let name = socket_dir(1000);
+        let name = name.file_name().unwrap().to_str().unwrap();
+        assert!(
+            name == "expseg-1000" || name.starts_with("expseg-1000-ns"),
+            "{name}"
+        );
     }
 
     #[test]
