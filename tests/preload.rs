@@ -231,7 +231,43 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
         }
     }
     Run {
-        out: c.output().expect("run test program"),
+        out: output_within(c, RUN_LIMIT),
+    }
+}
+
+/// The longest a test program may run: a deadlock fails its test instead of hanging the suite.
+const RUN_LIMIT: std::time::Duration = std::time::Duration::from_secs(240);
+
+/// `c.output()`, but the program (SIGKILL) and the test (panic) end after `limit`.
+fn output_within(mut c: Command, limit: std::time::Duration) -> Output {
+    use std::process::Stdio;
+    let child = c
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run test program");
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("run test program"),
+        Err(_) => {
+            // SAFETY: kill(2) on the child we spawned (not reaped yet: its waiter still waits).
+            unsafe { libc_kill(pid, 9) };
+            // A grandchild may hold the pipes: wait a little for what was written, not for ever.
+            let out = rx
+                .recv_timeout(std::time::Duration::from_secs(5))
+                .ok()
+                .and_then(Result::ok);
+            panic!(
+                "test program still running after {limit:?} (killed): a deadlock?\nstdout:\n{}\nstderr:\n{}",
+                out.as_ref().map_or(String::new(), |o| String::from_utf8_lossy(&o.stdout).into_owned()),
+                out.as_ref().map_or(String::new(), |o| String::from_utf8_lossy(&o.stderr).into_owned()),
+            );
+        }
     }
 }
 
@@ -2913,6 +2949,26 @@ fn a_device_reset_ends_memory_opened_through_a_ticket() {
         ("close_after_reset_fails", "1"),
     ] {
         assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
+fn a_ticket_of_coalesced_pages_opens_while_the_coalescers_run() {
+    // The ticket's thread used to ask whether the run's pages were parked while its own read
+    // was registered, and the coalescers' lock waits for every read to end: it waited for
+    // itself, holding that lock (PyTorch IPC to an expseg consumer hung, H100, 2026-11-25).
+    let r = pages("libc10_cuda.so", "share_ticket", &[]).ok();
+    for (k, v) in [
+        ("ipc_rc", "0"),
+        ("ticket", "1"),
+        ("open_rc", "0"),
+        ("consumer_sees", "1"),
+        ("close_rc", "0"),
+        ("consumer_exit", "0"),
+        ("written", "1"),
+        ("shrink_rc", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
     }
 }
 

@@ -362,6 +362,34 @@ int expandable(const char* what) {
            secret >= 0, r, secret < 0 ? errno : 0);
     return 0;
   }
+  if (!strcmp(what, "share_ticket")) {
+    /* A legacy IPC handle of coalesced pages (the run from page 1 on, bytes 'A'), opened by a
+     * consumer running expseg through its ticket (prog's consumer, which checks 32 MiB and
+     * writes 'B'): the producer exports the run's pages (split from their handle first)
+     * while its coalescers run. */
+    if (grow(0, 4)) return 3;
+    memset((char*)va, 'A', 4 * PAGE);
+    unsigned char hd[64]; char hex[129];
+    printf("ipc_rc=%d", cudaIpcGetMemHandle(hd, (void*)(va + PAGE)));
+    printf(" ticket=%d\n", !memcmp(hd, "XSG1", 4));
+    for (int i = 0; i < 64; i++) sprintf(hex + 2 * i, "%02x", hd[i]);
+    fflush(stdout);
+    pid_t c = fork();
+    if (c == 0) {
+      char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 12);
+      if (n <= 0) _exit(4);
+      self[n] = 0;
+      strcpy(strrchr(self, '/') + 1, "prog");
+      execl(self, self, "consume", hex, "65", "66", (char*)0);
+      _exit(5);
+    }
+    int st = 0; waitpid(c, &st, 0);
+    /* The producer's allocator still answers (no lock left held by the ticket's thread). */
+    int written = ((char*)va)[PAGE] == 'B' && ((char*)va)[PAGE + (32u << 20) - 1] == 'B';
+    printf("consumer_exit=%d written=%d", WIFEXITED(st) ? WEXITSTATUS(st) : 128, written);
+    printf(" shrink_rc=%d\n", shrink(0, 4));
+    return 0;
+  }
   if (!strcmp(what, "share_fd") || !strcmp(what, "share_fd_nodump")) {
     /* torch.multiprocessing's producer: a page exported as a POSIX descriptor, its number and
      * the process id sent to a consumer (a child that execs, so it runs expseg afresh), which

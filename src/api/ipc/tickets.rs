@@ -43,9 +43,7 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
         vas.push(end);
         end += s;
     }
-    // Pages the program released since may be parked there by expseg: the run is gone, as
-    // it would be natively (an unmapped gap).
-    if start != base || end != base + size || crate::api::vmm::parked_in(base, size) {
+    if start != base || end != base + size {
         return Err(Refusal::Stale);
     }
     let cannot = |e: crate::gpu::DrvError| {
@@ -54,6 +52,14 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     };
     let mut run = cuda::retain_run(t, &vas).map_err(cannot)?;
     drop(reading);
+    // Pages the program released may be parked there by expseg: the run is gone, as it would
+    // be natively (an unmapped gap). Asked once the read is over: the coalescers' lock waits
+    // for every registered read to end, this one too (asked under it, the thread waited for
+    // itself holding that lock: PyTorch IPC to an expseg consumer hung, H100, 2026-11-25).
+    // Parked after the retains is stale too; `run` gives its references back.
+    if crate::api::vmm::parked_in(base, size) {
+        return Err(Refusal::Stale);
+    }
     let first = run
         .export_next()
         .unwrap_or(Err(crate::gpu::DrvError(cuda::NOT_FOUND)))
