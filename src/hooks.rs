@@ -172,7 +172,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
 
 /// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API (a
 /// shared runtime's reset is served by `cudaDeviceReset`; a static runtime's reaches neither,
-/// measured: docs/contract.md).
+/// measured, and is seen afterwards by the primary context's new id: `api::notice_reset`).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
     before_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {

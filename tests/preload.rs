@@ -2953,6 +2953,23 @@ fn a_device_reset_ends_memory_opened_through_a_ticket() {
 }
 
 #[test]
+fn a_static_runtimes_device_reset_frees_the_pool_as_the_runtimes_memory_goes() {
+    // The static runtime's reset reaches no hook; expseg sees the primary context's new id at
+    // the next driver call. Before: the pool kept the allocation and its cudaFree answered 0
+    // (native: 1, H100, scripts/vmm-cost/reset_vmm.cu).
+    let f = fixture();
+    let r = run_in(&f.dir, "static_prog", &["reset"], &[]).ok();
+    for (k, v) in [
+        ("free_after_reset", "1"),
+        ("pool_gave_back", "1"),
+        ("new_alloc_ok", "1"),
+        ("new_free", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
 fn a_ticket_of_coalesced_pages_opens_while_the_coalescers_run() {
     // The ticket's thread used to ask whether the run's pages were parked while its own read
     // was registered, and the coalescers' lock waits for every read to end: it waited for

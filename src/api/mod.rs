@@ -185,6 +185,7 @@ pub fn cuMemAlloc(size: usize) -> Answer<Result<u64, u32>> {
     let Some(dev) = cuda::primary_device(t) else {
         return pass_alloc(size);
     };
+    notice_reset(t, dev);
     match serve(dev, size) {
         Served::Ptr(p) => {
             GLOBAL.driver_allocs.add(1);
@@ -209,9 +210,13 @@ pub fn cuMemAllocPitch(
     if bypass() || !c.driver_api || least == 0 || (least as u64) < c.passthrough_below {
         return pass_alloc(least);
     }
-    let Some(dev) = real::driver().ok().and_then(cuda::primary_device) else {
+    let Some((t, dev)) = real::driver()
+        .ok()
+        .and_then(|t| cuda::primary_device(t).map(|d| (t, d)))
+    else {
         return pass_alloc(least);
     };
+    notice_reset(t, dev);
     let Ok(pitch) = probe() else {
         return pass_alloc(least);
     };
@@ -233,6 +238,14 @@ pub fn cuMemAllocPitch(
 pub fn cuMemFree(ptr: u64) -> Answer<u32> {
     if config().test_panic("cuMemFree_v2") {
         panic!("EXPSEG_TEST_PANIC=cuMemFree_v2");
+    }
+    if ptr != 0 && !bypass() && STATE_STARTED.load(Ordering::Acquire) {
+        if let Some((t, dev)) = real::driver()
+            .ok()
+            .and_then(|t| cuda::primary_device(t).map(|d| (t, d)))
+        {
+            notice_reset(t, dev);
+        }
     }
     let a = free_with(ptr, |dev| {
         let t = Instant::now();
@@ -295,6 +308,28 @@ pub fn cudaDeviceReset() {
     }
 }
 
+/// A reset of `dev`'s primary context that no hook saw (a statically linked runtime's
+/// `cudaDeviceReset` reaches the driver through its internal tables): the current context is
+/// `dev`'s primary context with another id than at the last driver-API call served there
+/// (measured on an H100: a reset keeps the context's pointer and gives it a new id once used
+/// again). What the reset ended is ended here, as [`cuDevicePrimaryCtxReset`] does; a primary
+/// context destroyed by its last release and made again ends the runtime's memory likewise.
+/// One `cuCtxGetId` per driver-API allocation or free.
+fn notice_reset(t: &'static real::DriverTable, dev: i32) {
+    let Some(id) = real::primary::current_context_id(t) else {
+        return;
+    };
+    let before = lock().primary_ids.insert(dev, id);
+    if let Some(old) = before.filter(|old| *old != id) {
+        log::info!(
+            "device {dev}: its primary context was reset (context id {old}, now {id}) by a call expseg does not see (a static runtime's cudaDeviceReset): freeing what the reset freed"
+        );
+        cuDevicePrimaryCtxReset(dev);
+        // That call forgets the id (for a reset it sees before it happens): this one stays.
+        lock().primary_ids.insert(dev, id);
+    }
+}
+
 /// `cuDevicePrimaryCtxReset_v2(dev)` (what the runtime's reset does; static runtimes and
 /// programs of the driver API call it themselves), before the real call: as
 /// [`cudaDeviceReset`], for `dev`.
@@ -304,6 +339,8 @@ pub fn cuDevicePrimaryCtxReset(dev: i32) {
     }
     let _ = synchronize(dev);
     let mut st = lock();
+    // The context's next id is the new one: no driver-API call may take it for a reset again.
+    st.primary_ids.remove(&dev);
     // Memory opened through tickets ends too, as memory opened with legacy IPC does (measured
     // natively: a close after the reset fails).
     let opened = st.ipc.take_opened_on(dev);

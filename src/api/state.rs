@@ -105,6 +105,9 @@ pub(super) struct State {
     pub(super) grants: Vec<Vec<i32>>,
     /// IPC tickets issued and memory opened through tickets.
     pub(super) ipc: IpcState,
+    /// Per device, the id of its primary context when a driver-API call last served there
+    /// (`api::notice_reset`: a new id is a reset no hook saw).
+    pub(super) primary_ids: std::collections::HashMap<i32, u64>,
 }
 
 pub(super) static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
@@ -125,6 +128,7 @@ impl State {
                     pools: (0..n).map(|_| Slot::Unopened).collect(),
                     grants: vec![Vec::new(); n.max(0) as usize],
                     ipc: Default::default(),
+                    primary_ids: Default::default(),
                 }
             }
             Err(why) => {
@@ -136,6 +140,7 @@ impl State {
                     pools: Vec::new(),
                     grants: Vec::new(),
                     ipc: Default::default(),
+                    primary_ids: Default::default(),
                 }
             }
         }

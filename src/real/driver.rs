@@ -78,6 +78,7 @@ driver_table! {
         cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
         cuCtxSetCurrent(CUcontext);
         cuCtxGetDevice(*mut CUdevice);
+        cuCtxGetId(CUcontext, *mut u64);
         cuCtxSynchronize();
         cuDevicePrimaryCtxGetState(CUdevice, *mut c_uint, *mut c_int);
         cuDevicePrimaryCtxRelease_v2(CUdevice);

@@ -46,6 +46,23 @@ pub fn current_is_primary(t: &DriverTable, dev: i32) -> Option<bool> {
     Some(primary_device(t) == Some(dev))
 }
 
+/// The id of the calling thread's current context (`cuCtxGetId`, CUDA 12+): unique per
+/// context for the process's life. A reset primary context keeps its pointer but gets a new
+/// id once used again (H100, scripts/vmm-cost/reset_vmm.cu: 1, then 2). None without a
+/// context or the function.
+pub fn current_context_id(t: &DriverTable) -> Option<u64> {
+    let get_id = t.cuCtxGetId?;
+    let mut cur: CUcontext = std::ptr::null_mut();
+    let mut id = 0u64;
+    // SAFETY: valid out-pointers; the driver answers errors for a thread without a context.
+    unsafe {
+        if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_id(cur, &mut id) != 0 {
+            return None;
+        }
+    }
+    Some(id)
+}
+
 /// `CUDA_ERROR_INVALID_CONTEXT`.
 const INVALID_CONTEXT: u32 = 201;
 

@@ -85,10 +85,25 @@ CUresult cuCtxPopCurrent_v2(CUcontext* c) { if (!depth) return 201; depth--; if 
 CUresult cuCtxGetDevice(CUdevice* d) { if (!initialised) return 3; int dev = ctx_device(current()); if (dev < 0) return 201; *d = dev; return 0; }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RETAIN); *c = PRIMARY(d); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_RELEASE); return 0; }
-/* A reset: counted only (the fake's own memory of the context stays). */
+/* A reset: counted, and the primary context gets a new id (the pointer stays, as measured on
+ * an H100: scripts/vmm-cost/reset_vmm.cu); the fake's own memory of the context stays. */
 static long n_primary_resets;
-CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { if (d < 0 || d >= ndev()) return 101; __atomic_add_fetch(&n_primary_resets, 1, __ATOMIC_RELAXED); return 0; }
+static unsigned long long primary_gen[64];
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) {
+  if (d < 0 || d >= ndev()) return 101;
+  __atomic_add_fetch(&n_primary_resets, 1, __ATOMIC_RELAXED); __atomic_add_fetch(&primary_gen[d], 1, __ATOMIC_RELAXED);
+  return 0;
+}
 long fakecu_primary_resets(void) { return n_primary_resets; }
+/* What a statically linked runtime's cudaDeviceReset does: the same reset, reached through the
+ * driver's internal tables, never through an exported or looked-up function. */
+void fakecu_internal_reset(int d) { if (d >= 0 && d < 64) __atomic_add_fetch(&primary_gen[d], 1, __ATOMIC_RELAXED); }
+CUresult cuCtxGetId(CUcontext c, unsigned long long* id) {
+  int d = ctx_device(c);
+  if (d < 0) return 201;
+  *id = (unsigned long long)(uintptr_t)c * 1000000 + __atomic_load_n(&primary_gen[d], __ATOMIC_RELAXED) * ((uintptr_t)c < 0x200);
+  return 0;
+}
 CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
 /* Peer access between contexts: only counted and checked (the fake's memory is host memory). */
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
@@ -604,7 +619,7 @@ CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, unsigned long
 static const struct { const char* name; int since; void* fn; } procs[] = {
   {"cuGetProcAddress", 0, (void*)cuGetProcAddress}, {"cuGetProcAddress", 12000, (void*)cuGetProcAddress_v2},
   {"cuInit", 0, (void*)cuInit}, {"cuCtxGetCurrent", 0, (void*)cuCtxGetCurrent}, {"cuCtxSetCurrent", 0, (void*)cuCtxSetCurrent},
-  {"cuCtxGetDevice", 0, (void*)cuCtxGetDevice}, {"cuCtxSynchronize", 0, (void*)cuCtxSynchronize},
+  {"cuCtxGetDevice", 0, (void*)cuCtxGetDevice}, {"cuCtxSynchronize", 0, (void*)cuCtxSynchronize}, {"cuCtxGetId", 12000, (void*)cuCtxGetId},
   {"cuCtxCreate", 3020, (void*)cuCtxCreate_v2}, {"cuCtxPushCurrent", 4000, (void*)cuCtxPushCurrent_v2}, {"cuCtxPopCurrent", 4000, (void*)cuCtxPopCurrent_v2},
   {"cuDevicePrimaryCtxRetain", 7000, (void*)cuDevicePrimaryCtxRetain}, {"cuDevicePrimaryCtxRelease", 11000, (void*)cuDevicePrimaryCtxRelease_v2},
   {"cuDevicePrimaryCtxGetState", 7000, (void*)cuDevicePrimaryCtxGetState}, {"cuDevicePrimaryCtxReset", 11000, (void*)cuDevicePrimaryCtxReset_v2},

@@ -58,8 +58,30 @@ static int ipc(const char* self, int expseg_consumer) {
   return 0;
 }
 
+int cudaDeviceReset(void);
+long fakecu_used_via(void) { long (*u)(void) = (long (*)(void))dlsym(dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), "fakecu_used"); return u ? u() : -1; }
+
+/* The static runtime's cudaDeviceReset: natively the runtime's memory goes with the context
+ * and a later cudaFree of it fails (measured: 1); expseg sees the reset through the primary
+ * context's new id at the next driver call and frees the pool's allocations likewise. */
+static int reset(void) {
+  void *p = 0, *q = 0;
+  CHECK(cudaMalloc(&p, 8 * MIB) == 0);
+  long used = fakecu_used_via();
+  CHECK(cudaDeviceReset() == 0);
+  printf("free_after_reset=%d", cudaFree(p));
+  printf(" pool_gave_back=%d", fakecu_used_via() < used);
+  CHECK(cudaMalloc(&q, 8 * MIB) == 0);
+  memset(q, 0x11, 8 * MIB);
+  int ok = ((unsigned char*)q)[8 * MIB - 1] == 0x11;
+  printf(" new_alloc_ok=%d", ok);
+  printf(" new_free=%d\n", cudaFree(q));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && !strcmp(argv[1], "consume")) return consume();
+  if (argc > 1 && !strcmp(argv[1], "reset")) return reset();
   if (argc > 2 && !strcmp(argv[1], "ipc")) {
     char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n <= 0) return 2;
