@@ -359,6 +359,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) 
     let Some(_g) = Guard::enter() else {
         return next_driver::cuMemGetInfo_v2(free, total);
     };
+    let _ = catch_unwind(api::notice_reset_here);
     mem_get_info(
         "cuMemGetInfo_v2",
         free,

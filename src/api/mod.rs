@@ -239,13 +239,8 @@ pub fn cuMemFree(ptr: u64) -> Answer<u32> {
     if config().test_panic("cuMemFree_v2") {
         panic!("EXPSEG_TEST_PANIC=cuMemFree_v2");
     }
-    if ptr != 0 && !bypass() && STATE_STARTED.load(Ordering::Acquire) {
-        if let Some((t, dev)) = real::driver()
-            .ok()
-            .and_then(|t| cuda::primary_device(t).map(|d| (t, d)))
-        {
-            notice_reset(t, dev);
-        }
+    if ptr != 0 {
+        notice_reset_here();
     }
     let a = free_with(ptr, |dev| {
         let t = Instant::now();
@@ -327,6 +322,21 @@ fn notice_reset(t: &'static real::DriverTable, dev: i32) {
         cuDevicePrimaryCtxReset(dev);
         // That call forgets the id (for a reset it sees before it happens): this one stays.
         lock().primary_ids.insert(dev, id);
+    }
+}
+
+/// [`notice_reset`] for the current primary context, before a driver-API call whose answer
+/// depends on what a reset gave back (`cuMemGetInfo_v2`: a static runtime's
+/// `cudaMemGetInfo` right after its reset sees the pool's memory back, as natively).
+pub fn notice_reset_here() {
+    if bypass() || !config().driver_api || !STATE_STARTED.load(Ordering::Acquire) {
+        return;
+    }
+    if let Some((t, dev)) = real::driver()
+        .ok()
+        .and_then(|t| cuda::primary_device(t).map(|d| (t, d)))
+    {
+        notice_reset(t, dev);
     }
 }
 

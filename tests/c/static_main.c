@@ -69,8 +69,12 @@ static int reset(void) {
   CHECK(cudaMalloc(&p, 8 * MIB) == 0);
   long used = fakecu_used_via();
   CHECK(cudaDeviceReset() == 0);
-  printf("free_after_reset=%d", cudaFree(p));
-  printf(" pool_gave_back=%d", fakecu_used_via() < used);
+  size_t f0 = 0, t0 = 0, f1 = 0, t1 = 0;
+  CHECK(cudaMemGetInfo(&f0, &t0) == 0);
+  printf("pool_gave_back=%d", fakecu_used_via() < used); /* at the memory question already */
+  printf(" free_after_reset=%d", cudaFree(p));
+  CHECK(cudaMemGetInfo(&f1, &t1) == 0);
+  printf(" meminfo_same=%d", f0 == f1);
   CHECK(cudaMalloc(&q, 8 * MIB) == 0);
   memset(q, 0x11, 8 * MIB);
   int ok = ((unsigned char*)q)[8 * MIB - 1] == 0x11;
