@@ -77,17 +77,24 @@ def main():
         check(nccl.ncclCommRegister(comm, ctypes.c_void_p(base + k * PAGE_WORDS * 4), ctypes.c_size_t(words * 4), ctypes.byref(h)), f"ncclCommRegister page {k}")
         regs.append(h)
 
-    # In-place all_reduce of pages 3, 7 and 12 (each registered), summed over the ranks.
-    for k in (3, 7, 12):
+    # Out-of-place all_reduce from page k into page k+1 (both registered), summed over the
+    # ranks. NCCL 2.28 IPC-registers a ring all-reduce's receive buffer only out of place
+    # (coll_reg.cc exits for in-place ring and tree), Simple protocol (run.sh sets
+    # NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_NVLS_ENABLE=0).
+    pairs = (3, 11)
+    for k in pairs:
         register(k, PAGE_WORDS)
-    for k in (3, 7, 12):
-        p = ctypes.c_void_p(base + k * PAGE_WORDS * 4)
-        check(nccl.ncclAllReduce(p, p, ctypes.c_size_t(PAGE_WORDS), 7, 0, comm, stream), f"ncclAllReduce page {k}")
+        register(k + 1, PAGE_WORDS)
+    for k in pairs:
+        src = ctypes.c_void_p(base + k * PAGE_WORDS * 4)
+        dst = ctypes.c_void_p(base + (k + 1) * PAGE_WORDS * 4)
+        check(nccl.ncclAllReduce(src, dst, ctypes.c_size_t(PAGE_WORDS), 7, 0, comm, stream), f"ncclAllReduce page {k}")
     torch.cuda.synchronize()
     scale = world * (world + 1) // 2
-    for k in (3, 7, 12):
-        want = ((torch.arange(k * PAGE_WORDS, (k + 1) * PAGE_WORDS, device="cuda") % MOD) * scale).to(torch.float32)
-        results[f"all_reduce_page{k}"] = bool(torch.equal(x[k * PAGE_WORDS : (k + 1) * PAGE_WORDS], want))
+    for k in pairs:
+        idx = torch.arange(k * PAGE_WORDS, (k + 1) * PAGE_WORDS, device="cuda") % MOD
+        results[f"all_reduce_page{k}"] = bool(torch.equal(x[(k + 1) * PAGE_WORDS : (k + 2) * PAGE_WORDS], (idx * scale).to(torch.float32)))
+        results[f"source_page{k}_kept"] = bool(torch.equal(x[k * PAGE_WORDS : (k + 1) * PAGE_WORDS], (idx * (rank + 1)).to(torch.float32)))
     # Send/receive between neighbours: page 5 goes out, page 9 comes in (both registered).
     if world > 1:
         register(5, PAGE_WORDS)

@@ -428,16 +428,25 @@ if want torchrun && torch_for torchrun; then
     sed 's/^/    /' "$logs/torchrun$n-merged.txt"
   done
   # NCCL user-buffer registration (ncclCommRegister) of pages inside coalesced PyTorch tensors:
-  # all_reduce and send/recv sums natively (expandable segments) and under expseg.
+  # all_reduce and send/recv sums natively (expandable segments) and under expseg. With two
+  # ranks NCCL 2.28 maps the peer's registered pages by IPC (retain at the range base, POSIX fd,
+  # the peer's proxy maps it) for send/recv and an out-of-place ring all-reduce's receive
+  # buffer, Simple protocol; its REG lines must show that path taken, and no failure.
   for n in 1 2; do
     if [ "$n" -gt "$ngpu" ]; then echo "SKIP nccl_register with $n processes: $ngpu GPU"; continue; fi
     for m in native expseg; do
       pre=; [ $m = expseg ] && pre=$lib
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LD_PRELOAD="$pre" NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$logs/nccl_reg_${m}_$n.%h.%p.txt" \
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True LD_PRELOAD="$pre" NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_NVLS_ENABLE=0 \
+        NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG NCCL_DEBUG_FILE="$logs/nccl_reg_${m}_$n.%h.%p.txt" \
         python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$here/nccl_register_test.py" >"$logs/nccl_reg_${m}_$n.log" 2>&1
       rc=$?
       [ "$(grep -c ': ok' "$logs/nccl_reg_${m}_$n.log")" = "$n" ] || rc=1
-      result "nccl_register_${n}_processes_$m" $rc "$(grep -c ': ok' "$logs/nccl_reg_${m}_$n.log") ranks ok; NCCL REG lines $(cat "$logs"/nccl_reg_${m}_$n.*.txt 2>/dev/null | grep -ci 'regist')"
+      reg=$(cat "$logs"/nccl_reg_${m}_$n.*.txt 2>/dev/null)
+      ipc=$(grep -c 'IPC register buffer .* regAddr' <<<"$reg"); proxy=$(grep -c 'Proxy rank .* register success' <<<"$reg")
+      bad=$(grep -cE 'failed to IPC register|Skipping registration' <<<"$reg")
+      if [ "$n" -ge 2 ] && { [ "$ipc" -lt 1 ] || [ "$proxy" -lt 1 ]; }; then echo "    NCCL took no IPC registration path: the test did not test"; rc=1; fi
+      [ "$bad" = 0 ] || { echo "    NCCL: $(grep -m2 -E 'failed to IPC register|Skipping registration' <<<"$reg")"; rc=1; }
+      result "nccl_register_${n}_processes_$m" $rc "$(grep -c ': ok' "$logs/nccl_reg_${m}_$n.log") ranks ok; NCCL IPC registrations $ipc, peer maps $proxy, failures $bad"
       grep '^rank' "$logs/nccl_reg_${m}_$n.log" | cut -c1-300 | sed 's/^/    /'
     done
   done
