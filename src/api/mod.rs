@@ -239,7 +239,8 @@ pub fn cuMemFree(ptr: u64) -> Answer<u32> {
     if config().test_panic("cuMemFree_v2") {
         panic!("EXPSEG_TEST_PANIC=cuMemFree_v2");
     }
-    if ptr != 0 {
+    // Only for the pool's pointers (the driver answers for the others), which a reset freed.
+    if ptr != 0 && STATE_STARTED.load(Ordering::Acquire) && lock().owner(ptr).is_some() {
         notice_reset_here();
     }
     let a = free_with(ptr, |dev| {
@@ -314,6 +315,11 @@ fn notice_reset(t: &'static real::DriverTable, dev: i32) {
     let Some(id) = real::primary::current_context_id(t) else {
         return;
     };
+    // The compare and the whole cleanup under one lock of their own: a second thread's call
+    // after the same reset waits here until the cleanup is done, so the cleanup never frees
+    // what that thread allocates in the new context.
+    static NOTICING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = NOTICING.lock().unwrap_or_else(|e| e.into_inner());
     let before = lock().primary_ids.insert(dev, id);
     if let Some(old) = before.filter(|old| *old != id) {
         log::info!(
@@ -354,7 +360,7 @@ pub fn cuDevicePrimaryCtxReset(dev: i32) {
     // Memory opened through tickets ends too, as memory opened with legacy IPC does (measured
     // natively: a close after the reset fails).
     let opened = st.ipc.take_opened_on(dev);
-    let freed = st.pool(dev).map(|p| p.reset()).unwrap_or_default();
+    let freed = st.open_pool(dev).map(|p| p.reset()).unwrap_or_default();
     for base in &freed {
         st.ipc.forget(dev, *base);
     }

@@ -21,6 +21,23 @@ pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
     super::reads::begin(base, size)
 }
 
+/// [`begin_read`] for a ticket's export of `[base, base+size)`, unless a page of the range is
+/// parked by a coalescer (released by the program, kept mapped by expseg): then None, as the
+/// run is gone. Checked under the coalescers' lock once the read is registered, so no
+/// coalescer call can reuse or give back a parked handle between the check and the end of
+/// the read (the lock's own wait for reads is not taken: this thread's read would be one).
+pub fn begin_read_unparked(base: u64, size: u64) -> Option<super::reads::Reading> {
+    if !started() {
+        return Some(super::reads::begin(base, size));
+    }
+    let mut g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+    let reading = super::reads::begin(base, size);
+    if g.all().any(|c| c.parked_in_range(base, size)) {
+        return None;
+    }
+    Some(reading)
+}
+
 /// A range past the end of the address space: nothing of expseg's is there (the driver
 /// answers it).
 fn wraps(va: u64, size: u64) -> bool {
@@ -174,15 +191,6 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
             r => r.map(|r| r.0),
         }
     })
-}
-
-/// Whether a handle expseg parked (released pages' memory, kept mapped for reuse) lies in
-/// `[va, va+size)`: such a mapping is not the program's, whatever the driver says.
-pub fn parked_in(va: u64, size: u64) -> bool {
-    if !started() {
-        return false;
-    }
-    lock().all().any(|c| c.parked_in_range(va, size))
 }
 
 /// `cuMemExportToShareableHandle` of a page: the real handle to export.

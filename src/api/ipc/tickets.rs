@@ -31,7 +31,11 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     // The ticket thread has no context of its own; the source below runs on it too, so it
     // keeps the context until the last descriptor is exported.
     let context = cuda::ensure_context(t, dev);
-    let reading = crate::api::vmm::begin_read(base, size);
+    // Pages the program released may be parked there by expseg: the run is gone, as it would
+    // be natively (an unmapped gap). Checked as the read is registered (after it, a coalescer
+    // call waiting for the read could hand a parked handle on before the check; asked with
+    // the coalescers' ordinary lock inside the read, the thread waited for itself: b337f23).
+    let reading = crate::api::vmm::begin_read_unparked(base, size).ok_or(Refusal::Stale)?;
     let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
     // The mappings that make up the shared `size`: still mapped from the same start.
     let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
@@ -52,14 +56,6 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     };
     let mut run = cuda::retain_run(t, &vas).map_err(cannot)?;
     drop(reading);
-    // Pages the program released may be parked there by expseg: the run is gone, as it would
-    // be natively (an unmapped gap). Asked once the read is over: the coalescers' lock waits
-    // for every registered read to end, this one too (asked under it, the thread waited for
-    // itself holding that lock: PyTorch IPC to an expseg consumer hung, H100, 2026-11-25).
-    // Parked after the retains is stale too; `run` gives its references back.
-    if crate::api::vmm::parked_in(base, size) {
-        return Err(Refusal::Stale);
-    }
     let first = run
         .export_next()
         .unwrap_or(Err(crate::gpu::DrvError(cuda::NOT_FOUND)))
