@@ -2960,8 +2960,10 @@ fn a_static_runtimes_device_reset_frees_the_pool_as_the_runtimes_memory_goes() {
     let f = fixture();
     let r = run_in(&f.dir, "static_prog", &["reset"], &[]).ok();
     for (k, v) in [
-        ("pool_gave_back", "1"),
         ("free_after_reset", "1"),
+        ("pool_gave_back", "1"),
+        ("meminfo_gave_back", "1"),
+        ("free_after_second_reset", "1"),
         ("meminfo_same", "1"),
         ("new_alloc_ok", "1"),
         ("new_free", "0"),

@@ -239,11 +239,10 @@ pub fn cuMemFree(ptr: u64) -> Answer<u32> {
     if config().test_panic("cuMemFree_v2") {
         panic!("EXPSEG_TEST_PANIC=cuMemFree_v2");
     }
-    // Only for the pool's pointers (the driver answers for the others), which a reset freed.
-    if ptr != 0 && STATE_STARTED.load(Ordering::Acquire) && lock().owner(ptr).is_some() {
-        notice_reset_here();
-    }
     let a = free_with(ptr, |dev| {
+        // A pool pointer: a reset no hook saw ends it first (the free then finds it gone and
+        // the driver answers, as natively).
+        notice_reset_here();
         let t = Instant::now();
         let e = real::driver().map_or(0, |t| cuda::synchronize_primary(t, dev));
         GLOBAL.syncs.add(1);

@@ -65,16 +65,24 @@ long fakecu_used_via(void) { long (*u)(void) = (long (*)(void))dlsym(dlopen("lib
  * and a later cudaFree of it fails (measured: 1); expseg sees the reset through the primary
  * context's new id at the next driver call and frees the pool's allocations likewise. */
 static int reset(void) {
-  void *p = 0, *q = 0;
+  void *p = 0, *q = 0, *r = 0;
+  /* Seen at the free of an old pointer. */
   CHECK(cudaMalloc(&p, 8 * MIB) == 0);
   long used = fakecu_used_via();
   CHECK(cudaDeviceReset() == 0);
+  printf("free_after_reset=%d", cudaFree(p));
+  printf(" pool_gave_back=%d", fakecu_used_via() < used);
+  /* Seen at the memory question, before the driver answers it. */
+  CHECK(cudaMalloc(&r, 8 * MIB) == 0);
+  used = fakecu_used_via();
+  CHECK(cudaDeviceReset() == 0);
   size_t f0 = 0, t0 = 0, f1 = 0, t1 = 0;
   CHECK(cudaMemGetInfo(&f0, &t0) == 0);
-  printf("pool_gave_back=%d", fakecu_used_via() < used); /* at the memory question already */
-  printf(" free_after_reset=%d", cudaFree(p));
+  printf(" meminfo_gave_back=%d", fakecu_used_via() < used);
+  printf(" free_after_second_reset=%d", cudaFree(r));
   CHECK(cudaMemGetInfo(&f1, &t1) == 0);
   printf(" meminfo_same=%d", f0 == f1);
+  /* The pool serves the new context. */
   CHECK(cudaMalloc(&q, 8 * MIB) == 0);
   memset(q, 0x11, 8 * MIB);
   int ok = ((unsigned char*)q)[8 * MIB - 1] == 0x11;
