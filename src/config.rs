@@ -400,31 +400,13 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_TEST_SLOW_CHECK",
-        set: |c, v| {
-            v.trim()
-                .parse::<u64>()
-                .map(|ms| c.test_slow_check_ms = Some(ms))
-                .map_err(|_| "milliseconds")
-        },
-        show: |c| {
-            c.test_slow_check_ms
-                .map(|m| m.to_string())
-                .unwrap_or_default()
-        },
+        set: |c, v| test_ms(v).map(|ms| c.test_slow_check_ms = Some(ms)),
+        show: |c| show_ms(c.test_slow_check_ms),
     },
     Var {
         name: "EXPSEG_TEST_SLOW_EXPORT",
-        set: |c, v| {
-            v.trim()
-                .parse::<u64>()
-                .map(|ms| c.test_slow_export_ms = Some(ms))
-                .map_err(|_| "milliseconds")
-        },
-        show: |c| {
-            c.test_slow_export_ms
-                .map(|m| m.to_string())
-                .unwrap_or_default()
-        },
+        set: |c, v| test_ms(v).map(|ms| c.test_slow_export_ms = Some(ms)),
+        show: |c| show_ms(c.test_slow_export_ms),
     },
     Var {
         name: "EXPSEG_TEST_FAIL_MOVE",
@@ -608,6 +590,16 @@ fn check_log_filter(v: &str) -> Result<(), &'static str> {
         return Err(EXPECTED);
     }
     Ok(())
+}
+
+/// A test knob's milliseconds.
+fn test_ms(v: &str) -> Result<u64, &'static str> {
+    v.trim().parse::<u64>().map_err(|_| "milliseconds")
+}
+
+/// A test knob's milliseconds as set, or nothing.
+fn show_ms(ms: Option<u64>) -> String {
+    ms.map(|m| m.to_string()).unwrap_or_default()
 }
 
 #[cfg(test)]
