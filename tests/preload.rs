@@ -2636,6 +2636,45 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     line.clear();
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "intact=1", "the bytes came back");
+    // A resume with room for one of its two allocations resumes that one, fails, and says
+    // how much it resumed; the rest stays paused until there is room.
+    assert!(cli(&["pause", &pid]).status.success());
+    let mut k = Command::new(f.dir.join("prog"));
+    common(&mut k);
+    let mut keeper = k
+        .args(["keep", "48"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut kept = String::new();
+    std::io::BufReader::new(keeper.stdout.take().unwrap())
+        .read_line(&mut kept)
+        .unwrap();
+    assert_eq!(kept.trim(), "keep_rc=0");
+    let r = cli(&["resume", &pid]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        err.contains("not enough free GPU memory")
+            && err.contains(&format!(
+                "({} bytes resumed before the failure",
+                32u64 << 20
+            )),
+        "{err}"
+    );
+    assert_eq!(
+        text(&cli(&["paused", &pid])),
+        format!("pid {pid}: {} bytes paused", 32u64 << 20)
+    );
+    drop(keeper.stdin.take());
+    assert!(keeper.wait().unwrap().success());
+    let r = cli(&["resume", &pid]);
+    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 32u64 << 20)));
+    stdin.write_all(b"check\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "intact=1", "both came back");
     // Not an expseg process: a clear failure.
     let o = cli(&["pause", "999999999"]);
     assert!(!o.status.success());

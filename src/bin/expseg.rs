@@ -552,8 +552,7 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
                 ok = false;
                 let why = match e {
                     AskError::Unreachable(e) => format!("no answer ({e}): not an expseg process of yours, or EXPSEG_CONTROL=0 there, or it made no GPU allocation yet"),
-                    AskError::Refused(expseg::ipc::Refusal::NoMemory) => "not enough free GPU memory to resume all of it; what is still paused stays paused with its bytes: resume again when memory is free".into(),
-                    AskError::Refused(r) => format!("refused ({r:?}): see that process's [expseg] log lines"),
+                    AskError::Refused(r, done) => refused(c, r, done),
                     AskError::Untrusted(w) => format!("not asked: {w}"),
                     AskError::Protocol(w) => format!("bad answer: {w}"),
                 };
@@ -568,6 +567,26 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     match ok {
         true => ExitCode::SUCCESS,
         false => ExitCode::FAILURE,
+    }
+}
+
+/// Why a pause, resume or query was refused, and what was done before it.
+fn refused(c: expseg::ipc::control::Control, r: expseg::ipc::Refusal, done: u64) -> String {
+    use expseg::ipc::control::Control;
+    use expseg::ipc::Refusal::NoMemory;
+    let why = match (c, r) {
+        (Control::Resume { .. }, NoMemory) => "not enough free GPU memory to resume all of it; what is still paused stays paused with its bytes: resume again when memory is free".to_string(),
+        (Control::Pause { .. }, NoMemory) => "not enough host memory for the paused bytes (its MemAvailable or cgroup limit, less 1 GiB kept for the system): the rest stays on the GPU; free host memory or pause with --discard".to_string(),
+        _ => format!("refused ({r:?}): see that process's [expseg] log lines"),
+    };
+    match c {
+        Control::Pause { .. } => {
+            format!("{why} ({done} bytes paused before the failure stay paused)")
+        }
+        Control::Resume { .. } => {
+            format!("{why} ({done} bytes resumed before the failure stay resumed)")
+        }
+        Control::Query => why,
     }
 }
 

@@ -138,7 +138,7 @@ mod tests {
             move |id, nonce, _| {
                 s.fetch_add(1, Ordering::SeqCst);
                 if id != RECLAIM_ID {
-                    return Err(Refusal::Unknown);
+                    return Err(Refusal::Unknown.into());
                 }
                 let none: FdSource = Box::new(|| Err(std::io::Error::other("no chunks")));
                 let size = if nonce == key { freed } else { 0 };
@@ -237,7 +237,7 @@ mod tests {
             |_| false,
             move |_, _, _| {
                 s.fetch_add(1, Ordering::SeqCst);
-                Err(Refusal::Unknown)
+                Err(Refusal::Unknown.into())
             },
         )
         .unwrap();

@@ -6,7 +6,8 @@
 //! (u64), then one u64 per chunk (its size). Then the descriptors, one per chunk in order, in
 //! messages of at most [`BATCH`], each message a u32 (how many it carries) with the
 //! descriptors attached, so neither side ever holds more than a batch of descriptors it has
-//! not used yet. Little-endian.
+//! not used yet. A refusal is the header alone: no chunks, and a size of 0 or, for a pause
+//! or resume ([`Denial`]), the bytes done before the failure. Little-endian.
 #![allow(unsafe_code)]
 
 use super::ticket::{Grant, Refusal};
@@ -152,6 +153,23 @@ pub type FdSource = Box<dyn FnMut() -> std::io::Result<OwnedFd> + Send>;
 /// What the producer decides for a request: a grant with its descriptors, or a refusal.
 pub type Decision = Result<(Grant, FdSource), Refusal>;
 
+/// A refusal as sent: why, and what the request did before it failed (the bytes a pause or
+/// resume did anyway, in the answer's size field; 0 for everything else).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Denial {
+    pub why: Refusal,
+    pub done: u64,
+}
+
+impl From<Refusal> for Denial {
+    fn from(why: Refusal) -> Denial {
+        Denial { why, done: 0 }
+    }
+}
+
+/// What [`serve`]'s `decide` answers: a [`Decision`] whose refusal may say what was done.
+pub type Reply = Result<(Grant, FdSource), Denial>;
+
 /// A source that hands out already exported descriptors.
 pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
     let mut it = fds.into_iter();
@@ -178,7 +196,7 @@ pub fn serve(
     path: &Path,
     others: bool,
     admit: impl Fn(u32) -> bool + Send + 'static,
-    decide: impl Fn(u32, u64, u32) -> Decision + Send + Sync + 'static,
+    decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
 ) -> Result<(), String> {
     let _ = std::fs::remove_file(path); // a stale socket of a dead process with our pid
     let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -299,7 +317,7 @@ pub(crate) fn connect_within(path: &Path, timeout: Duration) -> std::io::Result<
 }
 
 /// Read one request from an admitted peer and answer it.
-fn answer(mut s: UnixStream, uid: u32, decide: &dyn Fn(u32, u64, u32) -> Decision) {
+fn answer(mut s: UnixStream, uid: u32, decide: &dyn Fn(u32, u64, u32) -> Reply) {
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
     let mut req = [0u8; 16];
@@ -326,12 +344,13 @@ pub fn dir_trusted(dir: &Path, uid: u32) -> Result<(), String> {
     Ok(())
 }
 
-fn reply(s: &mut UnixStream, decision: Decision) -> std::io::Result<()> {
+fn reply(s: &mut UnixStream, decision: Reply) -> std::io::Result<()> {
     let (grant, mut fds) = match decision {
         Ok(g) => g,
-        Err(r) => {
+        Err(d) => {
             let mut msg = [0u8; 16];
-            msg[0..4].copy_from_slice(&(r as u32).to_le_bytes());
+            msg[0..4].copy_from_slice(&(d.why as u32).to_le_bytes());
+            msg[8..16].copy_from_slice(&d.done.to_le_bytes());
             return s.write_all(&msg);
         }
     };
@@ -426,7 +445,8 @@ fn request(
     s.read_exact(&mut head).map_err(AskError::Unreachable)?;
     let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
     if status != 0 {
-        return Err(AskError::Refused(Refusal::from_code(status)));
+        let done = u64::from_le_bytes(head[8..16].try_into().unwrap());
+        return Err(AskError::Refused(Refusal::from_code(status), done));
     }
     Ok((s, head))
 }
@@ -454,8 +474,9 @@ pub fn ask_plain(
 pub enum AskError {
     /// No producer socket or no answer: the producer is gone or out of reach.
     Unreachable(std::io::Error),
-    /// The producer answered no.
-    Refused(Refusal),
+    /// The producer answered no, and what the request did before it failed (the bytes a
+    /// pause or resume did anyway; 0 for tickets, reclaims and descriptors).
+    Refused(Refusal, u64),
     /// A malformed answer.
     Protocol(&'static str),
     /// The socket is not the producer's: its directory belongs to someone else, or another
@@ -628,10 +649,16 @@ mod tests {
             |_| true,
             |id, nonce, uid| {
                 if uid != current_uid() {
-                    return Err(Refusal::Forbidden);
+                    return Err(Refusal::Forbidden.into());
+                }
+                if id == 7 {
+                    return Err(Denial {
+                        why: Refusal::NoMemory,
+                        done: nonce,
+                    });
                 }
                 if id != 3 || nonce != 99 {
-                    return Err(Refusal::Unknown);
+                    return Err(Refusal::Unknown.into());
                 }
                 // 150 chunks: three batches (64, 64, 22), made one at a time.
                 let n = 150;
@@ -663,7 +690,12 @@ mod tests {
         assert_eq!(batches, vec![64, 64, 22]);
         assert!(matches!(
             ask(&path, me.0, me.1, 3, 98),
-            Err(AskError::Refused(Refusal::Unknown))
+            Err(AskError::Refused(Refusal::Unknown, 0))
+        ));
+        // A refusal that says what was done before it (a pause or resume): its size field.
+        assert!(matches!(
+            ask_plain(&path, me.0, me.1, 7, 32 << 20, Duration::from_secs(5)),
+            Err(AskError::Refused(Refusal::NoMemory, 33554432))
         ));
         assert!(matches!(
             ask(&dir.join("none.sock"), me.0, me.1, 3, 99),
@@ -687,7 +719,7 @@ mod tests {
         serve(&path, false, admit, move |id, _, _| {
             counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if id != 7 {
-                return Err(Refusal::Unknown);
+                return Err(Refusal::Unknown.into());
             }
             let source: FdSource =
                 Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));

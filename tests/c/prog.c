@@ -726,15 +726,32 @@ static int pause_self(void) {
 
 /* Paused from outside (expseg pause PID): takes and fills 64 MiB, then answers "check" lines
  * on stdin with whether its bytes are intact, until stdin closes. */
+/* 64 MiB in two allocations of 32 (a resume with room for one resumes one), checked on
+ * "check". */
 static int sleeper(void) {
-  void* p = 0; CHECK(cudaMalloc(&p, 64 * MIB) == 0);
-  fill(p, 64 * MIB, 7);
+  void *p = 0, *q = 0;
+  CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&q, 32 * MIB) == 0);
+  fill(p, 32 * MIB, 7); fill(q, 32 * MIB, 8);
   printf("ready=1\n"); fflush(stdout);
   char line[64];
   while (fgets(line, sizeof line, stdin)) {
-    if (!strncmp(line, "check", 5)) { printf("intact=%d\n", holds(p, 64 * MIB, 7)); fflush(stdout); }
+    if (!strncmp(line, "check", 5)) {
+      int ok = holds(p, 32 * MIB, 7) && holds(q, 32 * MIB, 8);
+      printf("intact=%d\n", ok); fflush(stdout);
+    }
   }
   return 0;
+}
+
+/* "keep N": takes N MiB and keeps it until its stdin closes, then frees it (the fake's shared
+ * counter does not see a process end). */
+static int keep(size_t mib) {
+  void* p = 0;
+  int rc = cudaMalloc(&p, mib * MIB);
+  printf("keep_rc=%d\n", rc); fflush(stdout);
+  char buf[64];
+  while (fread(buf, 1, sizeof buf, stdin) > 0) {}
+  return rc == 0 && cudaFree(p) != 0;
 }
 
 /* cudaMalloc while a context of the program's own is current (cuCtxCreate: PyCUDA, TensorRT,
@@ -788,6 +805,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "foreign_swap")) return foreign_swap(argv[0]);
   if (!strcmp(s, "hold") && argc > 2) return hold((size_t)atol(argv[2]));
   if (!strcmp(s, "need") && argc > 2) return need((size_t)atol(argv[2]));
+  if (!strcmp(s, "keep") && argc > 2) return keep((size_t)atol(argv[2]));
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "pause_self")) return pause_self();
   if (!strcmp(s, "sleeper")) return sleeper();

@@ -65,7 +65,7 @@ pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
         Err(e) => {
             let why = match e {
                 AskError::Unreachable(e) => format!("unreachable ({e})"),
-                AskError::Refused(r) => format!("refused ({r:?})"),
+                AskError::Refused(r, _) => format!("refused ({r:?})"),
                 AskError::Protocol(p) => p.to_string(),
                 AskError::Untrusted(u) => u,
             };

@@ -48,14 +48,14 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             log::error!("IPC: opening the handle's mirror instead (one-way)");
             return Answer::PassThrough;
         }
-        Err(AskError::Refused(Refusal::Failed)) if !ticket_only => {
+        Err(AskError::Refused(Refusal::Failed, _)) if !ticket_only => {
             log::warn!(
                 "IPC: process {} could not export the memory of its ticket; opening its mirror (one-way)",
                 t.pid
             );
             return Answer::PassThrough;
         }
-        Err(AskError::Refused(r)) => {
+        Err(AskError::Refused(r, _)) => {
             log::error!("IPC: process {} refused the ticket ({r:?}): the handle is stale, forged or not ours to open", t.pid);
             return Answer::Done(Err(INVALID_HANDLE));
         }

@@ -5,7 +5,7 @@
 use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
-use crate::ipc::transport::{self, Decision};
+use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
 use crate::real::runtime;
 use crate::stats::GLOBAL;
@@ -174,12 +174,12 @@ fn may_ask(id: u32, peer: u32, own: u32, allowed: &[u32]) -> bool {
 /// (another expseg process of the user found no memory on the GPU the nonce names) is no
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
-fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
+fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
     if !may_ask(id, peer, transport::current_uid(), &config().ipc_allow_uids) {
         if id >= transport::FIRST_REQUEST_ID {
             log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)");
         }
-        return Err(Refusal::Forbidden);
+        return Err(Refusal::Forbidden.into());
     }
     if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
         return control(c);
@@ -200,12 +200,14 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Decision {
         Ok(_) => GLOBAL.ipc_tickets_granted.add(1),
         Err(_) => GLOBAL.ipc_tickets_refused.add(1),
     }
-    d
+    d.map_err(Denial::from)
 }
 
 /// `expseg pause|resume PID` from the user: done on this thread; the answer is a grant of no
-/// chunks whose size is the bytes paused or resumed, or a refusal of `Failed`.
-fn control(c: crate::ipc::control::Control) -> Decision {
+/// chunks whose size is the bytes paused or resumed, or a refusal (`NoMemory`: a resume or a
+/// pause that found no memory; else `Failed`) with the bytes done anyway (what paused or
+/// resumed before the failure stays so).
+fn control(c: crate::ipc::control::Control) -> Reply {
     use crate::ipc::control::Control;
     let done = match c {
         Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard, false),
@@ -223,8 +225,13 @@ fn control(c: crate::ipc::control::Control) -> Decision {
             },
             transport::fds_of(Vec::new()),
         )),
-        Err(e) if e.code == crate::gpu::CUDA_ERROR_OUT_OF_MEMORY => Err(Refusal::NoMemory),
-        Err(_) => Err(Refusal::Failed),
+        Err(e) => Err(Denial {
+            why: match e.code {
+                crate::gpu::CUDA_ERROR_OUT_OF_MEMORY => Refusal::NoMemory,
+                _ => Refusal::Failed,
+            },
+            done: e.done.bytes,
+        }),
     }
 }
 
@@ -356,8 +363,17 @@ mod tests {
         let getfd = crate::api::fdshare::record::GETFD_ID;
         assert!(matches!(
             decide(getfd, 3, own.wrapping_add(1)),
-            Err(Refusal::Forbidden)
+            Err(Denial {
+                why: Refusal::Forbidden,
+                done: 0
+            })
         ));
-        assert!(matches!(decide(getfd, 1 << 40, own), Err(Refusal::Unknown)));
+        assert!(matches!(
+            decide(getfd, 1 << 40, own),
+            Err(Denial {
+                why: Refusal::Unknown,
+                ..
+            })
+        ));
     }
 }
