@@ -49,10 +49,10 @@ fn boundary(name: &str, f: impl FnOnce() -> c_int) -> c_int {
     }
 }
 
-/// expseg's part of a call whose real call follows in any case: run under the re-entrancy
-/// guard (`None` inside expseg) and the panic boundary (`None` after a panic, counted and
-/// logged with `then`, what happens instead).
-fn before_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
+/// expseg's part of a call whose real call follows (or came before) in any case: run under
+/// the re-entrancy guard (`None` inside expseg) and the panic boundary (`None` after a panic,
+/// counted and logged with `then`, what happens instead).
+fn around_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
     let _g = Guard::enter()?;
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => Some(v),
@@ -138,11 +138,18 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 }
 
 /// `cudaDeviceReset`: the pool's allocations of the device go first, as the reset destroys
-/// the runtime's (`api::cudaDeviceReset`), then the real reset.
+/// the runtime's (`api::cudaDeviceReset`), then the real reset, then the context's id is
+/// forgotten again (`api::reset_done`).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
-    before_real("cudaDeviceReset", "resetting anyway", api::cudaDeviceReset);
-    next::cudaDeviceReset()
+    let dev = around_real("cudaDeviceReset", "resetting anyway", api::cudaDeviceReset);
+    let r = next::cudaDeviceReset();
+    if let Some(Some(dev)) = dev {
+        around_real("cudaDeviceReset", "the reset is done", || {
+            api::reset_done(dev)
+        });
+    }
+    r
 }
 
 /// `cuMemRetainAllocationHandle` for every caller but PyTorch's allocator (which gets the
@@ -161,7 +168,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
     else {
         return NO_DRIVER;
     };
-    let split = before_real("cuMemRetainAllocationHandle", "asking the driver", || {
+    let split = around_real("cuMemRetainAllocationHandle", "asking the driver", || {
         api::vmm::isolate_page(addr as u64)
     });
     if let Some(Err(e)) = split {
@@ -175,10 +182,14 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
 /// measured, and is seen afterwards by the primary context's new id: `api::notice_reset`).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
-    before_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {
+    around_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {
         api::cuDevicePrimaryCtxReset(dev)
     });
-    next_driver::cuDevicePrimaryCtxReset_v2(dev)
+    let r = next_driver::cuDevicePrimaryCtxReset_v2(dev);
+    around_real("cuDevicePrimaryCtxReset_v2", "the reset is done", || {
+        api::reset_done(dev)
+    });
+    r
 }
 
 #[cfg_attr(not(test), no_mangle)]

@@ -109,7 +109,15 @@ fn fixture() -> &'static Fixture {
         );
         // A driver API program (libcuda only) and one with a static runtime (neither library).
         cc(
-            &["-O1", "-o", "drv", &s("drv.c"), "./libcuda.so.1", "-ldl"],
+            &[
+                "-O1",
+                "-pthread",
+                "-o",
+                "drv",
+                &s("drv.c"),
+                "./libcuda.so.1",
+                "-ldl",
+            ],
             &dir,
         );
         cc(
@@ -2959,6 +2967,28 @@ fn a_primary_context_reset_frees_the_pools_allocations_for_driver_programs() {
         }
     }
     assert_eq!(r.get("resets"), "2");
+}
+
+#[test]
+fn a_reset_between_an_id_read_and_its_record_frees_nothing_made_after_it() {
+    // One thread's allocation reads the primary context's id just before another thread's
+    // hooked reset and answers after it: recorded, the old id would make the next call take
+    // the new one for a reset no hook saw, and free the allocation made after the reset.
+    let r = run_in(&fixture().dir, "drv", &["reset_race"], &[]).ok();
+    for (k, v) in [
+        ("racer_alloc_rc", "0"),
+        ("reset_rc", "0"),
+        ("after_alloc_rc", "0"),
+        ("racer_free_rc", "0"),
+        ("after_free_rc", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+    assert!(
+        !r.stderr().contains("was reset (context id"),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]

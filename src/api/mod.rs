@@ -297,10 +297,10 @@ pub fn cudaFree(ptr: u64) -> Answer<i32> {
 /// allocations of the device, which the program made with `cudaMalloc`, go now, their IPC
 /// shares and mirrors with them: afterwards their memory is free and a `cudaFree` of one is an
 /// error, as natively. PyTorch's coalesced pages stay, as the program's own VMM memory does.
-pub fn cudaDeviceReset() {
-    if let Ok(dev) = runtime::get_device() {
-        cuDevicePrimaryCtxReset(dev);
-    }
+pub fn cudaDeviceReset() -> Option<i32> {
+    let dev = runtime::get_device().ok()?;
+    cuDevicePrimaryCtxReset(dev);
+    Some(dev)
 }
 
 /// A reset of `dev`'s primary context that no hook saw (a statically linked runtime's
@@ -311,14 +311,15 @@ pub fn cudaDeviceReset() {
 /// context destroyed by its last release and made again ends the runtime's memory likewise.
 /// One `cuCtxGetId` per driver-API allocation or free.
 fn notice_reset(t: &'static real::DriverTable, dev: i32) {
+    // The read, the compare and the whole cleanup under one lock of their own: a second
+    // thread's call after the same reset waits here until the cleanup is done, so the cleanup
+    // never frees what that thread allocates in the new context; and a hooked reset forgets
+    // the id under it once the real reset is done ([`reset_done`]), so an id read before that
+    // reset is never recorded after it.
+    let _one = NOTICING.lock().unwrap_or_else(|e| e.into_inner());
     let Some(id) = real::primary::current_context_id(t) else {
         return;
     };
-    // The compare and the whole cleanup under one lock of their own: a second thread's call
-    // after the same reset waits here until the cleanup is done, so the cleanup never frees
-    // what that thread allocates in the new context.
-    static NOTICING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = NOTICING.lock().unwrap_or_else(|e| e.into_inner());
     let before = lock().primary_ids.insert(dev, id);
     if let Some(old) = before.filter(|old| *old != id) {
         log::info!(
@@ -328,6 +329,24 @@ fn notice_reset(t: &'static real::DriverTable, dev: i32) {
         // That call forgets the id (for a reset it sees before it happens): this one stays.
         lock().primary_ids.insert(dev, id);
     }
+}
+
+/// Held while a driver-API call reads and records the primary context's id ([`notice_reset`]),
+/// and by a hooked reset's end ([`reset_done`]).
+static NOTICING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// After the real reset of `dev`'s primary context that [`cuDevicePrimaryCtxReset`] (or
+/// [`cudaDeviceReset`]) saw coming: forget the context's id again. A driver-API call on
+/// another thread may have read the old id between the hook and the real reset and recorded
+/// it; left there, the next call would take the new id for a reset no hook saw and free what
+/// was allocated after this one (before 2026-11-25, preload test
+/// `a_reset_between_an_id_read_and_its_record_frees_nothing_made_after_it`).
+pub fn reset_done(dev: i32) {
+    if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
+        return;
+    }
+    let _one = NOTICING.lock().unwrap_or_else(|e| e.into_inner());
+    lock().primary_ids.remove(&dev);
 }
 
 /// [`notice_reset`] for the current primary context, before a driver-API call whose answer

@@ -214,8 +214,41 @@ static int reset(void) {
   return 0;
 }
 
+/* A racer thread's allocation reads the primary context's id (slowed: it answers 300 ms
+ * later) while this thread resets the context through the hook; then one more allocation here.
+ * Both allocations made after the reset must stay live. */
+#include <pthread.h>
+#include <unistd.h>
+void fakecu_slow_next_ctxid(int);
+static CUcontext race_ctx;
+static uint64_t racer_p;
+static void* racer(void* rc) {
+  CHECK(cuCtxSetCurrent(race_ctx) == 0);
+  *(int*)rc = cuMemAlloc_v2(&racer_p, 4 * MIB);
+  return 0;
+}
+static int reset_race(void) {
+  CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&race_ctx, 0) == 0 && cuCtxSetCurrent(race_ctx) == 0);
+  uint64_t first = 0, after = 0;
+  CHECK(cuMemAlloc_v2(&first, 4 * MIB) == 0); /* the id is recorded */
+  fakecu_slow_next_ctxid(300);
+  pthread_t t; int racer_rc = -1;
+  pthread_create(&t, 0, racer, &racer_rc);
+  usleep(100 * 1000);
+  int reset_rc = cuDevicePrimaryCtxReset_v2(0);
+  pthread_join(t, 0);
+  int after_rc = cuMemAlloc_v2(&after, 4 * MIB);
+  printf("racer_alloc_rc=%d reset_rc=%d after_alloc_rc=%d\n", racer_rc, reset_rc, after_rc);
+  if (racer_rc == 0) memset((void*)(uintptr_t)racer_p, 6, 4 * MIB);
+  int racer_free = racer_rc == 0 ? cuMemFree_v2(racer_p) : -1;
+  int after_free = after_rc == 0 ? cuMemFree_v2(after) : -1;
+  printf("racer_free_rc=%d after_free_rc=%d\n", racer_free, after_free);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "";
+  if (!strcmp(s, "reset_race")) return reset_race();
   if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "reset")) return reset();
   if (!strcmp(s, "ranges")) return ranges();

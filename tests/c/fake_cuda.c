@@ -98,10 +98,16 @@ long fakecu_primary_resets(void) { return n_primary_resets; }
 /* What a statically linked runtime's cudaDeviceReset does: the same reset, reached through the
  * driver's internal tables, never through an exported or looked-up function. */
 void fakecu_internal_reset(int d) { if (d >= 0 && d < 64) __atomic_add_fetch(&primary_gen[d], 1, __ATOMIC_RELAXED); }
+/* fakecu_slow_next_ctxid(ms): the next cuCtxGetId reads the id, then waits ms before it
+ * answers (an id read just before another thread's reset, answered after it). */
+static int slow_ctxid_ms;
+void fakecu_slow_next_ctxid(int ms) { __atomic_store_n(&slow_ctxid_ms, ms, __ATOMIC_RELAXED); }
 CUresult cuCtxGetId(CUcontext c, unsigned long long* id) {
   int d = ctx_device(c);
   if (d < 0) return 201;
   *id = (unsigned long long)(uintptr_t)c * 1000000 + __atomic_load_n(&primary_gen[d], __ATOMIC_RELAXED) * ((uintptr_t)c < 0x200);
+  int ms = __atomic_exchange_n(&slow_ctxid_ms, 0, __ATOMIC_RELAXED);
+  if (ms) usleep((useconds_t)ms * 1000);
   return 0;
 }
 CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
