@@ -9,7 +9,9 @@
 # stops after step 3 (writes OUTDIR/expseg/ready, waits for .../go); `expseg pause PID`; a
 # plain process takes the memory given back (and nvidia-smi shows it); `expseg paused PID`;
 # another user (uid 65534, via setpriv, su or sudo; skipped when none works) is refused;
-# `expseg resume PID`; the program finishes and its 6 losses must equal the native ones.
+# a resume while a plain process leaves room for about half fails and says how much it resumed;
+# `expseg resume PID` resumes the rest; the program finishes and its 6 losses must equal the
+# native ones.
 # Logs in OUTDIR. Prints PASS/FAIL lines, last "N passed, M failed"; exit 1 on any failure.
 set -u
 [ $# = 3 ] || { echo "usage: $0 LIB CLI OUTDIR"; exit 2; }
@@ -135,13 +137,45 @@ else
   result other_user_refused $? "rc $rc: $(head -c 300 <<<"$other")"
 fi
 
+# 6a. A resume without room for all of it: a plain process leaves free about half of what is
+# paused. The resume fails, says how many bytes it resumed before the failure (what fits), and
+# the rest stays paused (`expseg paused`).
+early=0
+if [ "$bytes" -gt 0 ]; then
+  rm -f "$out/holder.ready" "$out/holder.go"
+  plain python3 - "$((bytes / 2))" "$out/holder" >"$out/holder.log" 2>&1 <<'PY' &
+import os, sys, time
+import torch
+leave, flag = int(sys.argv[1]), sys.argv[2]
+free, _ = torch.cuda.mem_get_info()
+t = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
+print(f"holding {t.numel()} bytes, leaving {leave}", flush=True)
+open(flag + ".ready", "w").close()
+while not os.path.exists(flag + ".go"):
+    time.sleep(0.05)
+PY
+  holder=$!
+  for _ in $(seq 600); do [ -e "$out/holder.ready" ] || ! kill -0 $holder 2>/dev/null && break; sleep 0.1; done
+  partial=$("$cli" resume "$pid" 2>&1)
+  rc=$?
+  early=$(sed -n "s/.*(\([0-9]*\) bytes resumed before the failure.*/\1/p" <<<"$partial")
+  left=$("$cli" paused "$pid" 2>&1)
+  now=$(sed -n "s/^pid $pid: \([0-9]*\) bytes paused.*/\1/p" <<<"$left")
+  touch "$out/holder.go"
+  wait $holder
+  [ "$rc" = 1 ] && grep -q "not enough free GPU memory" <<<"$partial" && [ -n "$early" ] &&
+    [ "$early" -lt "$bytes" ] && [ "${now:-x}" = "$((bytes - early))" ]
+  result cli_resume_without_room $? "rc $rc: $(head -c 400 <<<"$partial"); then: $left ($(head -n 1 "$out/holder.log"))"
+  early=${early:-0}
+fi
+
 # 6. Resume; the program goes on.
 t0=$(date +%s%N)
 resume_out=$("$cli" resume "$pid" 2>"$out/resume.err")
 rc=$?
 ms=$((($(date +%s%N) - t0) / 1000000))
 back=$(sed -n "s/^pid $pid: resumed \([0-9]*\) bytes.*/\1/p" <<<"$resume_out")
-[ "$rc" = 0 ] && [ "${back:-x}" = "$bytes" ]
+[ "$rc" = 0 ] && [ "${back:-x}" = "$((bytes - early))" ]
 result cli_resume $? "rc $rc, ${ms} ms wall: $resume_out $(head -c 300 "$out/resume.err")"
 after=$("$cli" paused "$pid" 2>&1)
 grep -q "^pid $pid: 0 bytes paused" <<<"$after"
