@@ -2511,6 +2511,16 @@ fn freed_memory_goes_back_at_once_and_kept_memory_is_reclaimed_by_expseg_process
 }
 
 #[test]
+fn a_disabled_expseg_asks_no_other_process_for_memory() {
+    // EXPSEG_DISABLE=1 is pure pass-through: its out of memory is the driver's, and the
+    // holder keeps what it keeps (before 2026-11-25 the failed call still asked it).
+    let keep = [("EXPSEG_CACHE_MAX", "1G")];
+    let (rc, holder, _) = handoff_to(&keep, true, &[("EXPSEG_DISABLE", "1")]);
+    assert_eq!(rc, "2");
+    assert!(holder.contains("\"given_back_bytes\":0"), "{holder}");
+}
+
+#[test]
 fn a_pitched_driver_allocation_that_finds_no_memory_reclaims_and_tries_again() {
     // cuMemAllocPitch_v2 as cuMemAlloc_v2: the holder keeps 64 MiB (opted in); the second
     // process's pitched 48 MiB finds none, asks the holder, and gets it on the second try.

@@ -152,6 +152,10 @@ pub fn make_room(dev: Option<i32>) -> bool {
 /// Ask the other expseg processes of the user to give back what they hold on `dev`'s GPU
 /// (every GPU of this process when `dev` is unknown): the bytes they gave.
 fn reclaim_from_peers(dev: Option<i32>) -> u64 {
+    // Off (`EXPSEG_DISABLE=1`: pure pass-through) or a forked child: nobody is asked.
+    if super::bypass() || super::state::forked() {
+        return 0;
+    }
     let keys: Vec<u64> = match dev {
         Some(d) => vec![key_of(d)],
         None => match real::driver().map(|t| cuda::device_count(t).unwrap_or(0)) {

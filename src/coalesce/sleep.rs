@@ -104,13 +104,22 @@ impl<D: Driver> Coalescer<D> {
         let mut made: Vec<(u64, u64)> = Vec::new();
         let mut failed = None;
         let mut queued = Ok(());
+        // The smallest handle that found no memory: larger ones are not tried (they would
+        // fail too), smaller ones are (what fits is resumed; before 2026-11-25 the first
+        // handle without memory ended the resume).
+        let mut too_big = u64::MAX;
         for &pid in pids {
+            let size = self.phys[&pid].size;
+            if size >= too_big {
+                continue;
+            }
             match self.remake(pid) {
                 Ok(h) => made.push((pid, h)),
-                // Out of memory: the rest would fail too; they stay paused (retry).
+                // Out of memory: this one stays paused with its host copy (retry).
                 Err(e) if e.is_oom() => {
                     failed = Some(e);
-                    break;
+                    too_big = size;
+                    continue;
                 }
                 // This handle alone cannot come back (its range taken): it stays paused with
                 // its host copy and the others go on.

@@ -166,6 +166,22 @@ fn move_max_zero_always_mirrors() {
 }
 
 #[test]
+fn move_max_counts_the_programs_size_not_the_rounded_block() {
+    // 3 MiB asked (a 4 MiB block) under a bound of 3 MiB: moved, as the caller, which
+    // compares the program's size, expects (before 2026-11-25: mirrored).
+    let mut p = pool(Placement::SharedLowHeap);
+    let a = p.alloc(3 * MIB).unwrap();
+    stamp(&mut p, a, 3 * MIB, 4);
+    let policy = ExportPolicy {
+        move_max: 3 * MIB,
+        fail_move_at: None,
+    };
+    let ex = p.export(a, policy).unwrap();
+    assert_eq!(ex.how, Exported::Moved);
+    check(&p);
+}
+
+#[test]
 fn a_move_failing_at_each_step_is_rolled_back_with_data_intact() {
     for step in MoveStep::ALL {
         let mut p = pool(Placement::SharedLowHeap);

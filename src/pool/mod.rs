@@ -235,7 +235,12 @@ impl<D: Driver> Pool<D> {
             None => match self.alloc_slow(need) {
                 Ok(base) => base,
                 Err(AllocError::OutOfMemory) => return self.fail_oom(),
-                Err(e) => return Err(e),
+                Err(e) => {
+                    // A failed map leaves the chunks it was given loose (nothing lost); fresh
+                    // ones among them go back now unless keeping is opted into.
+                    self.trim(self.cfg.cache_max);
+                    return Err(e);
+                }
             },
         };
         let b = self
@@ -374,7 +379,17 @@ impl<D: Driver> Pool<D> {
             0 => u64::MAX,
             m => (m / self.gran * self.gran).max(self.gran),
         };
-        let mut made = Vec::with_capacity(size.div_ceil(max) as usize);
+        if size > max {
+            // Many chunks (`EXPSEG_MAX_CHUNK`): a request beyond the device's free memory is
+            // refused at once, as the driver refuses one chunk, instead of taking the free
+            // memory a chunk at a time under the lock and giving it back.
+            if let Ok(free) = self.drv.free_memory() {
+                if size > free {
+                    return Err(AllocError::OutOfMemory);
+                }
+            }
+        }
+        let mut made = Vec::new();
         let mut left = size;
         while left > 0 {
             let n = left.min(max);

@@ -101,13 +101,22 @@ impl<D: Driver> Pool<D> {
         let mut made: Vec<(u64, Vec<Chunk>)> = Vec::new();
         let mut failed = None;
         let mut queued = Ok(());
+        // The smallest block that found no memory: larger ones are not tried (they would fail
+        // too), smaller ones are (what fits is resumed; before 2026-11-25 the first block
+        // without memory ended the resume).
+        let mut too_big = u64::MAX;
         for &base in bases {
+            let size = self.blocks[&base].size;
+            if size >= too_big {
+                continue;
+            }
             match self.remake(base) {
                 Ok(c) => made.push((base, c)),
-                // Out of memory: the rest would fail too; they stay paused (retry).
+                // Out of memory: this one stays paused with its host copy (retry).
                 Err(e) if e.is_oom() => {
                     failed = Some(e);
-                    break;
+                    too_big = size;
+                    continue;
                 }
                 // This block alone cannot come back: it stays paused with its host copy and
                 // the others go on.
@@ -134,11 +143,7 @@ impl<D: Driver> Pool<D> {
             for (base, chunks) in made {
                 let size = self.blocks[&base].size;
                 let _ = self.timed(Op::Unmap, |d| d.unmap(base, size));
-                for c in chunks {
-                    if self.timed(Op::Release, |d| d.release(c.handle)).is_err() {
-                        self.add_loose(c);
-                    }
-                }
+                self.release_all(chunks);
             }
             return Err(e);
         }
@@ -185,9 +190,12 @@ impl<D: Driver> Pool<D> {
         Ok(chunks)
     }
 
+    /// Give back chunks made for a resume that did not complete; one the driver will not
+    /// take back stays cached (counted as made, so the books hold: trimmed later).
     fn release_all(&mut self, chunks: Vec<Chunk>) {
         for c in chunks {
             if self.timed(Op::Release, |d| d.release(c.handle)).is_err() {
+                self.stats.on_created(c.size);
                 self.add_loose(c);
             }
         }

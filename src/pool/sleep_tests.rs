@@ -269,3 +269,42 @@ fn a_block_that_cannot_resume_does_not_hold_back_the_others() {
     assert_eq!(p.driver().host_buffers(), (0, 0));
     check(&p);
 }
+
+#[test]
+fn a_resume_short_of_memory_resumes_the_smaller_blocks_that_fit() {
+    // A large block first, a small one after it: the large one finds no memory, the small
+    // one still comes back (before 2026-11-25 the first failure ended the resume).
+    let mut p = pool(1 << 30);
+    let big = p.alloc(64 * MIB).unwrap();
+    let small = p.alloc(4 * MIB).unwrap();
+    assert!(big < small, "the large block is tried first");
+    stamp(&mut p, big, 64 * MIB, 1);
+    stamp(&mut p, small, 4 * MIB, 2);
+    p.pause(&|_| OFFLOAD).unwrap();
+    p.driver_mut().set_capacity(10 * MIB);
+    let creates = p.driver().calls_of(Op::Create);
+    assert_eq!(p.resume(&|_| true), Err(DrvError::OUT_OF_MEMORY));
+    assert_eq!(p.paused_bytes(), 64 * MIB, "the small block resumed");
+    assert!(stamped(&p, small, 4 * MIB, 2));
+    p.driver_mut().set_capacity(1 << 30);
+    assert_eq!(p.resume(&|_| true).unwrap(), 64 * MIB);
+    assert!(stamped(&p, big, 64 * MIB, 1) && stamped(&p, small, 4 * MIB, 2));
+    assert!(p.driver().calls_of(Op::Create) > creates);
+    check(&p);
+}
+
+#[test]
+fn chunks_a_failed_resume_cannot_give_back_stay_counted() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(8 * MIB).unwrap();
+    stamp(&mut p, a, 8 * MIB, 3);
+    p.pause(&|_| OFFLOAD).unwrap();
+    p.driver_mut().fail(Op::Map, DrvError(1));
+    p.driver_mut().fail(Op::Release, DrvError(1));
+    assert!(p.resume(&|_| true).is_err());
+    check(&p);
+    assert_eq!(p.resume(&|_| true).unwrap(), 8 * MIB);
+    assert!(stamped(&p, a, 8 * MIB, 3));
+    p.trim(0);
+    check(&p);
+}

@@ -423,3 +423,36 @@ fn a_device_reset_frees_every_allocation_and_gives_every_byte_back() {
     p.free(d).unwrap();
     p.validate().unwrap();
 }
+
+#[test]
+fn a_request_beyond_free_memory_in_many_chunks_is_refused_without_creating_any() {
+    // EXPSEG_MAX_CHUNK splits a request into chunks: one beyond the device is refused at once
+    // (before 2026-11-25, 1ull<<62 bytes sized a host list of 32 TiB and aborted the process,
+    // and 2 GiB on a 1 GiB device made and gave back 1,024 chunks under the lock).
+    let mut p = pool(1 << 30, 0);
+    for size in [2 << 30, 1 << 62] {
+        let creates = p.driver().calls_of(Op::Create);
+        assert_eq!(p.alloc(size), Err(AllocError::OutOfMemory));
+        assert_eq!(p.driver().calls_of(Op::Create), creates, "{size}");
+    }
+    check(&p);
+    let a = p.alloc(48 * MIB).unwrap();
+    drain(&mut p, &[a]);
+}
+
+#[test]
+fn a_failed_map_gives_fresh_chunks_back_without_keeping() {
+    for op in [Op::Reserve, Op::Map, Op::SetAccess] {
+        let mut p = pool(1 << 30, 0);
+        p.driver_mut().fail(op, DrvError(1));
+        assert!(
+            matches!(p.alloc(64 * MIB), Err(AllocError::Driver(_))),
+            "{op:?}"
+        );
+        assert_eq!(p.stats().cached_bytes, 0, "{op:?}: nothing held");
+        assert_eq!(p.driver().used(), 0, "{op:?}");
+        check(&p);
+        let a = p.alloc(64 * MIB).unwrap();
+        drain(&mut p, &[a]);
+    }
+}

@@ -150,6 +150,28 @@ fn out_of_memory_on_resume_loses_nothing_and_a_retry_finishes() {
 }
 
 #[test]
+fn a_resume_short_of_memory_resumes_the_smaller_handles_that_fit() {
+    // A 4-page handle first, a 1-page one after it, room for 2 pages: the large one stays
+    // paused, the small one comes back (before 2026-11-25 the first failure ended the resume).
+    let (mut c, va) = setup(1 << 40, cfg());
+    let big = grow(&mut c, va, 4).unwrap();
+    let small = grow(&mut c, va + 10 * PAGE, 1).unwrap();
+    fill(&mut c, va, 4);
+    fill(&mut c, va + 10 * PAGE, 1);
+    c.pause(&|_| OFFLOAD).unwrap();
+    c.driver_mut().set_capacity(2 * PAGE);
+    assert_eq!(c.resume(&|_| true), Err(DrvError::OUT_OF_MEMORY));
+    assert_eq!(c.paused_bytes(), 4 * PAGE, "the small handle resumed");
+    assert!(intact(&c, va + 10 * PAGE, 1));
+    c.driver_mut().set_capacity(1 << 40);
+    assert_eq!(c.resume(&|_| true).unwrap(), 4 * PAGE);
+    assert!(intact(&c, va, 4) && intact(&c, va + 10 * PAGE, 1));
+    shrink(&mut c, va, &big);
+    shrink(&mut c, va + 10 * PAGE, &small);
+    all_given_back(&mut c);
+}
+
+#[test]
 fn a_pause_waits_for_peer_devices_first() {
     // A peer given access to the pages (PyTorch's addPeer) may still be reading them: it is
     // waited for before they go, and a peer that cannot be waited for stops the pause.
