@@ -105,6 +105,36 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
+    /// A phys of pages that never move (exported: `single`) none of which the program has
+    /// mapped, still mapped where they were (kept there while releases may go on): it leaves
+    /// its address without a copy, and its handle is mapped where the program maps a page of
+    /// it next (`map_phys`). A copy would give the program a new handle while importers keep
+    /// the old one (before 2026-11-25, with `EXPSEG_RELEASE_DELAY` above 0).
+    fn unmoved_ghost(&self, pid: u64) -> bool {
+        let ph = &self.phys[&pid];
+        ph.asleep.is_none()
+            && !ph.slots.is_empty()
+            && ph.slots.values().all(|v| {
+                let p = &self.pages[v];
+                p.single && p.va.is_none()
+            })
+    }
+
+    fn unmap_ghost(&mut self, pid: u64) -> DrvResult<()> {
+        let (base, size) = {
+            let ph = &self.phys[&pid];
+            (ph.base, ph.size)
+        };
+        if let Some(b) = base {
+            self.drv.unmap(b, size)?;
+            let ph = self.phys.get_mut(&pid).unwrap();
+            ph.base = None;
+            ph.granted.clear();
+            self.bases.remove(&b);
+        }
+        Ok(())
+    }
+
     /// The groups a phys's live pages move to.
     pub(super) fn groups(&self, pid: u64, singles: bool) -> Vec<Group> {
         let ph = &self.phys[&pid];
@@ -143,6 +173,9 @@ impl<D: Driver> Coalescer<D> {
         let mut groups = self.groups(pid, singles);
         if groups.is_empty() {
             return self.release_idle(pid);
+        }
+        if self.unmoved_ghost(pid) {
+            return self.unmap_ghost(pid);
         }
         let (handle, size, base) = {
             let ph = &self.phys[&pid];

@@ -411,8 +411,17 @@ impl<D: Driver> Coalescer<D> {
         if inside.is_empty() {
             return self.none_of_the_programs(va, size);
         }
-        let covered: u64 = inside.iter().map(|(_, v)| self.pages[v].size).sum();
-        if inside[0].0 != va || covered != size {
+        // Whole mappings back to back from `va` to its end, as the driver requires (before
+        // 2026-11-25 only the sizes were added up, so a range with a hole passed and the page
+        // after it was unmapped past the range's end).
+        let mut at = va;
+        for (a, v) in &inside {
+            if *a != at {
+                return Err(INVALID);
+            }
+            at = at.saturating_add(self.pages[v].size);
+        }
+        if at != va.saturating_add(size) {
             return Err(INVALID);
         }
         if self.deferred.is_some() && self.pages[&inside[0].1].slot != self.deferred {

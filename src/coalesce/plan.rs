@@ -351,8 +351,14 @@ impl<D: Driver> Coalescer<D> {
             }
         }
         let Some(b) = base else { return Ok(()) };
-        if !consistent || ph.slots.values().any(|v| self.pages[v].va.is_none()) {
-            // Pages elsewhere or unmapped: one handle each, mapped one by one.
+        if !consistent
+            || ph.slots.values().any(|v| self.pages[v].va.is_none())
+            || self.dead(pid) > 0
+        {
+            // Pages elsewhere or unmapped, or released pages among them (the program may have
+            // mapped something else where those were: mapped whole, the handle would not
+            // fit; before 2026-11-25 the access call failed): one handle each, mapped one by
+            // one.
             return self.compact(pid, true);
         }
         let size = ph.size;

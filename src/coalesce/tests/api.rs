@@ -318,3 +318,76 @@ fn a_page_retained_for_another_process_splits_its_own_handle_only() {
     );
     assert!(intact(&c, va, 7));
 }
+
+/// Whether the `n` pages at `at` hold what `fill` wrote at `from`.
+fn moved_intact(c: &Coalescer<FakeDriver>, at: u64, from: u64, n: u64) -> bool {
+    (0..n * PAGE / G).all(|i| c.driver().read(at + i * G) == Some(tag(from + i * G)))
+}
+
+#[test]
+fn an_exported_page_kept_and_mapped_again_keeps_its_handle() {
+    // With kept handles (EXPSEG_RELEASE_DELAY above 0) the handle of an unmapped exported
+    // page stays mapped where it was; mapped elsewhere again, or with a new page mapped over
+    // its old address, the page must keep the handle the importer has (before 2026-11-25 it
+    // was copied into a new one).
+    for over in [false, true] {
+        let (mut c, va) = setup(100 * PAGE, delayed());
+        let hs = grow(&mut c, va, 2).unwrap();
+        fill(&mut c, va, 2);
+        let h0 = c.export(hs[0]).unwrap();
+        assert!(c.unmap(va, PAGE).unwrap());
+        let mut extra = Vec::new();
+        if over {
+            extra = grow(&mut c, va, 1).unwrap();
+        }
+        c.map(va + 10 * PAGE, PAGE, 0, hs[0]).unwrap();
+        assert!(c.set_access(va + 10 * PAGE, PAGE, &[(0, RW)]).unwrap());
+        assert_eq!(c.export(hs[0]).unwrap(), h0, "over {over}: the same handle");
+        assert!(moved_intact(&c, va + 10 * PAGE, va, 1), "over {over}");
+        assert!(intact(&c, va + PAGE, 1), "over {over}");
+        shrink(&mut c, va + 10 * PAGE, &hs[..1]);
+        shrink(&mut c, va + PAGE, &hs[1..]);
+        shrink(&mut c, va, &extra);
+        all_given_back(&mut c);
+    }
+}
+
+#[test]
+fn a_kept_page_mapped_back_beside_a_new_page_where_a_released_one_was() {
+    // A handle of two pages with the first released and not compacted yet (a strand bound),
+    // the second unmapped and kept; a new page is mapped where the first was; the second is
+    // mapped back at its own address: every call succeeds, as natively (before 2026-11-25
+    // the whole handle was mapped back over the new page and the access call failed).
+    let mut k = cfg();
+    k.strand_max = u64::MAX;
+    let (mut c, va) = setup(100 * PAGE, k);
+    let ab = grow(&mut c, va, 2).unwrap();
+    fill(&mut c, va, 2);
+    shrink(&mut c, va, &ab[..1]);
+    assert!(c.unmap(va + PAGE, PAGE).unwrap());
+    let new = grow(&mut c, va, 1).unwrap();
+    c.map(va + PAGE, PAGE, 0, ab[1]).unwrap();
+    assert_eq!(c.set_access(va + PAGE, PAGE, &[(0, RW)]), Ok(true));
+    assert!(intact(&c, va + PAGE, 1));
+    shrink(&mut c, va, &new);
+    shrink(&mut c, va + PAGE, &ab[1..]);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn an_unmap_over_a_hole_is_refused_as_natively() {
+    // Pages at va (one) and va+2P (two): an unmap of [va, va+3P) has sizes that add up but
+    // a hole at va+P, and would end past its range: INVALID, nothing unmapped.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let a = grow(&mut c, va, 1).unwrap();
+    let b = c.create(2 * PAGE, PROPS).unwrap();
+    c.map(va + 2 * PAGE, 2 * PAGE, 0, b).unwrap();
+    assert!(c.set_access(va + 2 * PAGE, 2 * PAGE, &[(0, RW)]).unwrap());
+    assert_eq!(c.unmap(va, 3 * PAGE), Err(INVALID));
+    assert!(c.driver().is_accessible(va, G, 0));
+    assert!(c.driver().is_accessible(va + 3 * PAGE, G, 0));
+    shrink(&mut c, va, &a);
+    assert!(c.unmap(va + 2 * PAGE, 2 * PAGE).unwrap());
+    c.release(b).unwrap();
+    all_given_back(&mut c);
+}
