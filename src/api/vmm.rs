@@ -231,14 +231,15 @@ fn isolate(
     in_context(c, |c| how(c, ptr)).map_err(|e| e.0)
 }
 
-/// The mapping the program made that contains `ptr`, as the driver would report it without
-/// coalescing (range queries: one `cuMemMap`, PyTorch's page, not the larger handle mapped
-/// behind a run of pages). `None`: not a coalesced page, ask the driver.
-pub fn program_mapping(ptr: u64) -> Option<(u64, u64)> {
+/// What a range query at `ptr` sees, as it would without coalescing: the mapping the program
+/// made there (one `cuMemMap`, PyTorch's page, not the larger handle mapped behind a run of
+/// pages) and its reservation, or an address where only expseg's memory is mapped. `None`:
+/// nothing of the coalescers', ask the driver.
+pub fn program_mapping(ptr: u64) -> Option<crate::coalesce::Seen> {
     if !started() {
         return None;
     }
-    lock().all().find_map(|c| c.range_of(ptr))
+    lock().all().find_map(|c| c.query(ptr))
 }
 
 /// `cuMemRetainAllocationHandle`: Some(Ok(page handle)), Some(Err(code)) where only a handle

@@ -139,6 +139,20 @@ pub(super) struct Phys {
     pub(super) asleep: Option<Sleep>,
 }
 
+/// What a range query at an address of ours should see ([`Coalescer::query`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seen {
+    /// The program's page `(start, size)` (what `cuMemGetAddressRange` reports natively), in
+    /// the reservation `(start, size)` if expseg knows it (what the pointer attributes
+    /// `RANGE_START_ADDR`/`RANGE_SIZE` report for VMM memory, measured).
+    Page {
+        page: (u64, u64),
+        reservation: Option<(u64, u64)>,
+    },
+    /// Only a handle of expseg's is mapped here: natively nothing is.
+    Hidden { reservation: Option<(u64, u64)> },
+}
+
 /// A paused phys: its live bytes on the host (None: discarded), and the properties of the
 /// handle it gets back.
 #[derive(Debug)]
@@ -422,6 +436,24 @@ impl<D: Driver> Coalescer<D> {
             || self.kept_bytes > 0
             || !self.stray.is_empty()
             || !self.unreleased.is_empty()
+    }
+
+    /// What a range or pointer query at `ptr` should see: the program's page there, or an
+    /// address where only a handle of expseg's is mapped (memory grown ahead, released pages
+    /// not given back yet, a parked handle), which natively has no mapping. None: nothing of
+    /// ours (the driver answers).
+    pub fn query(&self, ptr: u64) -> Option<Seen> {
+        let reservation = self
+            .reservations
+            .range(..=ptr)
+            .next_back()
+            .filter(|(va, size)| ptr < end(**va, **size))
+            .map(|(va, size)| (*va, *size));
+        match self.range_of(ptr) {
+            Some(page) => Some(Seen::Page { page, reservation }),
+            None if self.ours_in_range(ptr, 1) => Some(Seen::Hidden { reservation }),
+            None => None,
+        }
     }
 
     /// The page mapping containing `ptr`: (start, size).

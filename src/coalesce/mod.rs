@@ -48,7 +48,9 @@ mod sleep;
 mod tests;
 mod timed;
 
-pub use books::{is_virtual, CoalesceConfig, CoalesceStats, Coalescer, INVALID, NOT_SUPPORTED};
+pub use books::{
+    is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, INVALID, NOT_SUPPORTED,
+};
 pub use sleep::{Choose, Paused};
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};

@@ -482,15 +482,26 @@ int expandable(const char* what) {
   printf("grow_rc=%d\n", grow(0, 8));
   printf("batch_creates=%ld batch_maps=%ld\n", fakecu_count("cuMemCreate") - c0, fakecu_count("cuMemMap") - m0);
   {
-    /* Range queries answer the page the program mapped (as natively), not the batch's handle. */
+    /* Range queries answer as natively, not for the batch's handle: cuMemGetAddressRange the
+     * page the program mapped, the range attributes its reservation (measured). */
     CUresult (*range_)(uint64_t*, size_t*, uint64_t) = get("cuMemGetAddressRange");
     CUresult (*attr_)(void*, int, uint64_t) = get("cuPointerGetAttribute");
     uint64_t rb = 0, ab = 0, as = 0; size_t rs = 0;
     int rrc = range_(&rb, &rs, va + 3 * PAGE + 5) | attr_(&ab, 11, va + 3 * PAGE + 5) | attr_(&as, 12, va + 3 * PAGE + 5);
-    printf("range_rc=%d range_is_page=%d\n", rrc, rb == va + 3 * PAGE && rs == PAGE && ab == rb && as == PAGE);
+    printf("range_rc=%d range_is_page=%d attr_is_reservation=%d\n", rrc, rb == va + 3 * PAGE && rs == PAGE,
+           ab == va && as == NP * PAGE);
   }
   for (int i = 0; i < 8; i++) fill(i);
   printf("shrink_rc=%d\n", shrink(2, 4));
+  {
+    /* Released pages still mapped inside the handle (not compacted yet): natively nothing is
+     * mapped there, and the queries say so. */
+    CUresult (*range_)(uint64_t*, size_t*, uint64_t) = get("cuMemGetAddressRange");
+    CUresult (*attr_)(void*, int, uint64_t) = get("cuPointerGetAttribute");
+    uint64_t rb = 7, ab = 7; size_t rs = 7;
+    int r1 = range_(&rb, &rs, va + 3 * PAGE + 5), r2 = attr_(&ab, 11, va + 3 * PAGE + 5);
+    printf("hidden_range_rc=%d hidden_range_zero=%d hidden_attr_rc=%d\n", r1, rb == 0 && rs == 0, r2);
+  }
   printf("used_stranded_mib=%ld\n", fakecu_used() >> 20);
   if (getenv("FORK_CHILD")) {
     /* A forked child (a DataLoader worker) asks for free memory: CUDA state is not the

@@ -367,13 +367,29 @@ uint64_t fakecu_take_freed(size_t size) {
   if (va) last_freed_size = 0;
   pthread_mutex_unlock(&mu); return va;
 }
+/* Reservations, for the pointer attributes RANGE_START_ADDR/RANGE_SIZE, which name the
+ * reservation around a VMM mapping (measured: scripts/vmm-cost/range_unmapped.cu). */
+#define MAXR 4096
+static struct { uint64_t va; size_t size; } resv[MAXR];
+static void note_reserved(uint64_t va, size_t size) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < MAXR; i++) if (!resv[i].size) { resv[i].va = va; resv[i].size = size; break; }
+  pthread_mutex_unlock(&mu);
+}
+/* The reservation containing ptr (call with mu held): 0 if none. */
+static int reservation_of(uint64_t ptr, uint64_t* va, uint64_t* size) {
+  for (int i = 0; i < MAXR; i++) if (resv[i].size && ptr >= resv[i].va && ptr < resv[i].va + resv[i].size) {
+    *va = resv[i].va; *size = resv[i].size; return 1;
+  }
+  return 0;
+}
 CUresult cuMemAddressReserve(CUdeviceptr* va, size_t size, size_t align, CUdeviceptr addr, unsigned long long f) {
   (void)align; (void)f;
   pthread_mutex_lock(&mu); counts[C_RESERVE]++; pthread_mutex_unlock(&mu);
   if (size == 0 || size % GRAN) return 1;
   if (addr) { /* a hint: honoured when the range is free */
     void* p = mmap((void*)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
-    if (p == (void*)addr) { *va = addr; return 0; }
+    if (p == (void*)addr) { *va = addr; note_reserved(addr, size); return 0; }
     if (p != MAP_FAILED) munmap(p, size);
   }
   char* p = mmap(0, size + GRAN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -381,11 +397,12 @@ CUresult cuMemAddressReserve(CUdeviceptr* va, size_t size, size_t align, CUdevic
   uintptr_t a = ((uintptr_t)p + GRAN - 1) & ~(uintptr_t)(GRAN - 1);
   if (a > (uintptr_t)p) munmap(p, a - (uintptr_t)p);
   munmap((char*)a + size, (uintptr_t)p + GRAN - a);
-  *va = a; return 0;
+  *va = a; note_reserved(a, size); return 0;
 }
 CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
   pthread_mutex_lock(&mu); counts[C_FREEVA]++;
   for (int i = 0; i < MAXM; i++) if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) { pthread_mutex_unlock(&mu); return 1; }
+  for (int i = 0; i < MAXR; i++) if (resv[i].size && resv[i].va == va) resv[i].size = 0;
   last_freed_va = va; last_freed_size = size;
   pthread_mutex_unlock(&mu);
   return munmap((void*)va, size) ? 1 : 0;
@@ -461,13 +478,16 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* o
   *h = (uint64_t)i; return 0;
 }
 /* Like the real driver on VMM memory: the range of the one mapping that contains ptr. */
+/* Nothing mapped at ptr: CUDA_ERROR_NOT_FOUND with 0 and 0 written, as measured. */
 CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) {
   pthread_mutex_lock(&mu);
   for (int i = 0; i < MAXM; i++) if (maps[i].size && ptr >= maps[i].va && ptr < maps[i].va + maps[i].size) {
     if (base) *base = maps[i].va; if (size) *size = maps[i].size;
     pthread_mutex_unlock(&mu); return 0;
   }
-  pthread_mutex_unlock(&mu); return 1;
+  pthread_mutex_unlock(&mu);
+  if (base) *base = 0; if (size) *size = 0;
+  return 500;
 }
 /* The device of the handle mapped at ptr (0 for an imported one). */
 static int device_at(CUdeviceptr ptr) {
@@ -485,6 +505,11 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   if ((attr < 9 || attr > 12) || cuMemGetAddressRange_v2(&b, &n, ptr)) return 1;
   if (attr == 9) { *(int*)data = device_at(ptr); return 0; } /* the mapping's device */
   if (attr == 10) { *(int*)data = 0; return 0; }            /* VMM: no legacy IPC */
+  /* The range attributes name the reservation around the mapping, as measured. */
+  uint64_t rv, rs;
+  pthread_mutex_lock(&mu);
+  if (reservation_of(ptr, &rv, &rs)) { b = rv; n = rs; }
+  pthread_mutex_unlock(&mu);
   *(uint64_t*)data = attr == 11 ? b : n; return 0;
 }
 CUresult cuPointerGetAttributes(unsigned n, int* attrs, void** data, CUdeviceptr ptr) {

@@ -225,3 +225,31 @@ fn a_mapping_unknown_to_the_books_where_a_handle_grew_ahead_costs_nothing_but_th
     c.driver_mut().release(own).unwrap();
     all_given_back(&mut c);
 }
+
+#[test]
+fn range_queries_see_the_programs_pages_and_not_the_memory_grown_ahead() {
+    // What the range hooks answer: the page and its reservation where the program mapped a
+    // page; past its pages, where only memory grown ahead is mapped, nothing (natively there
+    // is no mapping); outside the coalescer's handles, not ours at all.
+    let (mut c, va) = setup(100 * PAGE, ahead(6));
+    c.peak_held = u64::MAX;
+    let hs = grow(&mut c, va, 2).unwrap();
+    assert_eq!(c.ahead_bytes(), 6 * PAGE);
+    let reservation = Some((va, 4000 * PAGE));
+    assert_eq!(
+        c.query(va + PAGE + 5),
+        Some(Seen::Page {
+            page: (va + PAGE, PAGE),
+            reservation
+        })
+    );
+    assert_eq!(
+        c.query(va + 3 * PAGE),
+        Some(Seen::Hidden { reservation }),
+        "grown ahead"
+    );
+    assert_eq!(c.query(va + 9 * PAGE), None, "nothing of ours");
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.query(va), None);
+    all_given_back(&mut c);
+}
