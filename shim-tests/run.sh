@@ -282,6 +282,12 @@ if want torchipc && torch_for torchipc; then
   result torch_foreign_retain_native $? "$(grep '^{' "$logs/foreign_retain_native.log" | cut -c1-300 || tail -n 2 "$logs/foreign_retain_native.log")"
   LD_PRELOAD="$lib" python3 "$here/torch_foreign_retain.py" >"$logs/foreign_retain.log" 2>&1
   result torch_foreign_retain_expseg $? "$(grep '^{' "$logs/foreign_retain.log" | cut -c1-400 || tail -n 2 "$logs/foreign_retain.log")"
+  # Range and pointer queries inside a page and just past PyTorch's pages: the driver's
+  # native answers, also where expseg keeps memory grown ahead.
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_range_query.py" >"$logs/range_query_native.log" 2>&1
+  result torch_range_query_native $? "$(grep '^{' "$logs/range_query_native.log" || tail -n 2 "$logs/range_query_native.log")"
+  LD_PRELOAD="$lib" python3 "$here/torch_range_query.py" >"$logs/range_query.log" 2>&1
+  result torch_range_query_expseg $? "$(grep '^{' "$logs/range_query.log" || tail -n 2 "$logs/range_query.log")"
 fi
 if want nodump && torch_for nodump; then
   # torch.multiprocessing with pidfd_getfd denied (non-dumpable processes, no CAP_SYS_PTRACE):
