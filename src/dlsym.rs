@@ -15,7 +15,9 @@
 
 #[cfg(target_arch = "x86_64")]
 use crate::real::lookup::{real_ptr, EXPSEG_REAL_DLSYM};
+#[cfg(target_arch = "x86_64")]
 use libc::{c_char, c_void};
+#[cfg(target_arch = "x86_64")]
 use std::ffi::CStr;
 
 // The redirect below serves the x86_64 trampoline only (the exported `dlsym` is x86_64

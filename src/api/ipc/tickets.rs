@@ -274,12 +274,12 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
     }
 }
 
-/// Run the ticket check once per process: a child process without expseg opens a ticketed
-/// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
-/// `expseg-ipc-check` next to libexpseg.so.
 /// The one-time ticket check's answer, once known.
 static TICKET_CHECK: OnceCell<bool> = OnceCell::new();
 
+/// Run the ticket check once per process: a child process without expseg opens a ticketed
+/// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
+/// `expseg-ipc-check` next to libexpseg.so.
 pub(super) fn plain_driver_ignores_tickets(dev: i32) -> bool {
     *TICKET_CHECK.get_or_init(|| match check_in_child(dev) {
         Ok(()) => {
