@@ -28,7 +28,7 @@
 //! | beside | [`hostmem`] | host memory the process can take without the OOM killer (meminfo, cgroup limits) |
 //!
 //! So "where is cudaMalloc handled?" is answered by `grep 'fn cudaMalloc'`: the hook in
-//! `hooks.rs`, the policy in `api/mod.rs`; the pool behind it runs under `cargo test` against
+//! `hooks/mod.rs`, the policy in `api/mod.rs`; the pool behind it runs under `cargo test` against
 //! [`gpu::fake::FakeDriver`].
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,

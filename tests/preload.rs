@@ -1634,7 +1634,7 @@ fn a_threads_cudamemgetinfo_moves_only_the_live_pages_of_its_own_devices() {
 }
 
 /// The name of user `uid`'s socket directory in this pid namespace, as expseg gives it
-/// (`transport::socket_dir`): `expseg-<uid>` in the host's, `expseg-<uid>-ns<inode>` elsewhere.
+/// (`sockdir::socket_dir`): `expseg-<uid>` in the host's, `expseg-<uid>-ns<inode>` elsewhere.
 fn socket_dir_name(uid: u32) -> String {
     use std::os::unix::fs::MetadataExt;
     match std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()) {

@@ -11,7 +11,7 @@ use super::state::coalescers::{self, in_context};
 use super::state::{self, STATE_STARTED};
 use crate::gpu::cuda;
 use crate::gpu::Driver as _;
-use crate::ipc::{reclaim, transport};
+use crate::ipc::{reclaim, sockdir};
 use crate::real;
 use crate::stats::GLOBAL;
 use once_cell::sync::OnceCell;
@@ -163,7 +163,7 @@ fn reclaim_from_peers(dev: Option<i32>) -> u64 {
             Err(_) => Vec::new(),
         },
     };
-    let (uid, me) = (transport::current_uid(), std::process::id());
+    let (uid, me) = (sockdir::current_uid(), std::process::id());
     let mut freed = 0;
     for key in keys {
         for a in reclaim::ask_peers(uid, me, key, reclaim::PEER_TIMEOUT) {

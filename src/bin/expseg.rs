@@ -465,7 +465,8 @@ fn main() -> ExitCode {
 /// `expseg pause|resume|paused`: one request per process, one line per answer.
 fn control(cmd: &str, args: &[String]) -> ExitCode {
     use expseg::ipc::control::{self, Control};
-    use expseg::ipc::transport::{current_uid, AskError};
+    use expseg::ipc::sockdir::current_uid;
+    use expseg::ipc::transport::AskError;
     let (mut pids, mut tag, mut discard, mut all) = (Vec::new(), None, false, false);
     // Processes named by PID must answer; those found by --tree, --gpu or --all may be no
     // expseg process of the user's (a launcher, a data loader worker, another user's job on

@@ -9,6 +9,7 @@
 //! (not the other users `EXPSEG_IPC_ALLOW_UIDS` admits for tickets), and the asker only talks
 //! to a socket served by the process its name says, of its own uid.
 
+use super::sockdir;
 use super::transport::{self, AskError};
 use std::time::Duration;
 
@@ -70,7 +71,7 @@ impl Control {
 pub fn ask(uid: u32, pid: u32, c: Control, timeout: Duration) -> Result<u64, AskError> {
     let (id, nonce) = c.encode();
     transport::ask_plain(
-        &transport::socket_path(uid, pid),
+        &sockdir::socket_path(uid, pid),
         uid,
         pid,
         id,

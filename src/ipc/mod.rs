@@ -14,6 +14,7 @@
 
 pub mod control;
 pub mod reclaim;
+pub mod sockdir;
 mod ticket;
 pub mod transport;
 

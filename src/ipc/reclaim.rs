@@ -10,6 +10,7 @@
 //! uid (not to `EXPSEG_IPC_ALLOW_UIDS`, which may map shared memory, not trim this process).
 //! A peer that does not answer within the bound is skipped.
 
+use super::sockdir;
 use super::transport::{self, AskError};
 use std::path::Path;
 use std::time::Duration;
@@ -31,11 +32,11 @@ pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
 /// process is listed too; asking it fails at once). Nothing when the directory is not
 /// private to `uid`.
 pub fn peers(uid: u32, me: u32) -> Vec<u32> {
-    peers_in(&transport::socket_dir(uid), uid, me)
+    peers_in(&sockdir::socket_dir(uid), uid, me)
 }
 
 fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
-    if transport::dir_trusted(dir, uid).is_err() {
+    if sockdir::dir_trusted(dir, uid).is_err() {
         return Vec::new();
     }
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -56,7 +57,7 @@ fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
 /// Ask process `pid` of `uid` to give back what it holds beyond live memory on the GPU of
 /// `key`: the bytes it gave back.
 pub fn ask_one(uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
-    ask_at(&transport::socket_path(uid, pid), uid, pid, key, timeout)
+    ask_at(&sockdir::socket_path(uid, pid), uid, pid, key, timeout)
 }
 
 fn ask_at(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
@@ -73,7 +74,7 @@ pub struct Answer {
 /// Ask every other expseg process of `uid` at once (one thread each, each bounded by
 /// `timeout`): their answers, in pid order.
 pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    ask_peers_in(&transport::socket_dir(uid), uid, me, key, timeout)
+    ask_peers_in(&sockdir::socket_dir(uid), uid, me, key, timeout)
 }
 
 fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
@@ -103,7 +104,8 @@ fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ipc::transport::{current_uid, serve, FdSource};
+    use crate::ipc::sockdir::current_uid;
+    use crate::ipc::transport::{serve, FdSource};
     use crate::ipc::{Grant, Refusal};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixListener;

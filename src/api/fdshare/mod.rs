@@ -21,6 +21,7 @@ pub mod record;
 
 pub use record::released;
 
+use crate::ipc::sockdir;
 use crate::ipc::transport::{self, AskError};
 use record::{identity, EXPORTED, GETFD_ID, KEPT_MAX};
 use std::collections::HashMap;
@@ -48,8 +49,8 @@ pub fn exported(fd: i32, handle: u64) {
 /// kernel's refusal).
 pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
     let pid = pid_of_pidfd(pidfd)?;
-    let uid = transport::current_uid();
-    let path = transport::socket_path(uid, pid);
+    let uid = sockdir::current_uid();
+    let path = sockdir::socket_path(uid, pid);
     if std::fs::symlink_metadata(&path).is_err() {
         return None; // the producer does not run expseg (or shared nothing through it)
     }

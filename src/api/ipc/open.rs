@@ -6,6 +6,7 @@ use super::shares::Closed;
 use crate::api::state::{bypass, ensure_state, lock, Answer, STATE_STARTED};
 use crate::gpu::cuda;
 use crate::gpu::IpcHandle;
+use crate::ipc::sockdir;
 use crate::ipc::transport::{self, AskError};
 use crate::ipc::{Refusal, Ticket};
 use crate::real::runtime;
@@ -36,7 +37,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             return Answer::Done(Ok(va));
         }
     }
-    let path = transport::socket_path(t.uid, t.pid);
+    let path = sockdir::socket_path(t.uid, t.pid);
     let started = std::time::Instant::now();
     let (grant, mut incoming) = match transport::ask(&path, t.uid, t.pid, t.id, t.nonce) {
         Ok(g) => g,

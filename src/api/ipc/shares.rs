@@ -4,6 +4,7 @@
 
 use super::mirror::Mirror;
 use crate::gpu::cuda::Imported;
+use crate::ipc::sockdir;
 use crate::ipc::transport;
 use crate::ipc::{random_u64, Ticket};
 use crate::stats::GLOBAL;
@@ -146,7 +147,7 @@ impl IpcState {
         };
         Some(Ticket {
             pid: std::process::id(),
-            uid: transport::current_uid(),
+            uid: sockdir::current_uid(),
             id,
             nonce: self.by_id[&id].2,
         })

@@ -5,6 +5,7 @@
 use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
+use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
 use crate::real::runtime;
@@ -129,14 +130,14 @@ fn start_server() -> Result<(), String> {
     // Nonces are what keeps other processes of the user from guessing tickets.
     crate::ipc::random_u64()
         .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
-    let uid = transport::current_uid();
+    let uid = sockdir::current_uid();
     let others = !config().ipc_allow_uids.is_empty();
-    transport::prepare_dir(uid, others)?;
-    let path = transport::socket_path(uid, std::process::id());
+    sockdir::prepare_dir(uid, others)?;
+    let path = sockdir::socket_path(uid, std::process::id());
     transport::serve(&path, others, admitted, decide)?;
     extern "C" fn remove_socket() {
-        let _ = std::fs::remove_file(transport::socket_path(
-            transport::current_uid(),
+        let _ = std::fs::remove_file(sockdir::socket_path(
+            sockdir::current_uid(),
             std::process::id(),
         ));
     }
@@ -151,7 +152,7 @@ fn start_server() -> Result<(), String> {
 /// Whether a process of `uid` may ask for tickets at all (checked before its request is
 /// read; the first refusal is logged).
 fn admitted(uid: u32) -> bool {
-    let ok = uid == transport::current_uid() || config().ipc_allow_uids.contains(&uid);
+    let ok = uid == sockdir::current_uid() || config().ipc_allow_uids.contains(&uid);
     if !ok {
         static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -175,7 +176,7 @@ fn may_ask(id: u32, peer: u32, own: u32, allowed: &[u32]) -> bool {
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
-    if !may_ask(id, peer, transport::current_uid(), &config().ipc_allow_uids) {
+    if !may_ask(id, peer, sockdir::current_uid(), &config().ipc_allow_uids) {
         if id >= transport::FIRST_REQUEST_ID {
             log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)");
         }
@@ -359,7 +360,7 @@ mod tests {
         }
         // Through decide: a descriptor asked by another user is refused before anything is
         // looked up; from the own user one nobody exported is unknown.
-        let own = transport::current_uid();
+        let own = sockdir::current_uid();
         let getfd = crate::api::fdshare::record::GETFD_ID;
         assert!(matches!(
             decide(getfd, 3, own.wrapping_add(1)),

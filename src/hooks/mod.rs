@@ -1,68 +1,25 @@
-//! Every C symbol expseg exports, in one place. Each hook is a few lines: take the
-//! re-entrancy guard, run [`crate::api`]'s function of the same name inside the panic
-//! boundary, and either hand its answer back or call the real runtime with the program's own
-//! arguments.
+//! Every C symbol expseg exports, in one place (the range and pointer queries in [`query`]).
+//! Each hook is a few lines: take the re-entrancy guard ([`guard`]), run [`crate::api`]'s
+//! function of the same name inside the panic boundary, and either hand its answer back or
+//! call the real runtime with the program's own arguments.
 //!
 //! `#[cfg_attr(not(test), no_mangle)]` keeps `cargo test` from hooking its own test binary.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use crate::api::{self, Answer, OUT_OF_MEMORY, UNKNOWN};
+mod guard;
+pub mod query;
+
+use crate::api::{self, Answer, OUT_OF_MEMORY};
 use crate::real::{next, next_driver, CudaIpcMemHandle};
-use crate::stats::GLOBAL;
+use guard::{around_real, boundary, Guard};
 use libc::{c_char, c_int, c_uint, c_void, size_t};
-use std::cell::Cell;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use query::{cuMemGetAddressRange_v2, cuPointerGetAttribute, cuPointerGetAttributes};
+use std::panic::catch_unwind;
 
-thread_local! {
-    static INSIDE: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Held while a thread is inside expseg; a nested hook call takes the plain path.
-struct Guard;
-
-impl Guard {
-    fn enter() -> Option<Guard> {
-        INSIDE
-            // No Guard may be built for a thread already inside: dropped at once, it would
-            // clear the flag of the outer hook.
-            .try_with(|i| if i.replace(true) { None } else { Some(Guard) })
-            .ok()
-            .flatten()
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = INSIDE.try_with(|i| i.set(false));
-    }
-}
-
-/// Run `f`; a panic becomes `cudaErrorUnknown` and one log line instead of unwinding into C.
-fn boundary(name: &str, f: impl FnOnce() -> c_int) -> c_int {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(code) => code,
-        Err(_) => {
-            GLOBAL.panics_caught.add(1);
-            log::error!("{name}: internal error caught; returning cudaErrorUnknown");
-            UNKNOWN
-        }
-    }
-}
-
-/// expseg's part of a call whose real call follows (or came before) in any case: run under
-/// the re-entrancy guard (`None` inside expseg) and the panic boundary (`None` after a panic,
-/// counted and logged with `then`, what happens instead).
-fn around_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
-    let _g = Guard::enter()?;
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => Some(v),
-        Err(_) => {
-            GLOBAL.panics_caught.add(1);
-            log::error!("{name}: internal error caught; {then}");
-            None
-        }
-    }
-}
+/// `cudaErrorInvalidValue`: what the runtime answers for IPC of VMM memory.
+const INVALID_VALUE: c_int = 1;
+/// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
+const NO_DRIVER: u32 = 3;
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> c_int {
@@ -541,154 +498,6 @@ fn driver_hook_for(
         Some(pc) if crate::real::in_shared_runtime(pc) => None,
         _ => Some(hook),
     }
-}
-
-// Driver queries that must describe the allocation the program made, not one chunk's mapping.
-
-/// `cudaErrorInvalidValue`: what the runtime answers for IPC of VMM memory.
-const INVALID_VALUE: c_int = 1;
-
-/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`, `..._DEVICE_ORDINAL`,
-/// `..._IS_LEGACY_CUDA_IPC_CAPABLE`, `..._RANGE_START_ADDR`, `..._RANGE_SIZE`, `..._MAPPED`.
-const MEMORY_TYPE: c_int = 2;
-const DEVICE_ORDINAL: c_int = 9;
-const LEGACY_IPC: c_int = 10;
-const RANGE_START_ADDR: c_int = 11;
-const RANGE_SIZE: c_int = 12;
-const MAPPED: c_int = 13;
-/// `CUDA_ERROR_INVALID_VALUE` and `CUDA_ERROR_NOT_FOUND`: the driver's answers at an address
-/// with no mapping (measured: `scripts/vmm-cost/range_unmapped.cu`).
-const DRV_INVALID_VALUE: u32 = 1;
-const NOT_FOUND: u32 = 500;
-/// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
-const NO_DRIVER: u32 = 3;
-
-/// What the range hooks answer at an address of expseg's.
-enum Range {
-    /// Pool memory or a ticket mapping: the allocation `(start, size)`, to every range query.
-    Allocation(u64, u64),
-    /// A coalesced page: `cuMemGetAddressRange` reports the program's mapping (the driver
-    /// would report the larger handle behind a run of pages), the pointer attributes the
-    /// reservation, as natively for VMM memory (measured; None: not known, the driver's).
-    Page((u64, u64), Option<(u64, u64)>),
-    /// Only expseg's memory is mapped here (grown ahead, released pages not given back yet):
-    /// natively nothing is, and the queries say so.
-    Hidden,
-}
-
-fn ours(ptr: u64) -> Option<Range> {
-    use crate::coalesce::Seen;
-    let _g = Guard::enter()?;
-    catch_unwind(|| match api::allocation_range(ptr) {
-        Some((b, s)) => Some(Range::Allocation(b, s)),
-        None => api::vmm::program_mapping(ptr).map(|seen| match seen {
-            Seen::Page { page, reservation } => Range::Page(page, reservation),
-            Seen::Hidden { .. } => Range::Hidden,
-        }),
-    })
-    .ok()
-    .flatten()
-}
-
-/// After the driver answered `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE` for `ptr` into
-/// `data`: a pool allocation says yes, as the `cuMemAlloc` memory it stands for does (the
-/// driver says no to VMM memory; expseg's `cuIpcGetMemHandle` serves it). The driver's value
-/// is 0 or 1 in little-endian; setting its first byte to 1 is right for a caller's `bool` and
-/// `int` alike. Memory opened through a ticket keeps the driver's answer, as memory opened
-/// by `cuIpcOpenMemHandle` does.
-unsafe fn legacy_ipc_capable(data: *mut c_void, ptr: u64) {
-    if data.is_null() {
-        return;
-    }
-    let pooled = Guard::enter().and_then(|_g| {
-        catch_unwind(|| api::pool_allocation_range(ptr))
-            .ok()
-            .flatten()
-    });
-    if pooled.is_some() {
-        *(data as *mut u8) = 1;
-    }
-}
-
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn cuMemGetAddressRange_v2(
-    base: *mut u64,
-    size: *mut size_t,
-    ptr: u64,
-) -> u32 {
-    let (answer, (b, s)) = match ours(ptr) {
-        Some(Range::Allocation(b, s)) | Some(Range::Page((b, s), _)) => (0, (b, s)),
-        // Natively: nothing mapped, 0 and 0 written.
-        Some(Range::Hidden) => (NOT_FOUND, (0, 0)),
-        // The driver's own, found by name: it answers even where the VMM table cannot load.
-        None => return next_driver::cuMemGetAddressRange_v2(base, size, ptr),
-    };
-    if !base.is_null() {
-        *base = b;
-    }
-    if !size.is_null() {
-        *size = s as size_t;
-    }
-    answer
-}
-
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, ptr: u64) -> u32 {
-    if matches!(attr, RANGE_START_ADDR | RANGE_SIZE | MEMORY_TYPE) && !data.is_null() {
-        let range = match ours(ptr) {
-            Some(Range::Allocation(b, s)) | Some(Range::Page(_, Some((b, s)))) => Some((b, s)),
-            Some(Range::Hidden) => return DRV_INVALID_VALUE,
-            _ => None,
-        };
-        if let Some((b, s)) = range.filter(|_| attr != MEMORY_TYPE) {
-            *(data as *mut u64) = if attr == RANGE_START_ADDR { b } else { s };
-            return 0;
-        }
-    }
-    let e = next_driver::cuPointerGetAttribute(data, attr, ptr);
-    if e == 0 && attr == LEGACY_IPC {
-        legacy_ipc_capable(data, ptr);
-    }
-    e
-}
-
-/// `cuPointerGetAttributes` (plural; the runtime's `cudaPointerGetAttributes` asks it): the
-/// driver's answers, with the two range attributes describing the allocation, as the singular
-/// call answers them.
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn cuPointerGetAttributes(
-    count: c_uint,
-    attrs: *const c_int,
-    data: *mut *mut c_void,
-    ptr: u64,
-) -> u32 {
-    let e = next_driver::cuPointerGetAttributes(count, attrs, data, ptr);
-    if e != 0 || attrs.is_null() || data.is_null() {
-        return e;
-    }
-    let (range, hidden) = match ours(ptr) {
-        Some(Range::Allocation(b, s)) | Some(Range::Page(_, Some((b, s)))) => (Some((b, s)), false),
-        Some(Range::Hidden) => (None, true),
-        _ => return e,
-    };
-    for i in 0..count as usize {
-        let slot = *data.add(i);
-        if slot.is_null() {
-            continue;
-        }
-        match (*attrs.add(i), range) {
-            (RANGE_START_ADDR, Some((b, _))) => *(slot as *mut u64) = b,
-            (RANGE_SIZE, Some((_, s))) => *(slot as *mut u64) = s,
-            (LEGACY_IPC, _) => legacy_ipc_capable(slot, ptr),
-            // Natively, at an address with nothing mapped (the range attributes still name
-            // the reservation, as the driver's answer here does): measured.
-            (MEMORY_TYPE, _) if hidden => *(slot as *mut u32) = 0,
-            (DEVICE_ORDINAL, _) if hidden => *(slot as *mut i32) = -2,
-            (MAPPED, _) if hidden => *(slot as *mut u8) = 0,
-            _ => {}
-        }
-    }
-    e
 }
 
 /// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
