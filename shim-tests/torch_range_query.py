@@ -1,9 +1,11 @@
 """Range and pointer queries on PyTorch's expandable-segment memory, asked of libcuda through
 ctypes as another library asks them: inside a tensor's page, and just past the pages PyTorch
-mapped (inside its reservation, where expseg may have memory grown ahead). Natively and under
-expseg the answers must be the driver's native ones (measured: scripts/vmm-cost/range_unmapped.cu):
-cuMemGetAddressRange names the page, the RANGE_START_ADDR/RANGE_SIZE attributes the
-reservation around it; past the pages, cuMemGetAddressRange answers 500 and the attribute 1.
+mapped (inside its reservation, where expseg may have memory grown ahead). Natively
+(measured: scripts/vmm-cost/range_unmapped.cu) cuMemGetAddressRange names the page, the
+RANGE_START_ADDR/RANGE_SIZE attributes the reservation around it; past the pages,
+cuMemGetAddressRange answers 500 and the attribute 1. Under expseg the same, except that the
+attributes name the page too (docs/contract.md: raw IPC offsets from RANGE_START_ADDR must
+stay inside the handle's mirror).
 
     [LD_PRELOAD=libexpseg.so] python3 shim-tests/torch_range_query.py
 
@@ -53,6 +55,7 @@ seg = next(
 end = seg["address"] + seg["total_size"]
 out = {"segment_mib": seg["total_size"] >> 20}
 rc, b, s = address_range(p + 5)
+page = (b, s)
 out["page"] = {"rc": rc, "size_mib": s >> 20, "contains": b <= p + 5 < b + s}
 ra, start = attribute(p + 5, RANGE_START_ADDR)
 rs, size = attribute(p + 5, RANGE_SIZE)
@@ -60,15 +63,21 @@ out["attributes"] = {
     "rc": [ra, rs],
     "size_mib": size >> 20,
     "reservation": ra == 0 and rs == 0 and start <= seg["address"] and end <= start + size,
+    "page": ra == 0 and rs == 0 and (start, size) == page,
 }
+try:
+    ctypes.CDLL(None).expseg_stats_json
+    out["expseg"] = True
+except AttributeError:
+    out["expseg"] = False
 rc, b, s = address_range(end)
 out["past"] = {"range_rc": rc, "range_zero": b == 0 and s == 0, "attr_rc": attribute(end, RANGE_START_ADDR)[0]}
 ok = (
     out["page"]["rc"] == 0
     and out["page"]["contains"]
     and out["page"]["size_mib"] in (2, 20)
-    and out["attributes"]["reservation"]
-    and out["attributes"]["size_mib"] > out["page"]["size_mib"]
+    and (out["attributes"]["page"] if out["expseg"] else
+         out["attributes"]["reservation"] and out["attributes"]["size_mib"] > out["page"]["size_mib"])
     and out["past"] == {"range_rc": 500, "range_zero": True, "attr_rc": 1}
 )
 out["ok"] = ok

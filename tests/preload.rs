@@ -1468,7 +1468,7 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         ("batch_maps", "1"),
         ("range_rc", "0"),
         ("range_is_page", "1"),
-        ("attr_is_reservation", "1"),
+        ("attr_is_page", "1"),
         ("shrink_rc", "0"),
         ("hidden_range_rc", "500"),
         ("hidden_range_zero", "1"),
@@ -1567,6 +1567,13 @@ fn other_callers_and_the_off_switch_get_the_drivers_own_pages() {
         assert_eq!(r.get("all_intact"), "1", "{lib} {env:?}");
         assert_eq!(r.get("shared_both_ways"), "1", "{lib} {env:?}");
         assert_eq!(r.get("used_end"), "0", "{lib} {env:?}");
+        // The range attributes name the mapping (natively its reservation), as expseg's IPC
+        // handle of it starts there: a raw IPC consumer's offset from RANGE_START_ADDR lands
+        // in the handle. Disabled, the driver's own answer.
+        let disabled = env.iter().any(|(k, _)| *k == "EXPSEG_DISABLE");
+        let want = if disabled { "0" } else { "1" };
+        assert_eq!(r.get("attr_is_page"), want, "{lib} {env:?}");
+        assert_eq!(r.get("range_is_page"), "1", "{lib} {env:?}");
     }
     // `all` coalesces any caller of the entry points.
     let r = pages("libother.so", "full", &[("EXPSEG_COALESCE", "all")]).ok();

@@ -1,7 +1,9 @@
 //! Driver queries that must describe the allocation the program made, not one chunk's
 //! mapping: `cuMemGetAddressRange`, `cuPointerGetAttribute(s)` at pool memory, ticket
 //! mappings and coalesced pages answer as the driver does natively for what the program
-//! allocated or mapped (measured: `scripts/vmm-cost/range_unmapped.cu`); anything else is the
+//! allocated or mapped (measured: `scripts/vmm-cost/range_unmapped.cu`), with one exception
+//! kept for IPC: the range attributes of VMM memory (coalesced pages, and another allocator's
+//! mappings) name the mapping, not its reservation (`Range::Page`); anything else is the
 //! driver's own answer.
 
 use super::guard::Guard;
@@ -27,10 +29,16 @@ const NOT_FOUND: u32 = 500;
 enum Range {
     /// Pool memory or a ticket mapping: the allocation `(start, size)`, to every range query.
     Allocation(u64, u64),
-    /// A coalesced page: `cuMemGetAddressRange` reports the program's mapping (the driver
-    /// would report the larger handle behind a run of pages), the pointer attributes the
-    /// reservation, as natively for VMM memory (measured; None: not known, the driver's).
-    Page((u64, u64), Option<(u64, u64)>),
+    /// A coalesced page: every range query reports the program's mapping (the driver would
+    /// report the larger handle behind a run of pages). Natively the pointer attributes name
+    /// the reservation (measured, H100), but programs that share memory by raw IPC (vLLM's
+    /// custom all-reduce) ask `cudaIpcGetMemHandle` of the `RANGE_START_ADDR` they get and
+    /// add `ptr - RANGE_START_ADDR` in the consumer: with the reservation's start, the handle
+    /// names the reservation's first page and a plain consumer's mirror, bounded by PyTorch's
+    /// blocks over that page, lies short of the tensor (wrong bytes on 3 of 7 tensors, H100,
+    /// 2026-11-26), and unbounded it would be the whole reservation. IPC of VMM memory fails
+    /// natively, so no native program relies on the reservation here for IPC.
+    Page((u64, u64)),
     /// Only expseg's memory is mapped here (grown ahead, released pages not given back yet):
     /// natively nothing is, and the queries say so.
     Hidden,
@@ -42,7 +50,7 @@ fn ours(ptr: u64) -> Option<Range> {
     catch_unwind(|| match api::allocation_range(ptr) {
         Some((b, s)) => Some(Range::Allocation(b, s)),
         None => api::vmm::program_mapping(ptr).map(|seen| match seen {
-            Seen::Page { page, reservation } => Range::Page(page, reservation),
+            Seen::Page { page, .. } => Range::Page(page),
             Seen::Hidden { .. } => Range::Hidden,
         }),
     })
@@ -77,7 +85,7 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     ptr: u64,
 ) -> u32 {
     let (answer, (b, s)) = match ours(ptr) {
-        Some(Range::Allocation(b, s)) | Some(Range::Page((b, s), _)) => (0, (b, s)),
+        Some(Range::Allocation(b, s)) | Some(Range::Page((b, s))) => (0, (b, s)),
         // Natively: nothing mapped, 0 and 0 written.
         Some(Range::Hidden) => (NOT_FOUND, (0, 0)),
         // The driver's own, found by name: it answers even where the VMM table cannot load.
@@ -92,13 +100,36 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     answer
 }
 
+/// VMM memory that is not expseg's (another allocator's mappings; PyTorch's pages with
+/// coalescing off): the mapping containing `ptr`, where the driver's range attributes name a
+/// larger reservation around it. expseg's IPC handle of such memory starts at that mapping
+/// (`crate::gpu::cuda::run_from`), so the attributes name it too, as for a coalesced page.
+unsafe fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
+    let _g = Guard::enter()?;
+    if api::config().disabled || api::forked() {
+        return None;
+    }
+    let (mut b, mut s) = (0u64, 0 as size_t);
+    if next_driver::cuMemGetAddressRange_v2(&mut b, &mut s, ptr) != 0 || s == 0 {
+        return None;
+    }
+    let (mut rb, mut rs) = (0u64, 0u64);
+    let start =
+        next_driver::cuPointerGetAttribute((&mut rb as *mut u64).cast(), RANGE_START_ADDR, ptr);
+    let size = next_driver::cuPointerGetAttribute((&mut rs as *mut u64).cast(), RANGE_SIZE, ptr);
+    let mapping = (b, s as u64);
+    let inside = rb <= b && b + s as u64 <= rb.saturating_add(rs);
+    (start == 0 && size == 0 && (rb, rs) != mapping && inside).then_some(mapping)
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, ptr: u64) -> u32 {
     if matches!(attr, RANGE_START_ADDR | RANGE_SIZE | MEMORY_TYPE) && !data.is_null() {
         let range = match ours(ptr) {
-            Some(Range::Allocation(b, s)) | Some(Range::Page(_, Some((b, s)))) => Some((b, s)),
+            Some(Range::Allocation(b, s)) | Some(Range::Page((b, s))) => Some((b, s)),
             Some(Range::Hidden) => return DRV_INVALID_VALUE,
-            _ => None,
+            None if attr != MEMORY_TYPE => foreign_mapping(ptr),
+            None => None,
         };
         if let Some((b, s)) = range.filter(|_| attr != MEMORY_TYPE) {
             *(data as *mut u64) = if attr == RANGE_START_ADDR { b } else { s };
@@ -126,10 +157,16 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
     if e != 0 || attrs.is_null() || data.is_null() {
         return e;
     }
+    let asks_range =
+        (0..count as usize).any(|i| matches!(*attrs.add(i), RANGE_START_ADDR | RANGE_SIZE));
     let (range, hidden) = match ours(ptr) {
-        Some(Range::Allocation(b, s)) | Some(Range::Page(_, Some((b, s)))) => (Some((b, s)), false),
+        Some(Range::Allocation(b, s)) | Some(Range::Page((b, s))) => (Some((b, s)), false),
         Some(Range::Hidden) => (None, true),
-        _ => return e,
+        None if asks_range => match foreign_mapping(ptr) {
+            Some(m) => (Some(m), false),
+            None => return e,
+        },
+        None => return e,
     };
     for i in 0..count as usize {
         let slot = *data.add(i);
