@@ -16,7 +16,8 @@ non-blocking side stream of its own, which the fence does not hold (the limit RE
 RACE_STREAM=peer (two GPUs, CuPy): the worker adds from device 1, a kernel on device 1's
 default stream writing `x` on device 0 through peer access (as PyTorch's copies between
 devices run on the source device); expseg holds device 1's default stream through the move
-only with EXPSEG_PEER_HOLD=1 (`coalesce_peer_holds`).
+only with EXPSEG_PEER_HOLD=1 (`coalesce_peer_holds`), and where the hold does not start the
+move waits for a later call (`coalesce_moves_put_off`).
 
     [LD_PRELOAD=libexpseg.so] python3 torch_thread_race.py [ROUNDS]
 
@@ -50,7 +51,7 @@ def expseg_figures():
     except (ValueError, KeyError):
         return None
     keys = ("coalesce_compactions", "coalesce_held_moves", "coalesce_compaction_failures",
-            "coalesce_peer_holds", "coalesce_peer_holds_let_go")
+            "coalesce_peer_holds", "coalesce_peer_holds_let_go", "coalesce_moves_put_off")
     return {k: p.get(k) for k in keys}
 
 

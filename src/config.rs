@@ -23,10 +23,11 @@ pub enum Coalesce {
 pub enum PeerHold {
     /// Waited for before the move, not held during it.
     Off,
-    /// Held from before the copies until the pages are back; let go, and the move made as
-    /// with `Off`, where a hold does not start within 200 ms or the device's own fence does
-    /// not run within 200 ms while they are held (a watchdog thread: 400 ms after queueing),
-    /// and after 2 s in any case.
+    /// Held from before the copies until the pages are back. A hold that does not start in
+    /// time (200 ms for a move that only gives bytes back: then put off to a later call; 10 s
+    /// for a move the program's call needs: then made as with `Off`), or that keeps the
+    /// device's own fence from running 200 ms (a watchdog thread: 400 ms), is let go, and any
+    /// after 2 s.
     On,
     /// A test on one GPU: the device's own default stream is held as a peer's would be, so the
     /// hold's driver calls and its letting go run (every move waits 200-400 ms).

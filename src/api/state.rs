@@ -579,6 +579,7 @@ pub(super) mod coalescers {
             ("coalesce_held_moves", sum(&|s| s.held_moves)),
             ("coalesce_peer_holds", sum(&|s| s.peer_holds)),
             ("coalesce_peer_holds_let_go", sum(&|s| s.peer_holds_let_go)),
+            ("coalesce_moves_put_off", sum(&|s| s.moves_put_off)),
             ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),

@@ -103,6 +103,9 @@ pub struct CoalesceStats {
     /// and count in neither.
     pub peer_holds: u64,
     pub peer_holds_let_go: u64,
+    /// Moves that only gave stranded bytes back, put off because a peer given access could
+    /// not be held (`EXPSEG_PEER_HOLD=1`; `compact::PUT_OFF`): the bytes stay until a later call.
+    pub moves_put_off: u64,
 }
 
 #[derive(Debug)]

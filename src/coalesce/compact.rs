@@ -4,7 +4,12 @@
 
 use super::books::{Coalescer, INVALID};
 use crate::config::PeerHold;
-use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
+use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps, PeerWait};
+
+/// A move that may wait (giving back stranded bytes) was put off: a peer given access to its
+/// pages could not be held (`EXPSEG_PEER_HOLD=1`), so its kernels queued meanwhile could write
+/// them while they move. Nothing moved; the pages stay where they are (`CUDA_ERROR_NOT_READY`).
+pub(super) const PUT_OFF: DrvError = DrvError(600);
 
 /// A run of a phys's live pages that moves to one new handle.
 #[derive(Debug, Clone)]
@@ -85,8 +90,14 @@ impl<D: Driver> Coalescer<D> {
             if !force && stranded <= self.cfg.strand_max {
                 break;
             }
-            match self.compact(pid, false) {
+            match self.compact_as(pid, false, true) {
                 Ok(()) => stranded -= dead,
+                Err(PUT_OFF) => {
+                    // The peers' streams stay busy: later calls try again (one wait per call).
+                    self.stats.moves_put_off += 1;
+                    log::debug!("a move was put off: a peer's default stream could not be held");
+                    break;
+                }
                 Err(e) => {
                     self.stats.compaction_failures += 1;
                     log::warn!("compaction of a partly released handle failed ({e}); its free pages stay held");
@@ -170,6 +181,14 @@ impl<D: Driver> Coalescer<D> {
     /// process took the memory in between) it is retried, and otherwise the data is lost and
     /// said so loudly: the one step without a way back.
     pub(super) fn compact(&mut self, pid: u64, singles: bool) -> DrvResult<()> {
+        self.compact_as(pid, singles, false)
+    }
+
+    /// [`Coalescer::compact`]; `may_wait`: the move only gives stranded bytes back, so where a
+    /// peer given access to the pages cannot be held (`EXPSEG_PEER_HOLD=1`) it is put off
+    /// ([`PUT_OFF`]) rather than made unheld. Moves the program's call needs (its mapping,
+    /// an export) are made as without the hold.
+    fn compact_as(&mut self, pid: u64, singles: bool, may_wait: bool) -> DrvResult<()> {
         let mut groups = self.groups(pid, singles);
         if groups.is_empty() {
             return self.release_idle(pid);
@@ -207,8 +226,11 @@ impl<D: Driver> Coalescer<D> {
         // pages: they finish before the pages move, as this device's do in copy_out.
         self.wait_for_peers(&acc)?;
         let peers = self.peers_to_hold(&acc);
+        let put_off = may_wait && self.cfg.peer_hold == PeerHold::On && !peers.is_empty();
         let mut w = Work::default();
-        let out = self.copy_out(handle, size, base, &groups, props, &own, &peers, &mut w);
+        let out = self.copy_out(
+            handle, size, base, &groups, props, &own, &peers, put_off, &mut w,
+        );
         if let Err(e) = out {
             self.undo(&mut w);
             return Err(e);
@@ -358,6 +380,9 @@ impl<D: Driver> Coalescer<D> {
     /// create the new handles, and copy the live pages out (to device memory where the
     /// driver had room, else to the host). Mapped pages copied on the device are held from
     /// the copies on (the device's default stream, and `peers`' where they are asked).
+    /// `put_off`: where a peer is not held through the move (let go, or a host copy, which
+    /// holds nothing), nothing is changed and the answer is [`PUT_OFF`] (the copies made are
+    /// undone with the new handles).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_out(
         &mut self,
@@ -368,6 +393,7 @@ impl<D: Driver> Coalescer<D> {
         props: PageProps,
         own: &[(i32, u32)],
         peers: &[i32],
+        put_off: bool,
         w: &mut Work,
     ) -> DrvResult<()> {
         for g in groups {
@@ -386,13 +412,25 @@ impl<D: Driver> Coalescer<D> {
                 copies.push((t, b + g.off, g.len));
                 w.host.push(None);
             }
-            w.held = self.drv.copy_and_hold(&copies, peers)?;
+            // Patient only for real peers of a move the call needs (the self test on one GPU
+            // keeps the brief wait it was measured with).
+            let wait = match !put_off && self.cfg.peer_hold == PeerHold::On {
+                true => PeerWait::Patient,
+                false => PeerWait::Brief,
+            };
+            w.held = self.drv.copy_and_hold(&copies, peers, wait)?;
             if w.held.holds() {
                 self.stats.held_moves += 1;
             }
             self.stats.peer_holds += w.held.peers_held as u64;
             self.stats.peer_holds_let_go += w.held.peers_let_go as u64;
+            if put_off && w.held.peers_let_go > 0 {
+                return Err(PUT_OFF);
+            }
             return Ok(());
+        }
+        if put_off && base.is_some() {
+            return Err(PUT_OFF); // mapped pages copied through the host: nothing is held
         }
         self.drv.synchronize()?;
         let src = match base {

@@ -71,8 +71,13 @@ impl<D: Driver> Driver for Timed<D> {
     fn synchronize(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.synchronize())
     }
-    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)], peers: &[i32]) -> DrvResult<Held> {
-        self.count(Op::Copy.index(), |d| d.copy_and_hold(copies, peers))
+    fn copy_and_hold(
+        &mut self,
+        copies: &[(u64, u64, u64)],
+        peers: &[i32],
+        wait: crate::gpu::PeerWait,
+    ) -> DrvResult<Held> {
+        self.count(Op::Copy.index(), |d| d.copy_and_hold(copies, peers, wait))
     }
     fn wait_default_stream(&mut self) -> DrvResult<()> {
         self.count(Op::Sync.index(), |d| d.wait_default_stream())

@@ -122,7 +122,12 @@ impl CudaDriver {
     }
 
     /// A move's copies and the hold on the default stream ([`super::fence`]).
-    fn fenced_copies(&mut self, copies: &[(u64, u64, u64)], peers: &[i32]) -> DrvResult<Held> {
+    fn fenced_copies(
+        &mut self,
+        copies: &[(u64, u64, u64)],
+        peers: &[i32],
+        wait: super::PeerWait,
+    ) -> DrvResult<Held> {
         // The fence holds the *current* context's legacy stream, and the copy stream is made
         // in the current context: both must be this device's primary one (the caller pushed
         // it; where it could not, the move copies after the wait instead).
@@ -130,7 +135,7 @@ impl CudaDriver {
             return Err(DrvError(NOT_SUPPORTED));
         }
         let s = self.copy_stream()?;
-        super::fence::copies_then_hold(self.t, s, self.dev, copies, peers)
+        super::fence::copies_then_hold(self.t, s, self.dev, copies, peers, wait)
     }
 
     /// The stream host copies go on (a non-blocking one of the current context, made once).
@@ -721,12 +726,17 @@ impl Driver for CudaDriver {
         check(synchronize_primary_default_stream(self.t, self.dev))
     }
 
-    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)], peers: &[i32]) -> DrvResult<Held> {
+    fn copy_and_hold(
+        &mut self,
+        copies: &[(u64, u64, u64)],
+        peers: &[i32],
+        wait: super::PeerWait,
+    ) -> DrvResult<Held> {
         if super::fence::enabled() {
             // Work already queued on any stream ends first (the fence holds the default
             // stream only).
             self.synchronize()?;
-            match self.fenced_copies(copies, peers) {
+            match self.fenced_copies(copies, peers, wait) {
                 Ok(held) => return Ok(held),
                 Err(e) => log::debug!(
                     "device {}: no fence for a move ({e}); copying after the wait",

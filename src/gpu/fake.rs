@@ -75,6 +75,8 @@ pub struct FakeDriver {
     pub held_copies: Vec<usize>,
     /// The peers each `copy_and_hold` was asked to hold, in order.
     pub held_peers: Vec<Vec<i32>>,
+    /// How long each `copy_and_hold` was asked to wait for its peers' holds.
+    pub peer_waits: Vec<super::PeerWait>,
     /// Whether a peer's hold starts (false: every peer's hold is let go, as where the
     /// streams wait on each other).
     pub peer_holds_start: bool,
@@ -112,6 +114,7 @@ impl FakeDriver {
             default_stream_waits: 0,
             held_copies: Vec::new(),
             held_peers: Vec::new(),
+            peer_waits: Vec::new(),
             peer_holds_start: true,
             host: BTreeMap::new(),
             next_host: HOST_BASE,
@@ -577,9 +580,11 @@ impl Driver for FakeDriver {
         &mut self,
         copies: &[(u64, u64, u64)],
         peers: &[i32],
+        wait: super::PeerWait,
     ) -> DrvResult<super::Held> {
         self.held_copies.push(copies.len());
         self.held_peers.push(peers.to_vec());
+        self.peer_waits.push(wait);
         super::copy_after_wait(self, copies)?;
         let n = peers.len() as u32;
         Ok(match self.peer_holds_start {

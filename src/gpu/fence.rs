@@ -6,7 +6,7 @@
 //! are held too, by stream memory operations, from before the copies on.
 #![allow(unsafe_code)]
 
-use super::{check, DrvError, DrvResult, Held, NOT_SUPPORTED};
+use super::{check, DrvError, DrvResult, Held, PeerWait, NOT_SUPPORTED};
 use crate::real::primary::{pop_primary, push_primary};
 use crate::real::DriverTable;
 use cudarc::driver::sys::CUstream;
@@ -126,8 +126,9 @@ impl Drop for FenceHeld {
 /// blocked on a full launch queue behind it (`scripts/vmm-cost/fence_calls.cu`); a copy
 /// made there would never end.
 ///
-/// `peers`: devices whose legacy streams are held first ([`hold_peers`]), so that nothing
-/// they queue meanwhile writes the pages between the copy and the remap. Where the fence
+/// `peers`: devices whose legacy streams are held first ([`hold_peers`], their holds waited
+/// for as `wait` says), so that nothing they queue meanwhile writes the pages between the
+/// copy and the remap. Where the fence
 /// does not run within [`PEER_WAIT`] while peers are held (this stream waits for work queued
 /// behind a peer's hold), the peers are let go and the fence waited for as without them.
 pub(super) fn copies_then_hold(
@@ -136,6 +137,7 @@ pub(super) fn copies_then_hold(
     dev: i32,
     copies: &[(u64, u64, u64)],
     peers: &[i32],
+    wait: PeerWait,
 ) -> DrvResult<Held> {
     let missing = DrvError(NOT_SUPPORTED);
     let begin = t.cuStreamBeginCapture_v2.ok_or(missing)?;
@@ -150,7 +152,7 @@ pub(super) fn copies_then_hold(
     let fence = std::sync::Arc::new(Fence::default());
     let (mut peers, mut let_go) = match peers.is_empty() {
         true => (Vec::new(), 0),
-        false => hold_peers(t, peers, &fence),
+        false => hold_peers(t, peers, &fence, start_wait(wait)),
     };
     let raw = std::sync::Arc::into_raw(fence.clone()) as *mut c_void;
     // SAFETY: a stream of this driver's; the copies' ranges are device memory mapped for
@@ -221,6 +223,20 @@ pub(super) fn copies_then_hold(
 /// events, as PyTorch's copies between devices make them: a hold on one can keep the other
 /// from ever reaching its own).
 pub const PEER_WAIT: Duration = Duration::from_millis(200);
+
+/// How long a move waits for its peers' holds to start ([`PeerWait`]).
+fn start_wait(wait: PeerWait) -> Duration {
+    match wait {
+        PeerWait::Brief => PEER_WAIT,
+        PeerWait::Patient => PEER_START_MAX,
+    }
+}
+
+/// The longest a move the program's call needs waits for its peers' holds to start: the
+/// work their streams queued before the holds must end first (on 2 x H100 a thread adding
+/// into 256 MiB through peer access kept device 1's queue longer than 200 ms at every move,
+/// 2026-11-26).
+pub const PEER_START_MAX: Duration = Duration::from_secs(10);
 
 /// The longest peers stay held through a move: past it the watchdog lets them go, with a
 /// warning, whatever the move is doing (its VMM calls under the hold have never needed a
@@ -508,14 +524,16 @@ impl Drop for PeerHeld {
 }
 
 /// Hold the legacy default stream of each device in `peers` (their primary contexts) for a
-/// move whose own fence is `fence`, and wait up to [`PEER_WAIT`] for the holds to start: the
-/// holds that started, and how many did not (those are let go: the move goes on without
-/// them). The watchdog lets every one go after twice [`PEER_WAIT`] unless `fence` runs, and
-/// after [`PEER_HOLD_MAX`] in any case.
+/// move whose own fence is `fence`, and wait up to `start` for the holds to start: the
+/// holds that started, and how many did not (those are let go: the caller decides what the
+/// move does without them). The watchdog lets every one go unless `fence` runs twice
+/// [`PEER_WAIT`] after queueing (with a longer `start`: after they started), and
+/// [`PEER_HOLD_MAX`] after in any case.
 fn hold_peers(
     t: &DriverTable,
     peers: &[i32],
     fence: &std::sync::Arc<Fence>,
+    start: Duration,
 ) -> (Vec<PeerHeld>, u32) {
     let none = (Vec::new(), peers.len() as u32);
     let Some(words) = Words::get(t) else {
@@ -533,11 +551,12 @@ fn hold_peers(
         }
     }
     let now = Instant::now();
+    let longer = start.saturating_sub(PEER_WAIT);
     let watched = watch(Watch {
         fence: fence.clone(),
         holds: slots.iter().map(|&(_, slot, gen)| (slot, gen)).collect(),
-        until: now + 2 * PEER_WAIT,
-        max: now + PEER_HOLD_MAX,
+        until: now + longer + 2 * PEER_WAIT,
+        max: now + longer + PEER_HOLD_MAX,
         looked: false,
     });
     if !watched {
@@ -550,10 +569,17 @@ fn hold_peers(
         .into_iter()
         .filter_map(|(dev, slot, gen)| hold_one(t, words, dev, slot, gen))
         .collect();
-    let until = Instant::now() + PEER_WAIT;
+    let t0 = Instant::now();
+    let until = t0 + start;
     held.retain(|h| {
         let started = h.reached_by(until);
-        if !started {
+        if !started && start > PEER_WAIT {
+            log::warn!(
+                "device {}: its default stream's hold did not start in {} s; a move goes on without it",
+                h.dev,
+                start.as_secs()
+            );
+        } else if !started {
             log::debug!(
                 "device {}: its default stream's hold did not start in time",
                 h.dev
@@ -561,6 +587,22 @@ fn hold_peers(
         }
         started
     });
+    if start > PEER_WAIT && !held.is_empty() {
+        log::debug!(
+            "peers' holds started after {:.0} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        // Started: from here the fence gets what a brief wait gives it, twice PEER_WAIT (a
+        // second watch; the first stays as a backstop, and a second release is harmless).
+        let now = Instant::now();
+        watch(Watch {
+            fence: fence.clone(),
+            holds: held.iter().map(|h| (h.slot, h.gen)).collect(),
+            until: now + 2 * PEER_WAIT,
+            max: now + PEER_HOLD_MAX,
+            looked: false,
+        });
+    }
     let let_go = (peers.len() - held.len()) as u32;
     (held, let_go)
 }

@@ -163,6 +163,19 @@ impl Held {
     }
 }
 
+/// How long a move waits for the holds of peers' default streams to start (the work those
+/// streams queued before the hold to end), [`Driver::copy_and_hold`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerWait {
+    /// A move a later call may make instead (giving stranded bytes back): 200 ms, then the
+    /// holds are let go and the move is put off.
+    Brief,
+    /// A move the program's call needs (its mapping, an export): until the holds start, up to
+    /// 10 s (a queue of a thousand kernels writing through peer access takes seconds), then
+    /// they are let go and the move is made as without them, with a warning.
+    Patient,
+}
+
 /// The VMM operations of one device that the pool uses. Sizes and addresses are bytes; sizes
 /// are multiples of the device's granularity.
 pub trait Driver {
@@ -207,9 +220,15 @@ pub trait Driver {
     /// there (or on a stream that waits for it) meanwhile starts after the pages are back at
     /// their address. `peers`: other devices given access to the pages, whose default
     /// streams are held too where `EXPSEG_PEER_HOLD` asks (kernels queued there may write the
-    /// pages through peer access). This default waits, copies and holds nothing.
-    fn copy_and_hold(&mut self, copies: &[(u64, u64, u64)], peers: &[i32]) -> DrvResult<Held> {
-        let _ = peers;
+    /// pages through peer access), waiting for their holds to start as `wait` says. This
+    /// default waits, copies and holds nothing.
+    fn copy_and_hold(
+        &mut self,
+        copies: &[(u64, u64, u64)],
+        peers: &[i32],
+        wait: PeerWait,
+    ) -> DrvResult<Held> {
+        let _ = (peers, wait);
         copy_after_wait(self, copies)?;
         Ok(Held::default())
     }

@@ -366,9 +366,11 @@ fn a_move_holds_the_peers_given_access_where_asked() {
 }
 
 #[test]
-fn a_peer_hold_that_does_not_start_is_let_go_and_the_move_goes_on() {
-    // Where the peers' streams wait on each other's work, a hold may never start: the real
-    // driver lets it go after a bounded wait, and the move is made as without it.
+fn a_move_that_gives_bytes_back_waits_for_a_peer_that_cannot_be_held() {
+    // Where a peer's hold does not start (its stream busy, or waiting on other work), its
+    // kernels queued meanwhile could write the pages while they move (an illegal address on
+    // 2 x H100, 2026-11-26): a move that only gives stranded bytes back is put off, nothing
+    // changed, and made by a later call once the peer can be held.
     let cfg = CoalesceConfig {
         peer_hold: crate::config::PeerHold::On,
         ..cfg()
@@ -382,15 +384,93 @@ fn a_peer_hold_that_does_not_start_is_let_go_and_the_move_goes_on() {
     fill(&mut c, va, 8);
     shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
     c.settle(false);
-    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.stranded(), 4 * PAGE, "put off: the bytes stay");
+    assert_eq!(c.driver().used(), 8 * PAGE, "the new handles went back");
     assert_eq!(
         c.driver().held_peers,
         vec![vec![1]],
         "device 2 has no access: not held"
     );
     assert_eq!((c.stats().peer_holds, c.stats().peer_holds_let_go), (0, 1));
+    assert_eq!(
+        (
+            c.stats().moves_put_off,
+            c.stats().compactions,
+            c.stats().compaction_failures
+        ),
+        (1, 0, 0)
+    );
     assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    assert!(
+        c.driver().is_accessible(va, 2 * PAGE, 1),
+        "the peer keeps access"
+    );
+    assert_eq!(c.driver().peer_waits, vec![crate::gpu::PeerWait::Brief]);
+    // Once the peer's hold starts, the next call moves them.
+    c.driver_mut().peer_holds_start = true;
+    c.settle(false);
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), 4 * PAGE);
+    assert_eq!((c.stats().peer_holds, c.stats().compactions), (1, 1));
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    assert!(c.driver().is_accessible(va + 6 * PAGE, 2 * PAGE, 1));
     shrink(&mut c, va, &hs[..2]);
     shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_move_through_the_host_with_a_peer_to_hold_is_put_off() {
+    // Pages copied through the host (no room on the device) hold nothing, peers included.
+    let mut k = CoalesceConfig {
+        peer_hold: crate::config::PeerHold::On,
+        ..cfg()
+    };
+    k.margin = 0;
+    let (mut c, va) = setup(10 * PAGE, k);
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert!(c.set_access(va, 8 * PAGE, &[(0, RW), (1, RW)]).unwrap());
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 4 * PAGE, &hs[4..]);
+    c.settle(false);
+    assert!(
+        c.stats().moves_put_off >= 1,
+        "at the release and again at settle"
+    );
+    assert_eq!(c.stats().host_copies, 0);
+    assert_eq!(c.stranded(), 4 * PAGE);
+    assert!(intact(&c, va, 4));
+    // Without a peer to hold, the same move goes through the host.
+    assert!(c.set_access(va, 4 * PAGE, &[(1, 0)]).unwrap());
+    c.settle(false);
+    assert!(c.stats().host_copies >= 1);
+    assert_eq!(c.stranded(), 0);
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs[..4]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_move_the_program_needs_goes_on_without_the_peer_hold() {
+    // An export of one page of a shared handle splits it now (the call needs its own
+    // handle): a peer that cannot be held is let go and the move made as with the hold off.
+    let cfg = CoalesceConfig {
+        peer_hold: crate::config::PeerHold::On,
+        ..cfg()
+    };
+    let (mut c, va) = setup(100 * PAGE, cfg);
+    c.driver_mut().peer_holds_start = false;
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert!(c.set_access(va, 4 * PAGE, &[(0, RW), (1, RW)]).unwrap());
+    fill(&mut c, va, 4);
+    c.export(hs[1]).unwrap();
+    assert_eq!(c.stats().exports_split, 1);
+    assert_eq!(c.driver().peer_waits, vec![crate::gpu::PeerWait::Patient]);
+    assert_eq!(
+        (c.stats().moves_put_off, c.stats().peer_holds_let_go),
+        (0, 1)
+    );
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs);
     assert_eq!(c.driver().used(), 0);
 }
