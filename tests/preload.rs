@@ -2786,6 +2786,33 @@ fn a_foreign_mirror_ends_where_pytorchs_live_blocks_over_its_page_end() {
     }
 }
 
+#[test]
+fn a_raw_ipc_consumer_offset_from_range_start_addr_stays_inside_the_mirror() {
+    // vLLM's custom all-reduce asks the handle of RANGE_START_ADDR and adds ptr minus it in
+    // the consumer. Natively the attribute names the reservation (the fake's answer too), so
+    // the handle would name the run's first page, whose mirror (PyTorch's first block, 5 MiB)
+    // lies short of a tensor at 21 MiB: a plain consumer read wrong bytes (H100, 2026-11-26).
+    let Some(r) = extent_run("vllm", &[]) else {
+        return;
+    };
+    let r = r.ok();
+    assert_eq!(
+        (r.get("attr_rc"), r.get("get_rc")),
+        ("0".into(), "0".into())
+    );
+    assert_eq!(
+        r.get("offset_mib"),
+        "1",
+        "the handle starts at the tensor's mapping"
+    );
+    assert_eq!(
+        r.get("mirror_bytes"),
+        (6u64 << 20).to_string(),
+        "the second block"
+    );
+    assert_eq!(r.get("covers_tensor"), "1");
+}
+
 /// `two_inflight` (tests/c/c10_pages.c) on two fake devices: PyTorch's empty_cache() waits on
 /// the current device's default stream only, then unmaps every device's freed pages while the
 /// other device still has work on them (issue 24). Pages expseg holds must not be unmapped

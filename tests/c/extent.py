@@ -4,7 +4,10 @@ live report. argv[1]: "torch" puts a stand-in `torch` module in sys.modules whos
 allocator has one live block over the first 5 MiB of the run (and a free one after it),
 asked by a thread without the GIL (ctypes.CDLL releases it: expseg asks through its helper
 thread); "torch-gil" the same through ctypes.PyDLL (the caller keeps the GIL: expseg asks at
-once); "none" has no torch. Prints key=value lines."""
+once); "none" has no torch; "vllm": the stand-in's blocks are 5 MiB at the run's start and 6
+MiB at 20 MiB, and the handle is asked as vLLM's custom all-reduce asks it, for the
+RANGE_START_ADDR of a tensor 1 MiB into the second block, the consumer's offset taken from it
+(the mirror must cover offset + the tensor's 4 MiB). Prints key=value lines."""
 import ctypes
 import json
 import sys
@@ -43,16 +46,24 @@ def foreign_run():
     return va.value
 
 
-def stand_in_torch(va):
+def stand_in_torch(va, vllm=False):
     """The parts of torch.cuda the extent query reads."""
     calls = {"snapshots": 0}
+    blocks = [
+        {"size": 5 * MIB, "state": "active_allocated"},
+        {"size": N * PIECE - 5 * MIB, "state": "inactive"},
+    ]
+    if vllm:
+        blocks = [
+            {"size": 5 * MIB, "state": "active_allocated"},
+            {"size": 15 * MIB, "state": "inactive"},
+            {"size": 6 * MIB, "state": "active_allocated"},
+            {"size": N * PIECE - 26 * MIB, "state": "inactive"},
+        ]
 
     def snapshot():
         calls["snapshots"] += 1
-        return [{"address": va, "total_size": N * PIECE, "blocks": [
-            {"size": 5 * MIB, "state": "active_allocated"},
-            {"size": N * PIECE - 5 * MIB, "state": "inactive"},
-        ]}]
+        return [{"address": va, "total_size": N * PIECE, "blocks": blocks}]
 
     cuda = types.SimpleNamespace(
         is_initialized=lambda: True,
@@ -73,9 +84,28 @@ def process_rows():
     return json.loads(buf.value.decode()).get("process", {})
 
 
+def vllm(va):
+    """The handle of RANGE_START_ADDR, the offset from it, and the mirror's reach."""
+    stand_in_torch(va, vllm=True)
+    ptr = va + 21 * MIB
+    base = ctypes.c_uint64(0)
+    arc = cu.cuPointerGetAttribute(ctypes.byref(base), 11, ctypes.c_uint64(ptr))
+    h = (ctypes.c_ubyte * 64)()
+    rc = rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base.value))
+    p = process_rows()
+    off = ptr - base.value
+    print(f"attr_rc={arc}")
+    print(f"get_rc={rc}")
+    print(f"offset_mib={off // MIB}")
+    print(f"mirror_bytes={p.get('foreign_mirror_bytes')}")
+    print(f"covers_tensor={int(off + 4 * MIB <= (p.get('foreign_mirror_bytes') or 0))}")
+
+
 def main():
     rt.cudaSetDevice(0)
     va = foreign_run()
+    if sys.argv[1] == "vllm":
+        return vllm(va)
     calls = stand_in_torch(va) if sys.argv[1].startswith("torch") else None
     lib = ctypes.PyDLL("libcudart.so.13") if sys.argv[1] == "torch-gil" else rt
     h = (ctypes.c_ubyte * 64)()
