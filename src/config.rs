@@ -24,8 +24,9 @@ pub enum PeerHold {
     /// Waited for before the move, not held during it.
     Off,
     /// Held from before the copies until the pages are back. A hold that does not start in
-    /// time (200 ms for a move that only gives bytes back: then put off to a later call; 10 s
-    /// for a move the program's call needs: then made as with `Off`), or that keeps the
+    /// time (200 ms for a move that only gives bytes back, 10 s when memory is asked for: then
+    /// put off to a later call; 10 s for a move the program's call needs: then made as with
+    /// `Off`), or that keeps the
     /// device's own fence from running 200 ms (a watchdog thread: 400 ms), is let go, and any
     /// after 2 s.
     On,

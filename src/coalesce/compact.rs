@@ -90,7 +90,12 @@ impl<D: Driver> Coalescer<D> {
             if !force && stranded <= self.cfg.strand_max {
                 break;
             }
-            match self.compact_as(pid, false, true) {
+            // Memory asked for (a near-full allocation, a trim) is worth a patient wait.
+            let wait = match force {
+                true => PeerWait::Patient,
+                false => PeerWait::Brief,
+            };
+            match self.compact_as(pid, false, Some(wait)) {
                 Ok(()) => stranded -= dead,
                 Err(PUT_OFF) => {
                     // The peers' streams stay busy: later calls try again (one wait per call).
@@ -181,14 +186,15 @@ impl<D: Driver> Coalescer<D> {
     /// process took the memory in between) it is retried, and otherwise the data is lost and
     /// said so loudly: the one step without a way back.
     pub(super) fn compact(&mut self, pid: u64, singles: bool) -> DrvResult<()> {
-        self.compact_as(pid, singles, false)
+        self.compact_as(pid, singles, None)
     }
 
-    /// [`Coalescer::compact`]; `may_wait`: the move only gives stranded bytes back, so where a
-    /// peer given access to the pages cannot be held (`EXPSEG_PEER_HOLD=1`) it is put off
-    /// ([`PUT_OFF`]) rather than made unheld. Moves the program's call needs (its mapping,
-    /// an export) are made as without the hold.
-    fn compact_as(&mut self, pid: u64, singles: bool, may_wait: bool) -> DrvResult<()> {
+    /// [`Coalescer::compact`]; `put_off: Some(wait)`: the move only gives stranded bytes back,
+    /// so where a peer given access to the pages cannot be held (`EXPSEG_PEER_HOLD=1`) within
+    /// `wait` it is put off ([`PUT_OFF`]) rather than made unheld. `None`: the program's call
+    /// needs the move (its mapping, an export): the holds are waited for patiently, and one
+    /// that never starts is let go and the move made as without the hold.
+    fn compact_as(&mut self, pid: u64, singles: bool, put_off: Option<PeerWait>) -> DrvResult<()> {
         let mut groups = self.groups(pid, singles);
         if groups.is_empty() {
             return self.release_idle(pid);
@@ -226,7 +232,7 @@ impl<D: Driver> Coalescer<D> {
         // pages: they finish before the pages move, as this device's do in copy_out.
         self.wait_for_peers(&acc)?;
         let peers = self.peers_to_hold(&acc);
-        let put_off = may_wait && self.cfg.peer_hold == PeerHold::On && !peers.is_empty();
+        let put_off = put_off.filter(|_| self.cfg.peer_hold == PeerHold::On && !peers.is_empty());
         let mut w = Work::default();
         let out = self.copy_out(
             handle, size, base, &groups, props, &own, &peers, put_off, &mut w,
@@ -380,9 +386,9 @@ impl<D: Driver> Coalescer<D> {
     /// create the new handles, and copy the live pages out (to device memory where the
     /// driver had room, else to the host). Mapped pages copied on the device are held from
     /// the copies on (the device's default stream, and `peers`' where they are asked).
-    /// `put_off`: where a peer is not held through the move (let go, or a host copy, which
-    /// holds nothing), nothing is changed and the answer is [`PUT_OFF`] (the copies made are
-    /// undone with the new handles).
+    /// `put_off: Some(wait)`: where a peer is not held through the move (not started within
+    /// `wait` or let go, or a host copy, which holds nothing), nothing is changed and the
+    /// answer is [`PUT_OFF`] (the copies made are undone with the new handles).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_out(
         &mut self,
@@ -393,7 +399,7 @@ impl<D: Driver> Coalescer<D> {
         props: PageProps,
         own: &[(i32, u32)],
         peers: &[i32],
-        put_off: bool,
+        put_off: Option<PeerWait>,
         w: &mut Work,
     ) -> DrvResult<()> {
         for g in groups {
@@ -412,11 +418,12 @@ impl<D: Driver> Coalescer<D> {
                 copies.push((t, b + g.off, g.len));
                 w.host.push(None);
             }
-            // Patient only for real peers of a move the call needs (the self test on one GPU
-            // keeps the brief wait it was measured with).
-            let wait = match !put_off && self.cfg.peer_hold == PeerHold::On {
-                true => PeerWait::Patient,
-                false => PeerWait::Brief,
+            // Patient for real peers of a move the call needs; the self test on one GPU keeps
+            // the brief wait it was measured with.
+            let wait = match (put_off, self.cfg.peer_hold) {
+                (Some(wait), _) => wait,
+                (None, PeerHold::On) => PeerWait::Patient,
+                (None, _) => PeerWait::Brief,
             };
             w.held = self.drv.copy_and_hold(&copies, peers, wait)?;
             if w.held.holds() {
@@ -424,12 +431,12 @@ impl<D: Driver> Coalescer<D> {
             }
             self.stats.peer_holds += w.held.peers_held as u64;
             self.stats.peer_holds_let_go += w.held.peers_let_go as u64;
-            if put_off && w.held.peers_let_go > 0 {
+            if put_off.is_some() && w.held.peers_let_go > 0 {
                 return Err(PUT_OFF);
             }
             return Ok(());
         }
-        if put_off && base.is_some() {
+        if put_off.is_some() && base.is_some() {
             return Err(PUT_OFF); // mapped pages copied through the host: nothing is held
         }
         self.drv.synchronize()?;

@@ -167,12 +167,13 @@ impl Held {
 /// streams queued before the hold to end), [`Driver::copy_and_hold`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeerWait {
-    /// A move a later call may make instead (giving stranded bytes back): 200 ms, then the
+    /// 200 ms: a move a later call may make instead (giving stranded bytes back); then the
     /// holds are let go and the move is put off.
     Brief,
-    /// A move the program's call needs (its mapping, an export): until the holds start, up to
-    /// 10 s (a queue of a thousand kernels writing through peer access takes seconds), then
-    /// they are let go and the move is made as without them, with a warning.
+    /// Until the holds start, up to 10 s (a queue of a thousand kernels writing through peer
+    /// access takes seconds): a move the program's call needs (its mapping, an export; then
+    /// made as without them, with a warning), or one giving bytes back where memory is asked
+    /// for (an allocation near the limit, a trim; then put off).
     Patient,
 }
 

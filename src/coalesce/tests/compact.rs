@@ -420,6 +420,34 @@ fn a_move_that_gives_bytes_back_waits_for_a_peer_that_cannot_be_held() {
 }
 
 #[test]
+fn a_trim_waits_patiently_for_a_peer_and_still_puts_the_move_off() {
+    // Memory asked for (a near-full allocation, expseg.trim()): worth a patient wait for the
+    // peer's hold, but a hold that never starts still leaves the pages where they are.
+    let cfg = CoalesceConfig {
+        peer_hold: crate::config::PeerHold::On,
+        ..cfg()
+    };
+    let (mut c, va) = setup(100 * PAGE, cfg);
+    c.driver_mut().peer_holds_start = false;
+    let hs = grow(&mut c, va, 8).unwrap();
+    assert!(c.set_access(va, 8 * PAGE, &[(0, RW), (1, RW)]).unwrap());
+    fill(&mut c, va, 8);
+    shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
+    c.driver_mut().peer_waits.clear();
+    assert_eq!(c.trim(), 0);
+    assert_eq!(c.driver().peer_waits, vec![crate::gpu::PeerWait::Patient]);
+    assert_eq!(c.stranded(), 4 * PAGE);
+    assert!(c.stats().moves_put_off >= 1);
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    c.driver_mut().peer_holds_start = true;
+    assert_eq!(c.trim(), 4 * PAGE);
+    assert!(intact(&c, va, 2) && intact(&c, va + 6 * PAGE, 2));
+    shrink(&mut c, va, &hs[..2]);
+    shrink(&mut c, va + 6 * PAGE, &hs[6..]);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
 fn a_move_through_the_host_with_a_peer_to_hold_is_put_off() {
     // Pages copied through the host (no room on the device) hold nothing, peers included.
     let mut k = CoalesceConfig {
