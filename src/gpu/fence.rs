@@ -232,8 +232,9 @@ fn start_wait(wait: PeerWait) -> Duration {
     }
 }
 
-/// The longest a move the program's call needs waits for its peers' holds to start: the
-/// work their streams queued before the holds must end first (on 2 x H100 a thread adding
+/// The longest a patient move ([`PeerWait::Patient`]: one the program's call needs, or one
+/// giving memory back where it is asked for) waits for its peers' holds to start: the work
+/// their streams queued before the holds must end first (on 2 x H100 a thread adding
 /// into 256 MiB through peer access kept device 1's queue longer than 200 ms at every move,
 /// 2026-11-26).
 pub const PEER_START_MAX: Duration = Duration::from_secs(10);
@@ -575,7 +576,7 @@ fn hold_peers(
         let started = h.reached_by(until);
         if !started && start > PEER_WAIT {
             log::warn!(
-                "device {}: its default stream's hold did not start in {} s; a move goes on without it",
+                "device {}: its default stream's hold did not start in {} s: let go (a move that can wait is put off, one the program's call needs goes on unheld)",
                 h.dev,
                 start.as_secs()
             );
