@@ -106,7 +106,7 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
 /// (`crate::gpu::cuda::run_from`), so the attributes name it too, as for a coalesced page.
 unsafe fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
     let _g = Guard::enter()?;
-    if api::config().disabled || api::forked() {
+    if catch_unwind(|| api::config().disabled || api::forked()).unwrap_or(true) {
         return None;
     }
     let (mut b, mut s) = (0u64, 0 as size_t);
@@ -118,7 +118,7 @@ unsafe fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
         next_driver::cuPointerGetAttribute((&mut rb as *mut u64).cast(), RANGE_START_ADDR, ptr);
     let size = next_driver::cuPointerGetAttribute((&mut rs as *mut u64).cast(), RANGE_SIZE, ptr);
     let mapping = (b, s as u64);
-    let inside = rb <= b && b + s as u64 <= rb.saturating_add(rs);
+    let inside = rb <= b && b.saturating_add(s as u64) <= rb.saturating_add(rs);
     (start == 0 && size == 0 && (rb, rs) != mapping && inside).then_some(mapping)
 }
 
