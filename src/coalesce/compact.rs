@@ -386,9 +386,11 @@ impl<D: Driver> Coalescer<D> {
     /// create the new handles, and copy the live pages out (to device memory where the
     /// driver had room, else to the host). Mapped pages copied on the device are held from
     /// the copies on (the device's default stream, and `peers`' where they are asked).
-    /// `put_off: Some(wait)`: where a peer is not held through the move (not started within
-    /// `wait` or let go, or a host copy, which holds nothing), nothing is changed and the
-    /// answer is [`PUT_OFF`] (the copies made are undone with the new handles).
+    /// `put_off: Some(wait)`: where a peer's hold did not start within `wait` or was let go,
+    /// nothing is changed and the answer is [`PUT_OFF`] (the copies made are undone with the
+    /// new handles). Pages copied through the host (no room on the device) hold nothing, the
+    /// device's own stream included: they are waited for, as without the option (putting
+    /// them off would keep stranded bytes exactly when memory runs short).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_out(
         &mut self,
@@ -435,9 +437,6 @@ impl<D: Driver> Coalescer<D> {
                 return Err(PUT_OFF);
             }
             return Ok(());
-        }
-        if put_off.is_some() && base.is_some() {
-            return Err(PUT_OFF); // mapped pages copied through the host: nothing is held
         }
         self.drv.synchronize()?;
         let src = match base {

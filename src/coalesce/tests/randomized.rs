@@ -388,3 +388,79 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
         assert_eq!(c.counts(), (0, 0), "seed {seed}");
     }
 }
+
+/// `EXPSEG_PEER_HOLD=1` with a peer (device 1) given access to every page, its hold starting
+/// or not at random: a move on the device that only gives bytes back is never made without
+/// the hold (put off; moves through the host hold nothing, as without the option), moves the
+/// program's calls need go on, data stays intact and every byte is accounted for; once the
+/// holds start, everything put off goes back.
+#[test]
+fn randomized_peer_holds_that_may_not_start_never_move_pages_unheld_to_give_bytes_back() {
+    for seed in 1..=8u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let k = CoalesceConfig {
+            peer_hold: crate::config::PeerHold::On,
+            max_handle: [4, 16][seed as usize % 2] * PAGE,
+            ..cfg()
+        };
+        let (mut c, va) = setup(60 * PAGE, k);
+        c.peak_held = u64::MAX;
+        let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+        for step in 0..200 {
+            let starts = rng.below(3) != 0;
+            c.driver_mut().peer_holds_start = starts;
+            let ctx = format!("seed {seed} step {step} (holds start: {starts})");
+            match rng.below(6) {
+                0..=2 => {
+                    let n = 1 + rng.below(6);
+                    let start = free_run(&live, n);
+                    let at = va + start * PAGE;
+                    if let Ok(hs) = grow(&mut c, at, n) {
+                        // PyTorch gives its peers access to every page (addPeer).
+                        assert!(c.set_access(at, n * PAGE, &[(0, RW), (1, RW)]).unwrap());
+                        fill(&mut c, at, n);
+                        for (i, h) in hs.into_iter().enumerate() {
+                            live.insert(start + i as u64, h);
+                        }
+                    }
+                }
+                3 | 4 => {
+                    let (moved, host) = (c.stats().compactions, c.stats().host_copies);
+                    release_random_run(&mut c, va, &mut rng, &mut live);
+                    c.settle(false);
+                    if !starts {
+                        // Only moves through the host (which hold nothing, as documented).
+                        let (m, h) = (c.stats().compactions - moved, c.stats().host_copies - host);
+                        assert!(m <= h, "{ctx}: {m} moves on the device without the hold");
+                    }
+                }
+                _ => {
+                    // A call that needs a page's own handle: made whether the hold starts.
+                    if let Some(s) = pick(&mut rng, &live) {
+                        c.export(live[&s]).unwrap();
+                    }
+                }
+            }
+            for &s in live.keys() {
+                assert!(intact(&c, va + s * PAGE, 1), "{ctx}: slot {s}");
+            }
+            assert_eq!(c.driver().used(), c.physical_bytes(), "{ctx}");
+            assert_eq!(
+                c.physical_bytes(),
+                live.len() as u64 * PAGE + c.stranded() + c.kept_bytes() + c.ahead_bytes(),
+                "{ctx}: every byte is live, stranded, kept or grown ahead"
+            );
+        }
+        assert!(c.stats().moves_put_off > 0, "seed {seed}: the test tested");
+        c.driver_mut().peer_holds_start = true;
+        c.settle(true);
+        assert_eq!(c.stranded(), 0, "seed {seed}: given back once held");
+        let rest: Vec<(u64, u64)> = live.into_iter().collect();
+        for (s, h) in rest {
+            shrink(&mut c, va + s * PAGE, &[h]);
+        }
+        c.settle(true);
+        c.release_kept();
+        assert_eq!(c.driver().used(), 0, "seed {seed}: nothing leaked");
+    }
+}
