@@ -365,23 +365,34 @@ fn a_move_holds_the_peers_given_access_where_asked() {
     }
 }
 
+/// `EXPSEG_PEER_HOLD=1` with `n` pages live at the start of a reservation of `capacity`
+/// bytes (`margin` 0), given access as `access` says, and device 1's hold never starting
+/// (its stream busy, or waiting on other work).
+fn unheld_peer(
+    capacity: u64,
+    n: u64,
+    access: &[(i32, u32)],
+) -> (Coalescer<FakeDriver>, u64, Vec<u64>) {
+    let mut k = CoalesceConfig {
+        peer_hold: crate::config::PeerHold::On,
+        ..cfg()
+    };
+    k.margin = 0;
+    let (mut c, va) = setup(capacity, k);
+    c.driver_mut().peer_holds_start = false;
+    let hs = grow(&mut c, va, n).unwrap();
+    assert!(c.set_access(va, n * PAGE, access).unwrap());
+    fill(&mut c, va, n);
+    (c, va, hs)
+}
+
 #[test]
 fn a_move_that_gives_bytes_back_waits_for_a_peer_that_cannot_be_held() {
     // Where a peer's hold does not start (its stream busy, or waiting on other work), its
     // kernels queued meanwhile could write the pages while they move (an illegal address on
     // 2 x H100, 2026-11-26): a move that only gives stranded bytes back is put off, nothing
     // changed, and made by a later call once the peer can be held.
-    let cfg = CoalesceConfig {
-        peer_hold: crate::config::PeerHold::On,
-        ..cfg()
-    };
-    let (mut c, va) = setup(100 * PAGE, cfg);
-    c.driver_mut().peer_holds_start = false;
-    let hs = grow(&mut c, va, 8).unwrap();
-    assert!(c
-        .set_access(va, 8 * PAGE, &[(0, RW), (1, RW), (2, 0)])
-        .unwrap());
-    fill(&mut c, va, 8);
+    let (mut c, va, hs) = unheld_peer(100 * PAGE, 8, &[(0, RW), (1, RW), (2, 0)]);
     shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
     c.settle(false);
     assert_eq!(c.stranded(), 4 * PAGE, "put off: the bytes stay");
@@ -423,15 +434,7 @@ fn a_move_that_gives_bytes_back_waits_for_a_peer_that_cannot_be_held() {
 fn a_trim_waits_patiently_for_a_peer_and_still_puts_the_move_off() {
     // Memory asked for (a near-full allocation, expseg.trim()): worth a patient wait for the
     // peer's hold, but a hold that never starts still leaves the pages where they are.
-    let cfg = CoalesceConfig {
-        peer_hold: crate::config::PeerHold::On,
-        ..cfg()
-    };
-    let (mut c, va) = setup(100 * PAGE, cfg);
-    c.driver_mut().peer_holds_start = false;
-    let hs = grow(&mut c, va, 8).unwrap();
-    assert!(c.set_access(va, 8 * PAGE, &[(0, RW), (1, RW)]).unwrap());
-    fill(&mut c, va, 8);
+    let (mut c, va, hs) = unheld_peer(100 * PAGE, 8, &[(0, RW), (1, RW)]);
     shrink(&mut c, va + 2 * PAGE, &hs[2..6]);
     c.driver_mut().peer_waits.clear();
     assert_eq!(c.trim(), 0);
@@ -452,16 +455,7 @@ fn a_move_through_the_host_holds_nothing_and_is_made_with_a_peer_to_hold() {
     // Pages copied through the host (no room on the device) hold nothing, the device's own
     // stream included: waited for, as without the option. Putting them off would keep the
     // stranded bytes exactly when memory runs short.
-    let mut k = CoalesceConfig {
-        peer_hold: crate::config::PeerHold::On,
-        ..cfg()
-    };
-    k.margin = 0;
-    let (mut c, va) = setup(10 * PAGE, k);
-    c.driver_mut().peer_holds_start = false;
-    let hs = grow(&mut c, va, 8).unwrap();
-    assert!(c.set_access(va, 8 * PAGE, &[(0, RW), (1, RW)]).unwrap());
-    fill(&mut c, va, 8);
+    let (mut c, va, hs) = unheld_peer(10 * PAGE, 8, &[(0, RW), (1, RW)]);
     shrink(&mut c, va + 4 * PAGE, &hs[4..]);
     c.settle(false);
     assert!(c.stats().host_copies >= 1);
@@ -479,16 +473,9 @@ fn a_move_through_the_host_holds_nothing_and_is_made_with_a_peer_to_hold() {
 #[test]
 fn a_move_the_program_needs_goes_on_without_the_peer_hold() {
     // An export of one page of a shared handle splits it now (the call needs its own
-    // handle): a peer that cannot be held is let go and the move made as with the hold off.
-    let cfg = CoalesceConfig {
-        peer_hold: crate::config::PeerHold::On,
-        ..cfg()
-    };
-    let (mut c, va) = setup(100 * PAGE, cfg);
-    c.driver_mut().peer_holds_start = false;
-    let hs = grow(&mut c, va, 4).unwrap();
-    assert!(c.set_access(va, 4 * PAGE, &[(0, RW), (1, RW)]).unwrap());
-    fill(&mut c, va, 4);
+    // handle): the peer's hold is waited for patiently (its queue may take seconds), and one
+    // that never starts is let go and the move made as with the hold off.
+    let (mut c, va, hs) = unheld_peer(100 * PAGE, 4, &[(0, RW), (1, RW)]);
     c.export(hs[1]).unwrap();
     assert_eq!(c.stats().exports_split, 1);
     assert_eq!(c.driver().peer_waits, vec![crate::gpu::PeerWait::Patient]);
