@@ -96,8 +96,15 @@ pub struct Config {
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,
     /// `EXPSEG_STRAND_MAX`: bytes of released pages a partly live handle may hold before it
-    /// is compacted.
+    /// is compacted (with `EXPSEG_COMPACT=1`).
     pub strand_max: u64,
+    /// `EXPSEG_COMPACT`: opt-in: partly released coalesced handles are compacted (their live
+    /// pages copied into new handles and mapped back at their addresses), so released pages
+    /// go back at once. Off (the default): a page the program has mapped never moves; released
+    /// pages of a handle with live ones stay held until its last page goes or new pages are
+    /// mapped where they were. Only for programs where no other thread launches GPU work while
+    /// the allocator runs (such work meets the pages while they are away: an illegal address).
+    pub compact: bool,
     /// `EXPSEG_COALESCE_MARGIN`: free memory kept in hand while pages are admitted without
     /// being created; nearer the limit pages are created at once.
     pub coalesce_margin: u64,
@@ -170,6 +177,7 @@ impl Default for Config {
             coalesce_max: GIB,
             // Released pages are compacted inside the release that strands them.
             strand_max: 0,
+            compact: false,
             coalesce_margin: GIB,
             // Released handles go back before the release returns: a colocated engine handed
             // the memory by empty_cache() gets it (kept 2 ms, it did 1 time in 20; churn
@@ -269,6 +277,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_STRAND_MAX",
         set: |c, v| parse_size(v).map(|s| c.strand_max = s),
         show: |c| fmt_size(c.strand_max),
+    },
+    Var {
+        name: "EXPSEG_COMPACT",
+        set: |c, v| parse_bool(v).map(|b| c.compact = b),
+        show: |c| u8::from(c.compact).to_string(),
     },
     Var {
         name: "EXPSEG_COALESCE_MARGIN",

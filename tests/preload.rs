@@ -1461,7 +1461,8 @@ fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
 
 #[test]
 fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
-    let r = pages("libc10_cuda.so", "full", &[]).ok();
+    // Compaction is opt-in (EXPSEG_COMPACT=1).
+    let r = pages("libc10_cuda.so", "full", &[("EXPSEG_COMPACT", "1")]).ok();
     for (k, v) in [
         ("grow_rc", "0"),
         ("batch_creates", "1"),
@@ -1500,7 +1501,12 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
     );
     // A monitor thread's cudaMemGetInfo moves no live page (the allocator's thread may be
     // launching work on them); the allocator's thread's next call compacts.
-    let m = pages("libc10_cuda.so", "full", &[("MEMINFO_THREAD", "1")]).ok();
+    let m = pages(
+        "libc10_cuda.so",
+        "full",
+        &[("MEMINFO_THREAD", "1"), ("EXPSEG_COMPACT", "1")],
+    )
+    .ok();
     for (k, v) in [
         ("used_stranded_mib", "160"),
         ("used_after_other_thread_mib", "160"),
@@ -1511,7 +1517,12 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         assert_eq!(m.get(k), v, "{k}\n{}", m.stdout());
     }
     // A forked child's cudaMemGetInfo leaves the parent's coalesced pages alone.
-    let k = pages("libc10_cuda.so", "full", &[("FORK_CHILD", "1")]).ok();
+    let k = pages(
+        "libc10_cuda.so",
+        "full",
+        &[("FORK_CHILD", "1"), ("EXPSEG_COMPACT", "1")],
+    )
+    .ok();
     for (k_, v) in [
         ("child_driver_calls", "0"),
         ("child_exit", "0"),
@@ -1522,7 +1533,12 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
         assert_eq!(k.get(k_), v, "{k_}\n{}\n{}", k.stdout(), k.stderr());
     }
     // The program's own expseg_trim() gives everything back, from whichever of its threads.
-    let t = pages("libc10_cuda.so", "full", &[("TRIM_THREAD", "1")]).ok();
+    let t = pages(
+        "libc10_cuda.so",
+        "full",
+        &[("TRIM_THREAD", "1"), ("EXPSEG_COMPACT", "1")],
+    )
+    .ok();
     for (k, v) in [
         ("used_stranded_mib", "160"),
         ("trim_thread_mib", "80"),
@@ -1534,7 +1550,12 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
     }
     // The program's own expseg_pause() from such a thread pauses only the live pages: what is
     // held beyond them goes back first (moving nothing, it paused the whole handle: 160).
-    let p = pages("libc10_cuda.so", "full", &[("PAUSE_THREAD", "1")]).ok();
+    let p = pages(
+        "libc10_cuda.so",
+        "full",
+        &[("PAUSE_THREAD", "1"), ("EXPSEG_COMPACT", "1")],
+    )
+    .ok();
     for (k, v) in [
         ("pause_rc", "0"),
         ("paused_mib", "80"),
@@ -1623,7 +1644,12 @@ fn a_threads_cudamemgetinfo_moves_only_the_live_pages_of_its_own_devices() {
     // cudaMemGetInfo or frees an address range. Only device 0's pages move then; device 1's
     // at its own thread's call. (With one allocator thread per process, device 0's
     // cudaMemGetInfo compacted both: 160 MiB; then its cuMemAddressFree still did.)
-    let r = pages("libc10_cuda.so", "two_threads", &[("FAKE_DEVICES", "2")]).ok();
+    let r = pages(
+        "libc10_cuda.so",
+        "two_threads",
+        &[("FAKE_DEVICES", "2"), ("EXPSEG_COMPACT", "1")],
+    )
+    .ok();
     for (k, v) in [
         ("dev1_rc", "0"),
         ("dev0_rc", "0"),
@@ -2898,7 +2924,7 @@ fn launch_race(env: &[(&str, &str)]) -> Run {
 
 #[test]
 fn kernels_another_thread_queues_on_the_default_stream_wait_for_a_move() {
-    let r = launch_race(&[]);
+    let r = launch_race(&[("EXPSEG_COMPACT", "1")]);
     assert!(
         r.out.status.success(),
         "{:?}\n{}\n{}",
@@ -2936,7 +2962,7 @@ fn kernels_another_thread_queues_on_the_default_stream_wait_for_a_move() {
 fn without_the_fence_the_same_race_faults_or_loses_additions() {
     // The control (the behaviour before the fence): the launcher meets the pages while they
     // are away (a segmentation fault here, an illegal address on a GPU), or beside the copy.
-    let r = launch_race(&[("EXPSEG_MOVE_FENCE", "0")]);
+    let r = launch_race(&[("EXPSEG_COMPACT", "1"), ("EXPSEG_MOVE_FENCE", "0")]);
     assert!(
         !r.out.status.success() || r.get("race_bad") != "0",
         "the race did not show: {}",
@@ -3122,5 +3148,59 @@ fn nccl_buffer_registration_of_pytorch_pages_exports_the_page_itself() {
         ("intact", "1"),
     ] {
         assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
+fn at_the_defaults_no_live_page_moves() {
+    // Released pages of a live handle stay held (EXPSEG_COMPACT off): cudaMemGetInfo moves
+    // nothing, and the data, the pages mapped again there and the export are as they were.
+    let r = pages("libc10_cuda.so", "full", &[]).ok();
+    for (k, v) in [
+        ("used_stranded_mib", "160"),
+        ("used_compacted_mib", "160"),
+        ("live_intact", "1"),
+        ("regrow_rc", "0"),
+        ("all_intact", "1"),
+        ("export_rc", "0"),
+        ("shared_both_ways", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
+    }
+    // The program's own trim and pause move nothing either: the stranded bytes stay held
+    // (trim), or go with their handle and come back with it (pause).
+    let t = pages("libc10_cuda.so", "full", &[("TRIM_THREAD", "1")]).ok();
+    let p = pages("libc10_cuda.so", "full", &[("PAUSE_THREAD", "1")]).ok();
+    for (r, k, v) in [
+        (&t, "trim_thread_mib", "0"),
+        (&t, "used_compacted_mib", "160"),
+        (&t, "all_intact", "1"),
+        (&p, "pause_rc", "0"),
+        (&p, "paused_mib", "160"),
+        (&p, "resume_rc", "0"),
+        (&p, "all_intact", "1"),
+        (&p, "used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
+    }
+    // A thread launching on the pages while the allocator's thread releases the rest of their
+    // batch and asks cudaMemGetInfo: nothing moves, so nothing is met or lost.
+    let r = launch_race(&[]);
+    assert!(r.out.status.success(), "{}\n{}", r.stdout(), r.stderr());
+    for (k, v) in [("race_bad", "0"), ("race_moved", "0"), ("graphs", "0")] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
+    }
+    // Two devices' threads: no call moves another's pages, or its own.
+    let r = pages("libc10_cuda.so", "two_threads", &[("FAKE_DEVICES", "2")]).ok();
+    for (k, v) in [
+        ("used_stranded_mib", "320"),
+        ("used_after_dev0_thread_mib", "320"),
+        ("used_after_dev0_addrfree_mib", "320"),
+        ("used_after_dev1_thread_mib", "320"),
+        ("live_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
     }
 }

@@ -391,6 +391,7 @@ pub(super) mod coalescers {
                     },
                     ahead: c.grow_ahead,
                     peer_hold: c.peer_hold,
+                    move_live: c.compact,
                 };
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
@@ -550,7 +551,22 @@ pub(super) mod coalescers {
             .collect()
     }
 
-    /// The coalescers' figures for the exit report, summed over devices.
+    /// Row names of the per-device figures (made once, for up to 64 devices).
+    static DEVICE_ROWS: Lazy<Vec<[&'static str; 3]>> = Lazy::new(|| {
+        (0..64)
+            .map(|d| {
+                [
+                    format!("coalesce_dev{d}_stranded_bytes"),
+                    format!("coalesce_dev{d}_peak_stranded_bytes"),
+                    format!("coalesce_dev{d}_peak_held_bytes"),
+                ]
+                .map(|s| &*Box::leak(s.into_boxed_str()))
+            })
+            .collect()
+    });
+
+    /// The coalescers' figures for the exit report, summed over devices (and per device
+    /// where it says so).
     pub fn report_rows() -> Vec<(&'static str, u64)> {
         let all = stats();
         if all.is_empty() {
@@ -581,6 +597,13 @@ pub(super) mod coalescers {
             ("coalesce_peer_holds_let_go", sum(&|s| s.peer_holds_let_go)),
             ("coalesce_moves_put_off", sum(&|s| s.moves_put_off)),
             ("coalesce_peak_stranded_bytes", sum(&|s| s.peak_stranded)),
+            ("coalesce_peak_beyond_bytes", sum(&|s| s.peak_beyond)),
+            ("coalesce_peak_held_bytes", sum(&|s| s.peak_held)),
+            ("coalesce_moves_declined", sum(&|s| s.moves_declined)),
+            (
+                "coalesce_reused_stranded_bytes",
+                sum(&|s| s.reused_stranded),
+            ),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),
             (
@@ -598,6 +621,14 @@ pub(super) mod coalescers {
             ),
             ("coalesce_stranded_bytes", all.iter().map(|a| a.4).sum()),
         ];
+        // Per device: stranded bytes now and at peak, and the peak held behind pages.
+        for a in &all {
+            if let Some(names) = usize::try_from(a.0).ok().and_then(|d| DEVICE_ROWS.get(d)) {
+                rows.push((names[0], a.4));
+                rows.push((names[1], a.1.peak_stranded));
+                rows.push((names[2], a.1.peak_held));
+            }
+        }
         // Driver time of the coalescers, per operation that was called.
         const NAMES: [&str; Op::ALL.len() + 1] = [
             "coalesce_create",

@@ -45,6 +45,12 @@ pub struct CoalesceConfig {
     /// Whether a move of live pages also holds the default streams of the other devices
     /// given access to them (`EXPSEG_PEER_HOLD`).
     pub peer_hold: crate::config::PeerHold,
+    /// Opt-in (`EXPSEG_COMPACT=1`): partly released handles are compacted, their live pages
+    /// moved to new handles, so released pages go back at once. Off (the default): a page the
+    /// program has mapped never moves (another thread's kernels on their own streams may be
+    /// using it, and no hook sees them); released pages of a handle that still has live ones
+    /// stay held until its last page goes or new pages are mapped where they were.
+    pub move_live: bool,
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -59,6 +65,7 @@ impl Default for CoalesceConfig {
             release_delay: std::time::Duration::ZERO,
             ahead: 1 << 30,
             peer_hold: crate::config::PeerHold::Off,
+            move_live: false,
         }
     }
 }
@@ -76,7 +83,19 @@ pub struct CoalesceStats {
     pub compaction_failures: u64,
     pub access_fallbacks: u64,
     pub exports_split: u64,
+    /// Released pages' bytes held inside handles that still have live pages: the most at
+    /// once, and the most together with bytes grown ahead (all that is held beyond the
+    /// program's pages but kept handles).
     pub peak_stranded: u64,
+    pub peak_beyond: u64,
+    /// The most physical bytes behind the program's pages at once.
+    pub peak_held: u64,
+    /// Compactions not made because they would have moved pages the program has mapped
+    /// (`CoalesceConfig::move_live` off): their released bytes stay held.
+    pub moves_declined: u64,
+    /// Bytes of new pages served in place by released pages of a live handle (mapped where
+    /// those were): no driver call, and those bytes are no longer stranded.
+    pub reused_stranded: u64,
     /// Bytes of pages served from released handles kept for reuse.
     pub reused_bytes: u64,
     /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).
@@ -140,6 +159,9 @@ pub(super) struct Phys {
     /// Paused (`sleep`): the handle is given back, `base` and `granted` say where and how
     /// it comes back.
     pub(super) asleep: Option<Sleep>,
+    /// Made near the limit for a page not mapped yet (`create_each`): it holds no bytes of
+    /// the program's, so it may be given back for other memory of the page's.
+    pub(super) blank: bool,
 }
 
 /// What a range query at an address of ours should see ([`Coalescer::query`]).
@@ -347,6 +369,36 @@ impl<D: Driver> Coalescer<D> {
         self.dirty.iter().map(|p| self.dead(*p)).sum()
     }
 
+    /// Record the peaks of stranded bytes, and of stranded bytes with bytes grown ahead.
+    pub(super) fn note_stranded(&mut self) {
+        let stranded = self.stranded();
+        let beyond = stranded + self.ahead_bytes();
+        self.stats.peak_stranded = self.stats.peak_stranded.max(stranded);
+        self.stats.peak_beyond = self.stats.peak_beyond.max(beyond);
+    }
+
+    /// Record the peak of physical bytes behind the program's pages (also what bounds
+    /// growing ahead).
+    pub(super) fn note_held(&mut self) {
+        let held: u64 = self
+            .phys
+            .values()
+            .filter(|p| p.asleep.is_none())
+            .map(|p| p.size)
+            .sum();
+        self.peak_held = self.peak_held.max(held);
+        self.stats.peak_held = self.stats.peak_held.max(held);
+    }
+
+    /// Whether the program has a page of `pid` mapped: moving it could meet another
+    /// thread's work.
+    pub(super) fn has_mapped_page(&self, pid: u64) -> bool {
+        self.phys[&pid]
+            .slots
+            .values()
+            .any(|v| self.pages[v].va.is_some())
+    }
+
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
         let awake = self.phys.values().filter(|p| p.asleep.is_none());
@@ -506,6 +558,7 @@ impl<D: Driver> Coalescer<D> {
                 granted,
                 ahead: 0,
                 asleep: None,
+                blank: false,
             },
         );
         self.stats.phys_created += 1;

@@ -11,6 +11,20 @@ use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps, PeerWait};
 /// them while they move. Nothing moved; the pages stay where they are (`CUDA_ERROR_NOT_READY`).
 pub(super) const PUT_OFF: DrvError = DrvError(600);
 
+/// A compaction that would move pages the program has mapped, with moving them off
+/// (`CoalesceConfig::move_live`): nothing changed (`CUDA_ERROR_NOT_PERMITTED`).
+pub(super) const STAYS: DrvError = DrvError(800);
+
+/// Whether a compaction may move pages the program has mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Live {
+    /// As configured (`move_live`): the stranded-byte compactions, ghosts in the way.
+    AsConfigured,
+    /// The program's sharing call needs the pages in handles of their own (an export, a
+    /// run shared by IPC): they move whatever the setting.
+    Sharing,
+}
+
 /// A run of a phys's live pages that moves to one new handle.
 #[derive(Debug, Clone)]
 pub(super) struct Group {
@@ -73,18 +87,31 @@ impl<D: Driver> Coalescer<D> {
 
     /// Compact partly released handles: all of them if `force`, else until the stranded bytes
     /// are within the bound. Failures leave memory stranded (and are counted), never lost.
+    ///
+    /// With moving live pages off (the default), only handles none of whose pages the
+    /// program has mapped are compacted, and only where memory is asked for (`force`): the
+    /// rest stay until their last page goes or new pages take their released bytes in place
+    /// (`adopt_stranded`).
     pub fn settle(&mut self, force: bool) {
         self.deferred = None;
         self.retry_leftovers();
         if self.dirty.is_empty() {
             return;
         }
+        self.note_stranded();
+        if !self.cfg.move_live && !force {
+            return;
+        }
         let mut stranded = self.stranded();
-        self.stats.peak_stranded = self.stats.peak_stranded.max(stranded);
         if !force && stranded <= self.cfg.strand_max {
             return;
         }
-        let mut order: Vec<(u64, u64)> = self.dirty.iter().map(|p| (self.dead(*p), *p)).collect();
+        let mut order: Vec<(u64, u64)> = self
+            .dirty
+            .iter()
+            .filter(|p| self.cfg.move_live || !self.has_mapped_page(**p))
+            .map(|p| (self.dead(*p), *p))
+            .collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
         for (dead, pid) in order {
             if !force && stranded <= self.cfg.strand_max {
@@ -95,7 +122,7 @@ impl<D: Driver> Coalescer<D> {
                 true => PeerWait::Patient,
                 false => PeerWait::Brief,
             };
-            match self.compact_as(pid, false, Some(wait)) {
+            match self.compact_as(pid, false, Some(wait), Live::AsConfigured) {
                 Ok(()) => stranded -= dead,
                 Err(PUT_OFF) => {
                     // The peers' streams stay busy: later calls try again (one wait per call).
@@ -185,8 +212,16 @@ impl<D: Driver> Coalescer<D> {
     /// handle is released before the new one is created; if that create fails (another
     /// process took the memory in between) it is retried, and otherwise the data is lost and
     /// said so loudly: the one step without a way back.
+    /// Pages the program has mapped move only where `CoalesceConfig::move_live` says so
+    /// ([`STAYS`] otherwise, nothing changed).
     pub(super) fn compact(&mut self, pid: u64, singles: bool) -> DrvResult<()> {
-        self.compact_as(pid, singles, None)
+        self.compact_as(pid, singles, None, Live::AsConfigured)
+    }
+
+    /// [`Coalescer::compact`] for the program's sharing calls: pages it has mapped move too
+    /// (a consumer maps what it imports whole, page by page).
+    pub(super) fn compact_for_sharing(&mut self, pid: u64) -> DrvResult<()> {
+        self.compact_as(pid, true, None, Live::Sharing)
     }
 
     /// [`Coalescer::compact`]; `put_off: Some(wait)`: the move only gives stranded bytes back,
@@ -194,7 +229,13 @@ impl<D: Driver> Coalescer<D> {
     /// `wait` it is put off ([`PUT_OFF`]) rather than made unheld. `None`: the program's call
     /// needs the move (its mapping, an export): the holds are waited for patiently, and one
     /// that never starts is let go and the move made as without the hold.
-    fn compact_as(&mut self, pid: u64, singles: bool, put_off: Option<PeerWait>) -> DrvResult<()> {
+    fn compact_as(
+        &mut self,
+        pid: u64,
+        singles: bool,
+        put_off: Option<PeerWait>,
+        live: Live,
+    ) -> DrvResult<()> {
         let mut groups = self.groups(pid, singles);
         if groups.is_empty() {
             return self.release_idle(pid);
@@ -206,6 +247,11 @@ impl<D: Driver> Coalescer<D> {
             let ph = &self.phys[&pid];
             (ph.handle, ph.size, ph.base)
         };
+        let moves_mapped = base.is_some() && groups.iter().any(|g| g.target.is_some());
+        if moves_mapped && live == Live::AsConfigured && !self.cfg.move_live {
+            self.stats.moves_declined += 1;
+            return Err(STAYS);
+        }
         if base.is_none() {
             // Not mapped yet: the new handles are mapped when access is set.
             for g in &mut groups {
@@ -364,6 +410,39 @@ impl<D: Driver> Coalescer<D> {
             self.drop_tmp(t, sz);
         }
         result
+    }
+
+    /// A page the program has unmapped (not released) and maps elsewhere, whose handle still
+    /// holds live pages where they are: the page alone gets a handle of its own with a copy
+    /// of its bytes (nothing uses them: it is mapped nowhere), and its old bytes are released
+    /// pages of that handle. Nothing changes on failure.
+    pub(super) fn detach(&mut self, vh: u64) -> DrvResult<()> {
+        let (size, props) = (self.pages[&vh].size, self.pages[&vh].props);
+        let (pid, off) = self.pages[&vh].slot.ok_or(INVALID)?;
+        let base = self.phys[&pid].base.ok_or(INVALID)?;
+        let own = vec![(self.drv.device(), 3u32)];
+        let mut w = Work::default();
+        let copied = self.create_room(size, props).and_then(|h| {
+            w.new.push((h, true));
+            let t = self.temp_map(h, size, &own, &mut w)?;
+            self.drv.synchronize()?;
+            self.drv.copy(t, base + off, size)
+        });
+        if let Err(e) = copied {
+            self.undo(&mut w);
+            return Err(e);
+        }
+        for (t, sz) in std::mem::take(&mut w.tmp) {
+            self.drop_tmp(t, sz);
+        }
+        let h = w.new[0].0;
+        self.phys.get_mut(&pid).unwrap().slots.remove(&off);
+        self.dirty.insert(pid);
+        let npid = self.add_phys(h, size, None, Vec::new());
+        self.attach_moved(vh, npid, 0);
+        self.stats.compacted_bytes += size;
+        self.note_stranded();
+        Ok(())
     }
 
     /// Take a temporary mapping down; one that will not go is retried at the next settle.

@@ -108,6 +108,9 @@ impl<D: Driver> Coalescer<D> {
 
     /// Memory grown ahead goes back with released pages: the program's pages did not grow
     /// into it, and it is not the program's. Its phys are compacted as partly released ones.
+    /// With moving live pages off (the default) the bytes ahead of a handle whose pages the
+    /// program maps stay for its next pages there (`adopt_stranded`): giving them back would
+    /// move those pages.
     pub fn drop_ahead(&mut self) {
         if !std::mem::take(&mut self.grown) {
             return;
@@ -117,6 +120,7 @@ impl<D: Driver> Coalescer<D> {
             .iter()
             .filter(|(_, p)| p.ahead > 0)
             .map(|(pid, _)| *pid)
+            .filter(|pid| self.cfg.move_live || !self.has_mapped_page(*pid))
             .collect();
         for pid in grown {
             let ph = self.phys.get_mut(&pid).unwrap();
@@ -124,6 +128,7 @@ impl<D: Driver> Coalescer<D> {
             ph.ahead = 0;
             self.dirty.insert(pid);
         }
+        self.grown = self.phys.values().any(|p| p.ahead > 0);
     }
 
     /// `trim` for a caller outside the program's own calls (another process asking for memory,
@@ -295,8 +300,8 @@ impl<D: Driver> Coalescer<D> {
             self.free_known = true;
         }
         if !admit(self, 0) {
-            // Create the pending pages of these properties and this one as one handle now:
-            // the driver's answer is the exact one.
+            // Create the pending pages of these properties and this one now: the driver's
+            // answer is the exact one.
             let mut batch: Vec<u64> = self
                 .pages
                 .iter()
@@ -304,25 +309,52 @@ impl<D: Driver> Coalescer<D> {
                 .map(|(v, _)| *v)
                 .collect();
             batch.sort_unstable();
-            let total: u64 = batch.iter().map(|v| self.pages[v].size).sum();
-            match self.create_fresh(total, props) {
-                Ok(h) => {
-                    self.stats.exact_creates += 1;
-                    let pid = self.add_phys(h, total, None, Vec::new());
-                    let mut off = 0;
-                    for v in batch {
-                        self.attach(v, pid, off);
-                        off += self.pages[&v].size;
-                    }
-                }
-                Err(e) => {
+            let made = match self.cfg.move_live {
+                true => self.create_batch(&batch, props),
+                false => self.create_each(&batch, props),
+            };
+            if let Err(e) = made {
+                if self.pages.get(&vh).is_some_and(|p| p.slot.is_none()) {
                     self.pages.remove(&vh);
                     self.pending_bytes -= size;
-                    return Err(e);
                 }
+                return Err(e);
             }
         }
         Ok(vh)
+    }
+
+    /// Near the limit, pending pages as one handle (moving live pages on: a page that lands
+    /// on released pages of a live handle has those compacted out of its way).
+    fn create_batch(&mut self, batch: &[u64], props: PageProps) -> DrvResult<()> {
+        let total: u64 = batch.iter().map(|v| self.pages[v].size).sum();
+        let h = self.create_fresh(total, props)?;
+        self.stats.exact_creates += 1;
+        let pid = self.add_phys(h, total, None, Vec::new());
+        let mut off = 0;
+        for &v in batch {
+            self.attach(v, pid, off);
+            off += self.pages[&v].size;
+        }
+        self.note_held();
+        Ok(())
+    }
+
+    /// Near the limit, pending pages one handle each, in order, as natively (the program's
+    /// pages so far first: they would hold memory by now). A page that lands on released
+    /// pages of a live handle takes those instead and gives its own handle back (`unexact`);
+    /// one handle for the batch could not be given back in part. Stops at the first failure.
+    fn create_each(&mut self, batch: &[u64], props: PageProps) -> DrvResult<()> {
+        for &v in batch {
+            let size = self.pages[&v].size;
+            let h = self.create_fresh(size, props)?;
+            self.stats.exact_creates += 1;
+            let pid = self.add_phys(h, size, None, Vec::new());
+            self.phys.get_mut(&pid).unwrap().blank = true;
+            self.attach(v, pid, 0);
+            self.note_held();
+        }
+        Ok(())
     }
 
     /// `cuMemRelease` of a virtual handle.
@@ -385,7 +417,12 @@ impl<D: Driver> Coalescer<D> {
         if let Some((pid, off)) = p.slot {
             let ph = &self.phys[&pid];
             if ph.base.is_some_and(|b| b + off != va) {
-                self.compact(pid, false)?;
+                // Its handle moves with it, unless other pages of it are live there: then
+                // this page alone is copied out (it is not mapped: nothing uses it).
+                match self.compact(pid, false) {
+                    Err(compact::STAYS) => self.detach(vh)?,
+                    r => r?,
+                }
             }
         }
         self.maps.insert(va, vh);
@@ -527,7 +564,7 @@ impl<D: Driver> Coalescer<D> {
                     self.pages.get_mut(&m).unwrap().single = true;
                 }
                 self.stats.exports_split += 1;
-                self.compact(pid, true)?;
+                self.compact_for_sharing(pid)?;
             }
             Some(_) => {}
         }
@@ -583,7 +620,7 @@ impl<D: Driver> Coalescer<D> {
             }
             if split {
                 self.stats.exports_split += 1;
-                self.compact(pid, true)?;
+                self.compact_for_sharing(pid)?;
             }
             if !whole_run {
                 return Ok(());
@@ -687,6 +724,7 @@ impl<D: Driver> Coalescer<D> {
         self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);
+            self.note_stranded();
             if !self.parking() {
                 // Released memory goes back before the call returns (the contract without
                 // keeping): compact now, unless the program may be releasing the next page

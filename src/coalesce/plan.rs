@@ -9,13 +9,14 @@ use crate::gpu::{ChunkHandle, Driver, DrvResult};
 impl<D: Driver> Coalescer<D> {
     /// Give memory to the pages in `inside` (address, page) and map every phys behind them.
     pub(super) fn materialize(&mut self, inside: &[(u64, u64)]) -> DrvResult<()> {
+        self.unexact(inside);
         // Parked handles under whole chains of pending pages first (no driver call), then
         // kept or new handles for the rest, in runs of at most `max_handle`.
         let mut rest = Vec::new();
         for chain in self.pending_runs(inside, u64::MAX) {
             let chain = self.adopt_ahead(&chain);
-            if !chain.is_empty() {
-                rest.extend(self.adopt_parked(&chain));
+            for piece in self.adopt_stranded(&chain)? {
+                rest.extend(self.adopt_parked(&piece));
             }
         }
         for piece in rest {
@@ -223,6 +224,132 @@ impl<D: Driver> Coalescer<D> {
         chain[taken..].to_vec()
     }
 
+    /// Pages created near the limit with a handle of their own (`create_each`), not mapped
+    /// yet, that land inside a live handle's mapping (on its released pages): their handles
+    /// go back and they are pending again, to take those bytes in place (`adopt_stranded`).
+    /// Mapping them over those bytes would move the live handle's pages; holding both would
+    /// hold the bytes twice.
+    fn unexact(&mut self, inside: &[(u64, u64)]) {
+        for &(va, vh) in inside {
+            let Some((pid, _)) = self.pages[&vh].slot else {
+                continue;
+            };
+            let ph = &self.phys[&pid];
+            let alone = ph.blank && ph.base.is_none() && ph.slots.len() == 1 && ph.asleep.is_none();
+            if !alone || ph.size != self.pages[&vh].size || self.phys_in(va, ph.size).is_empty() {
+                continue;
+            }
+            let handle = ph.handle;
+            if let Err(e) = self.drv.release(handle) {
+                log::warn!("giving back a handle made near the limit failed ({e}); kept");
+                continue;
+            }
+            self.phys.remove(&pid);
+            self.dirty.remove(&pid);
+            self.stats.phys_released += 1;
+            let p = self.pages.get_mut(&vh).unwrap();
+            p.slot = None;
+            if p.refs > 0 {
+                self.pending_bytes += p.size;
+            }
+        }
+    }
+
+    /// Pending pages mapped where a live handle holds released pages (or bytes grown ahead)
+    /// take those bytes in place: no driver call, and the handle strands less. This is how
+    /// stranded memory serves the program again without moving a live page: PyTorch maps
+    /// new pages into the holes its `empty_cache()` left. Not for handles another process
+    /// may have mapped (exported pages): their bytes must not become another tensor's.
+    /// Returns the pieces of the chain still without memory.
+    pub(super) fn adopt_stranded(
+        &mut self,
+        chain: &[(u64, u64)],
+    ) -> DrvResult<Vec<Vec<(u64, u64)>>> {
+        let mut pieces: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
+        for &(va, vh) in chain {
+            self.loose_out_of_the_way(va, vh)?;
+            match self.stranded_room(va, vh) {
+                Some((pid, off)) => {
+                    let size = self.pages[&vh].size;
+                    let ph = self.phys.get_mut(&pid).unwrap();
+                    let tail = ph.size - ph.ahead;
+                    if off + size > tail {
+                        // Into the bytes grown ahead: what lies before the page is dead now.
+                        let ahead = ph.size - (off + size);
+                        self.stats.ahead_used += ph.ahead - ahead;
+                        ph.ahead = ahead;
+                    }
+                    self.stats.reused_stranded += size;
+                    self.attach(vh, pid, off);
+                    match self.dead(pid) {
+                        0 => self.dirty.remove(&pid),
+                        _ => self.dirty.insert(pid),
+                    };
+                    if !pieces.last().unwrap().is_empty() {
+                        pieces.push(Vec::new());
+                    }
+                }
+                None => pieces.last_mut().unwrap().push((va, vh)),
+            }
+        }
+        pieces.retain(|p| !p.is_empty());
+        Ok(pieces)
+    }
+
+    /// Pages the program unmapped but holds (not released) whose bytes lie under `va` in a
+    /// live handle: each gets a handle of its own with a copy (`detach`: nothing uses them),
+    /// so the page mapped there takes the room.
+    /// A copy that fails (no memory for it) is the access call's failure: natively the page
+    /// would get the memory its own create held, but here the bytes in its way cannot move.
+    fn loose_out_of_the_way(&mut self, va: u64, vh: u64) -> DrvResult<()> {
+        let size = self.pages[&vh].size;
+        let Some((&base, &pid)) = self.bases.range(..=va).next_back() else {
+            return Ok(());
+        };
+        let ph = &self.phys[&pid];
+        if va >= base + ph.size || ph.asleep.is_some() || !self.has_mapped_page(pid) {
+            return Ok(());
+        }
+        let off = va - base;
+        let loose: Vec<u64> = ph
+            .slots
+            .range(..off + size)
+            .filter(|(o, v)| *o + self.pages[*v].size > off && self.pages[*v].va.is_none())
+            .map(|(_, v)| *v)
+            .collect();
+        for v in loose {
+            self.detach(v).inspect_err(|e| {
+                log::warn!("copying out an unmapped page under a new one failed ({e})")
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The live handle mapped under `va` whose bytes `[off, off+size)` there are no page's
+    /// (released, or grown ahead), of the page's properties: (phys, off).
+    fn stranded_room(&self, va: u64, vh: u64) -> Option<(u64, u64)> {
+        let p = &self.pages[&vh];
+        let (&base, &pid) = self.bases.range(..=va).next_back()?;
+        let ph = &self.phys[&pid];
+        let off = va - base;
+        if ph.asleep.is_some() || off.checked_add(p.size)? > ph.size {
+            return None;
+        }
+        let mut members = ph.slots.values().map(|v| &self.pages[v]);
+        let first = members.next()?;
+        if p.single || first.props != p.props || first.single || members.any(|m| m.single) {
+            return None;
+        }
+        let before = ph.slots.range(..off).next_back();
+        if before.is_some_and(|(o, v)| o + self.pages[v].size > off) {
+            return None;
+        }
+        if ph.slots.range(off..off + p.size).next().is_some() {
+            return None;
+        }
+        Some((pid, off))
+    }
+
     /// How far to grow a new handle ahead of a run of `total` bytes of pages of `unit` bytes
     /// ending at `end`: at most `ahead`, 1/AHEAD_SHARE of the most held so far (all handles'
     /// bytes ahead together) and what the largest handle leaves, in whole pages, within the
@@ -289,6 +416,7 @@ impl<D: Driver> Coalescer<D> {
                 let pid = self.adopt(h, total + ahead, rest);
                 self.phys.get_mut(&pid).unwrap().ahead = ahead;
                 self.grown = true;
+                self.note_stranded();
                 log::debug!(
                     "device {}: handle for {total:#x} bytes of pages grown {ahead:#x} ahead",
                     self.drv.device()
@@ -326,13 +454,7 @@ impl<D: Driver> Coalescer<D> {
             self.attach(*vh, pid, off);
             off += self.pages[vh].size;
         }
-        let held: u64 = self
-            .phys
-            .values()
-            .filter(|p| p.asleep.is_none())
-            .map(|p| p.size)
-            .sum();
-        self.peak_held = self.peak_held.max(held);
+        self.note_held();
         pid
     }
 
@@ -382,6 +504,7 @@ impl<D: Driver> Coalescer<D> {
         let ph = self.phys.get_mut(&pid).unwrap();
         ph.base = Some(b);
         ph.granted.clear();
+        ph.blank = false;
         self.bases.insert(b, pid);
         Ok(())
     }

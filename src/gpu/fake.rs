@@ -71,6 +71,10 @@ pub struct FakeDriver {
     pub unmapped_in_flight: u64,
     /// `wait_default_stream` calls.
     pub default_stream_waits: u64,
+    /// Ranges a test says the program is using (its mapped pages), and how many unmaps took
+    /// a mapping from under one of them: what another thread's kernel would meet.
+    pub watched: Vec<(u64, u64)>,
+    pub unmapped_watched: u64,
     /// `copy_and_hold` calls and the copies they made (a move of mapped pages).
     pub held_copies: Vec<usize>,
     /// The peers each `copy_and_hold` was asked to hold, in order.
@@ -112,6 +116,8 @@ impl FakeDriver {
             in_flight: Vec::new(),
             unmapped_in_flight: 0,
             default_stream_waits: 0,
+            watched: Vec::new(),
+            unmapped_watched: 0,
             held_copies: Vec::new(),
             held_peers: Vec::new(),
             peer_waits: Vec::new(),
@@ -474,7 +480,17 @@ impl Driver for FakeDriver {
         {
             self.unmapped_in_flight += 1;
         }
-        for s in self.mappings_covering(va, size)? {
+        let covering = self.mappings_covering(va, size)?;
+        let under = |&(s, n): &(u64, u64)| {
+            covering.iter().any(|m| {
+                let len = self.mappings[m].0;
+                s < m + len && *m < s + n
+            })
+        };
+        if self.watched.iter().any(under) {
+            self.unmapped_watched += 1;
+        }
+        for s in covering {
             let (_, h) = self.mappings.remove(&s).unwrap();
             self.access.remove(&s);
             self.chunks.get_mut(&h).unwrap().mapped -= 1;

@@ -9,6 +9,7 @@ mod plan;
 mod randomized;
 mod reuse;
 mod sleep;
+mod still;
 
 pub(super) use super::*;
 pub(super) use crate::gpu::fake::FakeDriver;
@@ -39,6 +40,15 @@ pub(super) fn cfg() -> CoalesceConfig {
         release_delay: std::time::Duration::ZERO,
         ahead: 0,
         peer_hold: crate::config::PeerHold::Off,
+        move_live: true,
+    }
+}
+
+/// The defaults' rule: no page the program has mapped ever moves (`EXPSEG_COMPACT` off).
+pub(super) fn still() -> CoalesceConfig {
+    CoalesceConfig {
+        move_live: false,
+        ..cfg()
     }
 }
 
@@ -59,7 +69,15 @@ pub(super) fn grow(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) -> DrvResult<
     for (i, h) in hs.iter().enumerate() {
         c.map(at + i as u64 * PAGE, PAGE, 0, *h)?;
     }
-    assert!(c.set_access(at, n * PAGE, &[(0, RW)])?);
+    match c.set_access(at, n * PAGE, &[(0, RW)]) {
+        Ok(ours) => assert!(ours),
+        Err(e) => {
+            // A program that goes on after a failed access call gives its pages back (a
+            // paused handle under them could not resume: out of memory).
+            shrink(c, at, &hs);
+            return Err(e);
+        }
+    }
     Ok(hs)
 }
 
