@@ -224,15 +224,27 @@ if want coalesce && torch_for coalesce; then
   rc=$?
   grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -q '"selftest": "detected"' || rc=1
   result torch_coalesce_stress_check_finds_a_changed_byte $rc "$(grep '^{' "$logs/stress_selftest.log" | tail -n 1 | grep -o '"selftest": "[a-z]*"')"
-  EXPSEG_REPORT="$logs/stress_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 1 >"$logs/stress.log" 2>&1
-  rc=$?
-  python3 - "$logs/stress_report.txt.json" <<'PY' || rc=1
+  # At the defaults live pages never move (stranded bytes reused in place); with
+  # EXPSEG_COMPACT=1 they are compacted (the opt-in, fewer operations).
+  for mode in defaults compact; do
+    if [ $mode = defaults ]; then ops=${STRESS_OPS:-10000} extra=; else ops=${STRESS_OPS_COMPACT:-2000} extra=EXPSEG_COMPACT=1; fi
+    env $extra EXPSEG_REPORT="$logs/stress_${mode}_report.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "$ops" 1 >"$logs/stress_$mode.log" 2>&1
+    rc=$?
+    python3 - "$logs/stress_${mode}_report.txt.json" $mode <<'PY' || rc=1
 import json, sys
 p = json.load(open(sys.argv[1]))["process"]
 print("    report: " + ", ".join(f"{k[9:]} {v}" for k, v in p.items() if k.startswith("coalesce_")))
-sys.exit(0 if p.get("coalesce_compactions", 0) > 0 and p.get("coalesce_compaction_failures", 1) == 0 else 1)
+ok = p.get("coalesce_compaction_failures", 1) == 0
+if sys.argv[2] == "compact":
+    ok = ok and p.get("coalesce_held_moves", 0) > 0
+else:
+    # Only the program's sharing calls (exports, IPC) move pages there.
+    ok = ok and p.get("coalesce_held_moves", 1) <= p.get("coalesce_exports_split", 0)
+    ok = ok and p.get("coalesce_reused_stranded_bytes", 0) > 0
+sys.exit(0 if ok else 1)
 PY
-  result torch_coalesce_stress $rc "$(grep '^{' "$logs/stress.log" | tail -n 1 | cut -c1-400)"
+    result torch_coalesce_stress_$mode $rc "$(grep '^{' "$logs/stress_$mode.log" | tail -n 1 | cut -c1-400)"
+  done
   # The same with released handles kept for a minute (the checks between operations take
   # longer than the default 2 ms) and no mem_get_info() after empty_cache() (which gives them
   # back): kept handles serve new pages, parked ones in place.
@@ -345,30 +357,48 @@ if want reclaim && torch_for reclaim; then
   LD_PRELOAD="$lib" python3 "$here/torch_reclaim_race.py" monitor "$d" 6 >"$logs/monitor_race.log" 2>&1
   result torch_mem_get_info_from_a_monitor_thread_while_the_program_works $? "$(grep '^{' "$logs/monitor_race.log" | cut -c1-300)"
 fi
-# A thread launching kernels on its tensors while another thread's allocation or
-# empty_cache() moves them (compaction of a handle a freed pad shared): the move holds the
-# device's default stream (coalesce_held_moves), so the worker's kernels queued meanwhile run
-# after it. Printed, not counted: natively, and the control without the fence
-# (EXPSEG_MOVE_FENCE=0: an illegal memory access) and the worker on a non-blocking side stream
-# (not held: README, "Limits").
+# A thread launching kernels on its tensors while another thread frees and allocates (a freed
+# pad shared the tensors' handle; empty_cache(); a backward pass). At the defaults nothing
+# moves: the worker's additions are exact on the default stream, on a non-blocking stream of
+# its own, and replaying CUDA graphs there, RACE_RUNS runs each (natively too), and the pad's
+# pages stayed held while the tensors lived (peak stranded bytes > 0: the test tested).
+# EXPSEG_COMPACT=1 (opt-in) moves the live pages under a hold of the default stream
+# (coalesce_held_moves): counted on the default stream; printed, not counted, the controls
+# that fault (without the fence; the worker on a side stream: README, "Limits").
+race_runs() { # name runs env... -- checks each run's JSON with $check (python, e = expseg figures)
+  local name=$1 runs=$2 ok=0 i line; shift 2
+  for i in $(seq "$runs"); do
+    env "$@" python3 "$here/torch_thread_race.py" 10 >"$logs/race_${name}_$i.log" 2>&1
+    rc=$?
+    line=$(grep '^{' "$logs/race_${name}_$i.log" | tail -n 1)
+    case $line in *'"skipped"'*) echo "SKIP $name: $line"; return;; esac
+    if [ $rc = 0 ] && [ -n "$check" ]; then
+      echo "$line" | python3 -c "import json,sys; e=json.loads(sys.stdin.read())['expseg']; sys.exit(0 if ($check) else 1)" 2>/dev/null || rc=1
+    fi
+    [ $rc = 0 ] && ok=$((ok + 1))
+    last=$line
+  done
+  result "$name" $([ $ok = "$runs" ] && echo 0 || echo 1) "exact $ok/$runs; last: $(echo "$last" | cut -c1-250)"
+}
 if want threads && torch_for threads; then
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_native.log" 2>&1
-  echo "INFO natively (expandable segments, no expseg), rc=$?: $(grep '^{' "$logs/thread_race_native.log" | cut -c1-200)"
-  EXPSEG_MOVE_FENCE=0 LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_nofence.log" 2>&1
-  echo "INFO without the fence, rc=$?: $(grep '^{' "$logs/thread_race_nofence.log" | cut -c1-200)"
-  RACE_STREAM=side LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_side.log" 2>&1
-  echo "INFO the worker on a side stream (not held), rc=$?: $(grep '^{' "$logs/thread_race_side.log" | cut -c1-200)"
-  LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race.log" 2>&1
-  rc=$?
-  held=$(grep '^{' "$logs/thread_race.log" | python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["expseg"]["coalesce_held_moves"])' 2>/dev/null)
-  [ "${held:-0}" -ge 1 ] 2>/dev/null || { echo "    no held move: the test did not test"; rc=1; }
-  result torch_launches_from_another_thread_while_pages_move $rc "$(grep '^{' "$logs/thread_race.log" | cut -c1-250)"
+  n=${RACE_RUNS:-1}
+  for stream in default side graph; do
+    check="" race_runs "torch_thread_race_${stream}_native" "${RACE_RUNS_NATIVE:-1}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=$stream
+    check='e["coalesce_held_moves"] == 0 and e["coalesce_compactions"] == 0 and e["coalesce_peak_stranded_bytes"] > 0' \
+      race_runs "torch_thread_race_${stream}_defaults" "$n" RACE_STREAM=$stream LD_PRELOAD="$lib"
+  done
+  check='e["coalesce_held_moves"] >= 1' race_runs torch_thread_race_compact_held 1 EXPSEG_COMPACT=1 LD_PRELOAD="$lib"
+  EXPSEG_COMPACT=1 EXPSEG_MOVE_FENCE=0 LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_nofence.log" 2>&1
+  echo "INFO EXPSEG_COMPACT=1 without the fence, rc=$?: $(grep '^{' "$logs/thread_race_nofence.log" | cut -c1-200)"
+  EXPSEG_COMPACT=1 RACE_STREAM=side LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_side.log" 2>&1
+  echo "INFO EXPSEG_COMPACT=1, the worker on a side stream (not held), rc=$?: $(grep '^{' "$logs/thread_race_side.log" | cut -c1-200)"
   EXPSEG_COALESCE=off LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_off.log" 2>&1
   result torch_launches_from_another_thread_with_coalescing_off $? "$(grep '^{' "$logs/thread_race_off.log" | cut -c1-250)"
   # The hold of a peer's default stream on one GPU (EXPSEG_PEER_HOLD=self holds the device's
-  # own as a peer's would be): it must start (stream memory operations on page-locked words),
-  # then be let go when the move's own fence queues behind it, and the move go on exact.
-  EXPSEG_PEER_HOLD=self EXPSEG_LOG=expseg=debug LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 6 >"$logs/thread_race_selfhold.log" 2>"$logs/thread_race_selfhold.err"
+  # own as a peer's would be; moves need EXPSEG_COMPACT=1): it must start (stream memory
+  # operations on page-locked words), then be let go when the move's own fence queues behind
+  # it, and the move go on exact.
+  EXPSEG_COMPACT=1 EXPSEG_PEER_HOLD=self EXPSEG_LOG=expseg=debug LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 6 >"$logs/thread_race_selfhold.log" 2>"$logs/thread_race_selfhold.err"
   rc=$?
   figs=$(grep '^{' "$logs/thread_race_selfhold.log" | python3 -c 'import json,sys; e=json.loads(sys.stdin.read())["expseg"]; print(e["coalesce_held_moves"], e["coalesce_peer_holds_let_go"], e["coalesce_peer_holds"])' 2>/dev/null)
   set -- ${figs:-0 0 0}
@@ -382,14 +412,16 @@ if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device
     EXPSEG_REPORT="$logs/stress2_report_$i.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 16 >"$logs/stress2_$i.log" 2>&1
     result torch_coalesce_stress_two_gpus_$i $? "$(grep '^{' "$logs/stress2_$i.log" | tail -n 1 | cut -c1-300)$(grep -m1 -i 'illegal' "$logs/stress2_$i.log")"
   done
-  # Device 1's kernels writing device 0's pages (peer access) while another thread's
-  # empty_cache() moves them: natively and with the peer hold off, printed; with
-  # EXPSEG_PEER_HOLD=1 counted (device 1's default stream held through each move).
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=peer python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race_native.log" 2>&1
-  echo "INFO peer race natively, rc=$?: $(grep '^{' "$logs/peer_race_native.log" | cut -c1-250)"
-  RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race_off.log" 2>&1
-  echo "INFO peer race, peer hold off (waited for, not held), rc=$?: $(grep '^{' "$logs/peer_race_off.log" | cut -c1-250)"
-  EXPSEG_PEER_HOLD=1 RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race.log" 2>&1
+  # Device 1's kernels writing device 0's pages (peer access) while another thread frees and
+  # allocates: at the defaults nothing moves, counted (RACE_RUNS runs, natively too). With
+  # EXPSEG_COMPACT=1: the peer hold off, printed; EXPSEG_PEER_HOLD=1 counted (device 1's
+  # default stream held through each move, or the move put off).
+  check="" race_runs torch_peer_race_native "${RACE_RUNS_NATIVE:-1}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=peer
+  check='e["coalesce_held_moves"] == 0 and e["coalesce_compactions"] == 0' \
+    race_runs torch_peer_race_defaults "${RACE_RUNS:-1}" RACE_STREAM=peer LD_PRELOAD="$lib"
+  EXPSEG_COMPACT=1 RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race_off.log" 2>&1
+  echo "INFO EXPSEG_COMPACT=1 peer race, peer hold off (waited for, not held), rc=$?: $(grep '^{' "$logs/peer_race_off.log" | cut -c1-250)"
+  EXPSEG_COMPACT=1 EXPSEG_PEER_HOLD=1 RACE_STREAM=peer LD_PRELOAD="$lib" python3 "$here/torch_thread_race.py" 10 >"$logs/peer_race.log" 2>&1
   rc=$?
   if grep -q '"skipped"' "$logs/peer_race.log"; then
     echo "SKIP torch_peer_writes_while_pages_move: $(grep -o '"skipped": "[^"]*"' "$logs/peer_race.log")"

@@ -1,23 +1,31 @@
-"""A thread that launches kernels on its tensors while another thread's allocation moves them
-(expseg's compaction): no write is lost and no address is illegal.
+"""A thread that launches kernels on its tensors while another thread frees and allocates
+(PyTorch's backward pass, empty_cache()): no write is lost and no address is illegal.
 
 PyTorch runs a CUDA backward pass on its autograd device thread, and its Python bindings let
 go of the GIL while an operation runs, so another Python thread of the program launches
 kernels meanwhile. Here the worker thread adds 1 to its tensors in a loop. Each round the main
 thread makes a pad and a new worker tensor `x` in one coalesced handle (grown ahead after a
 high mark), runs a forward pass, frees the pad and calls empty_cache(): the pad's pages are
-released while `x`'s page after them lives, so the handle's live pages move (at once, or at
-the next allocation, the first of the backward pass) while the worker launches adds on `x`.
-Natively (expandable segments) nothing moves. expseg copies the pages and holds the device's
-default stream until they are back at their address (`coalesce_held_moves`), so the
-worker's kernels queued meanwhile run after the move; with EXPSEG_MOVE_FENCE=0 they meet the
-pages while they are away (an illegal memory access). RACE_STREAM=side: the worker adds on a
-non-blocking side stream of its own, which the fence does not hold (the limit README states).
-RACE_STREAM=peer (two GPUs, CuPy): the worker adds from device 1, a kernel on device 1's
-default stream writing `x` on device 0 through peer access (as PyTorch's copies between
-devices run on the source device); expseg holds device 1's default stream through the move
-only with EXPSEG_PEER_HOLD=1 (`coalesce_peer_holds`), and where the hold does not start the
-move waits for a later call (`coalesce_moves_put_off`).
+released while `x`'s page after them lives. Natively (expandable segments) nothing moves. At
+expseg's defaults nothing moves either: the pad's pages stay held in the handle (stranded,
+`coalesce_peak_stranded_bytes`) until x's pages go. With EXPSEG_COMPACT=1 (opt-in) the
+handle's live pages move (at once, or at the next allocation, the first of the backward
+pass): expseg copies them and holds the device's default stream until they are back at their
+address (`coalesce_held_moves`), so the worker's kernels queued there meanwhile run after the
+move; with EXPSEG_MOVE_FENCE=0 they meet the pages while they are away (an illegal memory
+access).
+
+RACE_STREAM: where the worker's additions run.
+  default  the legacy default stream;
+  side     a non-blocking stream of the worker's own (no hook sees its launches: with
+           EXPSEG_COMPACT=1 a move meets them);
+  graph    a CUDA graph per tensor, captured by the worker on its side stream
+           (capture_error_mode="thread_local") and replayed there;
+  peer     (two GPUs, CuPy) from device 1, a kernel on device 1's default stream writing `x`
+           on device 0 through peer access (as PyTorch's copies between devices run on the
+           source device); with EXPSEG_COMPACT=1 expseg holds device 1's default stream
+           through a move only with EXPSEG_PEER_HOLD=1 (`coalesce_peer_holds`), and where the
+           hold does not start the move waits for a later call (`coalesce_moves_put_off`).
 
     [LD_PRELOAD=libexpseg.so] python3 torch_thread_race.py [ROUNDS]
 
@@ -51,7 +59,8 @@ def expseg_figures():
     except (ValueError, KeyError):
         return None
     keys = ("coalesce_compactions", "coalesce_held_moves", "coalesce_compaction_failures",
-            "coalesce_peer_holds", "coalesce_peer_holds_let_go", "coalesce_moves_put_off")
+            "coalesce_peer_holds", "coalesce_peer_holds_let_go", "coalesce_moves_put_off",
+            "coalesce_peak_stranded_bytes", "coalesce_reused_stranded_bytes")
     return {k: p.get(k) for k in keys}
 
 
@@ -98,7 +107,22 @@ def main():
     xs, adds = [], []  # the worker's tensors and their additions
     stop, err = threading.Event(), []
 
-    side = torch.cuda.Stream(dev) if mode == "side" else None
+    side = torch.cuda.Stream(dev) if mode in ("side", "graph") else None
+    graphs = []  # mode graph: the worker's graph per tensor
+
+    def add_once(i):
+        if peer_kernel is not None:
+            peer_kernel(xs[i])
+        elif mode == "graph":
+            if i == len(graphs):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
+                    xs[i].add_(1)  # captured, not run
+                graphs.append(g)
+            graphs[i].replay()
+        else:
+            xs[i].add_(1)
+        adds[i] += 1
 
     def worker():
         try:
@@ -106,11 +130,7 @@ def main():
                 torch.cuda.set_stream(side)
             while not stop.is_set():
                 for i in range(len(xs)):
-                    if peer_kernel is not None:
-                        peer_kernel(xs[i])
-                    else:
-                        xs[i].add_(1)
-                    adds[i] += 1
+                    add_once(i)
                 time.sleep(0)
         except Exception as e:  # noqa: BLE001
             err.append(f"worker: {str(e).splitlines()[0][:200]}")
