@@ -23,7 +23,22 @@ filler process that holds the rest of the card:
   ddp_ec   two ranks (torchrun, one GPU each, NCCL) of DDP over the small GPT with varying
          shapes and torch.cuda.empty_cache() every step; rank 0's step time, device memory and
          losses; needs two GPUs (skipped with fewer), no filler; ddp: the same without
-         empty_cache();
+         empty_cache(). The other two-rank workloads are alike:
+  fsdp2_ec PyTorch FSDP2 (fully_shard on each block and the root, bf16 parameters, fp32
+         gradient reduction) over a GPT-2-sized decoder (12 layers of 768, GPT-2's vocabulary;
+         shim-tests/gpt.py), AdamW, batches of 8 of 512-1024 tokens, 60 steps,
+         torch.cuda.empty_cache() every step; fsdp2: the same without empty_cache();
+  deepspeed_ec DeepSpeed ZeRO stage 3 (0.19.8; bf16, no offload, torch's AdamW so that no
+         DeepSpeed op is built) over the same decoder of 8 layers, 60 steps, empty_cache()
+         every step; deepspeed: without. Skipped, with the reason, when deepspeed cannot be
+         imported: scripts/bench-deps.sh brings it to a machine without internet;
+  prefetch one process, two threads: a data thread makes batches on the CPU in pinned memory
+         (the small GPT's tokens, in train_ec's varying shapes, and 32 MiB of other data) and
+         moves each to the GPU on a stream of its own (non-blocking copies, an event per
+         batch, at most 2 waiting), while the trainer waits on each batch's event, checks its
+         checksums on the GPU against the CPU's, trains and calls torch.cuda.empty_cache()
+         every step (150 steps). A checksum mismatch or a CUDA error fails the run (error in
+         the results; mismatches and batches_checked in the summary);
   handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
          frees it, empties its cache and writes one line to a pipe; a second process reads
          the line and at once asks for 70 % of the free memory (one torch.empty).
@@ -98,7 +113,17 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "rl": (40, 30),
     "ddp": (0, 120),
     "ddp_ec": (0, 120),
+    "fsdp2": (0, 60),
+    "fsdp2_ec": (0, 60),
+    "deepspeed": (0, 60),
+    "deepspeed_ec": (0, 60),
+    "prefetch": (24, 150),
 }
+# Workloads of two ranks: torchrun, one GPU a rank, NCCL; rank 0's figures.
+TWO_RANK = ("ddp", "ddp_ec", "fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec")
+# The prefetch workload's batches: besides the tokens, this many bytes of other data (images,
+# features) that travel with each batch and are checked, not used.
+PAYLOAD = 32 << 20
 # Trainer modes of the handoff workload: PyTorch ones (mode_env), and a plain CUDA program.
 HANDOFF_MODES = [
     "default", "expandable", "expseg", "expseg-preload", "expseg-keep",
@@ -315,7 +340,7 @@ def worker(name):
         raise SystemExit(f"floor-late: {name} marks no point after its forward pass")
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
-    if name in ("ddp", "ddp_ec"):
+    if name in TWO_RANK:
         import torch.distributed as dist
 
         local = int(os.environ["LOCAL_RANK"])
@@ -345,6 +370,57 @@ def worker(name):
             gen.manual_seed(1 + dist.get_rank())
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
+    if name in ("fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec"):
+        # A GPT-2-sized decoder (dim 768, 12 heads, GPT-2's vocabulary; 12 layers under FSDP2,
+        # 8 under DeepSpeed), built alike on both ranks, sharded by the framework, AdamW.
+        torch.manual_seed(0)
+        # warn_only: the frameworks' own kernels need not all have deterministic forms.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        vocab = 50257
+        model = gpt(dim=768, layers=12 if name.startswith("fsdp2") else 8, vocab=vocab, heads=12, positions=1024).cuda()
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        if name.startswith("fsdp2"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        else:
+            import logging
+
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+            # ZeRO stage 3, bf16, no offload; torch's AdamW, so that no DeepSpeed op is built
+            # (installed with DS_BUILD_OPS=0).
+            config = {
+                "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 1,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 1 << 30,
+                "wall_clock_breakdown": False,
+            }
+            model, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+    if name == "prefetch":
+        torch.manual_seed(0)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        vocab = 8192
+        model = gpt(dim=512, layers=6, vocab=vocab, heads=8, positions=2048).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        state["queue"] = start_prefetch(steps, vocab)
+        res["batches_checked"], res["mismatches"] = 0, 0
     if name == "gpt2_ec":
         torch.manual_seed(0)
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -419,6 +495,45 @@ def worker(name):
             res["losses"].append(loss.item())
             if name in ("train_ec", "ddp_ec"):
                 torch.cuda.empty_cache()
+        elif name in ("fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec"):
+            seq = 512 + 128 * (i % 5)
+            data = torch.randint(0, vocab, (8, seq + 1), generator=gen).to("cuda")
+            logits = model(data[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), data[:, 1:].reshape(-1))
+            del logits
+            if name.startswith("deepspeed"):
+                model.backward(loss)  # the engine: backward, then its ZeRO-3 step
+                model.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            if name.endswith("_ec"):
+                torch.cuda.empty_cache()
+        elif name == "prefetch":
+            # The batch the data thread moved on its own stream: wait for its copies on this
+            # stream (the event), keep its memory from going back to the data thread's stream
+            # while this one may still use it (record_stream), check it against the CPU's sums.
+            item = state["queue"].get(timeout=300)
+            if isinstance(item, BaseException):
+                raise item
+            tokens, payload, event, sums, _pinned = item
+            main = torch.cuda.current_stream()
+            main.wait_event(event)
+            tokens.record_stream(main)
+            payload.record_stream(main)
+            got = batch_sums(tokens, payload)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            res["batches_checked"] += 1
+            res["mismatches"] += not torch.equal(got.cpu(), sums)
+            del logits, loss
+            torch.cuda.empty_cache()  # while the data thread copies the next batches
         elif name == "gpt2_ec":
             seq = 512 + 128 * (i % 5)
             data = torch.randint(0, 50257, (8, seq), generator=gen).to("cuda")
@@ -476,12 +591,20 @@ def worker(name):
             res["steps"] = i + 1
     except torch.OutOfMemoryError as e:
         res["oom"] = str(e).split("\n")[0][:200]
+    except Exception as e:
+        if name != "prefetch":
+            raise
+        # A CUDA error (an illegal memory access) or the data thread's failure: a failure of
+        # the run, recorded as such.
+        res["error"] = f"step {res['steps']}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    if name == "prefetch" and res["mismatches"] and not res.get("error"):
+        res["error"] = f"{res['mismatches']} of {res['batches_checked']} batches differ from their CPU checksums"
     peak["run"] = False
     sampler.join()
     if name == "rl":
         state["q_in"].put(("stop", 0))
         state["proc"].join(timeout=60)
-    if name in ("ddp", "ddp_ec"):
+    if name in TWO_RANK:
         dist.barrier()
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -493,6 +616,63 @@ def worker(name):
         res["floor_ms"], res["floor_gib"] = FLOOR[0].result()
         res["peak_reserved"] = max(res["peak_reserved"], FLOOR[0].max_reserved)
     print("RESULT " + json.dumps(res))
+
+
+def batch_sums(tokens, payload):
+    """Checksums of a prefetch batch, on the CPU or the GPU alike: sums of all and of every
+    other token, of all and of every third byte of the payload (int64)."""
+    import torch
+
+    i64 = torch.int64
+    return torch.stack([tokens.sum(dtype=i64), tokens[:, ::2].sum(dtype=i64), payload.sum(dtype=i64), payload[::3].sum(dtype=i64)])
+
+
+def make_batch(i, vocab, gen, pool, pin=True):
+    """Prefetch batch i on the CPU (pinned): tokens of train_ec's varying shapes, and PAYLOAD
+    bytes that differ from batch to batch (the pool rotated and shifted)."""
+    import torch
+
+    batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    payload = torch.empty(len(pool), dtype=torch.uint8, pin_memory=pin)
+    k = (i * 4099) % len(pool)
+    torch.add(pool[k:], i % 251, out=payload[: len(pool) - k])
+    torch.add(pool[:k], i % 251, out=payload[len(pool) - k :])
+    return (tokens.pin_memory() if pin else tokens), payload
+
+
+def start_prefetch(n, vocab):
+    """The prefetch workload's data thread: n batches made on the CPU in pinned memory, each
+    moved to the GPU on a stream of the thread's own (non-blocking copies, an event recorded
+    after them), at most 2 waiting in the queue it returns. An item: (tokens and payload on
+    the GPU, the event, their CPU checksums, the pinned tensors), or the exception that
+    stopped the thread."""
+    import queue
+    import threading
+
+    import torch
+
+    q = queue.Queue(maxsize=2)
+
+    def run():
+        try:
+            stream = torch.cuda.Stream()
+            gen = torch.Generator().manual_seed(1)
+            pool = torch.randint(0, 256, (PAYLOAD,), dtype=torch.uint8, generator=gen)
+            for i in range(n):
+                tokens, payload = make_batch(i, vocab, gen, pool)
+                sums = batch_sums(tokens, payload)
+                with torch.cuda.stream(stream):
+                    g_tokens = tokens.to("cuda", non_blocking=True)
+                    g_payload = payload.to("cuda", non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                q.put((g_tokens, g_payload, event, sums, (tokens, payload)))
+        except BaseException as e:  # handed to the trainer, which records it
+            q.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return q
 
 
 def handoff_trainer():
@@ -673,6 +853,23 @@ def free_now():
     return pynvml.nvmlDeviceGetMemoryInfo(h).free
 
 
+DEEPSPEED = {}
+
+
+def deepspeed_missing():
+    """Why `import deepspeed` fails in a worker's Python, or None when it works (asked once, in
+    a process of its own: importing it here would start CUDA in the orchestrator)."""
+    if "why" not in DEEPSPEED:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            DEEPSPEED["why"] = "not installed"
+        else:
+            p = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True, timeout=300)
+            DEEPSPEED["why"] = (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1][:200] if p.returncode else None
+    return DEEPSPEED["why"]
+
+
 # t_{0.975, df} for df = 1..29: the half-width of a 95 % interval of a mean of n = df + 1
 # rounds is T975[n - 2] * s / sqrt(n). Past n = 30 the last value stands (a little wide).
 T975 = [
@@ -784,13 +981,16 @@ def run_all(args):
             continue
         budget, _ = WORKLOADS[w]
         launch = []
-        if w in ("ddp", "ddp_ec"):
+        if w in TWO_RANK:
             import torch
 
             if torch.cuda.device_count() < 2:
                 print(f"SKIP {w}: {torch.cuda.device_count()} GPU(s), it needs two", flush=True)
                 continue
             launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        if w.startswith("deepspeed") and deepspeed_missing():
+            print(f"SKIP {w}: deepspeed cannot be imported ({deepspeed_missing()}); scripts/bench-deps.sh --install DIR installs it", flush=True)
+            continue
         # Hold everything but the budget (plus room for one CUDA context) in another process.
         fill = free_now() / GIB - budget - 0.75 if budget else 0
         fp = None
@@ -920,6 +1120,7 @@ def summarize(results):
                 # From the exit reports: peaks over the rounds, of rank 0 (the process that ran
                 # the steps) and the max over every process that wrote one.
                 **(r.get("stranded") or {}),
+                **({"batches_checked": r["batches_checked"], "mismatches": r["mismatches"]} if "mismatches" in r else {}),
             }
             for m, r in modes.items()
         }
@@ -1122,6 +1323,22 @@ def selftest():
         check("summary: losses", sm["expseg-preload"]["losses_identical_to_default"] is True and sm["expseg-release0"]["losses_identical_to_default"] is False)
         check("summary: stranded bytes", sm["expseg-preload"]["peak_held_bytes"] == 300 << 20 and "peak_stranded_bytes" not in sm["default"])
         del WORKLOADS["fake"]
+    # The prefetch batches (CPU only), where torch is here.
+    try:
+        import torch
+    except ImportError:
+        print("prefetch batch checks skipped: no torch here", flush=True)
+    else:
+        gen = torch.Generator().manual_seed(1)
+        pool = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+        t0, p0 = make_batch(0, 8192, gen, pool, pin=False)
+        t5, p5 = make_batch(5, 8192, gen, pool, pin=False)
+        check("batch shapes vary", tuple(t0.shape) == (16, 257) and tuple(t5.shape) == (32, 385))
+        check("payloads differ from batch to batch", not torch.equal(batch_sums(t0, p0)[2:], batch_sums(t5, p5)[2:]))
+        check("payload 5 is the pool rotated and shifted", torch.equal(p5, pool.roll(-(5 * 4099 % len(pool))) + 5))
+        q = p5.clone()
+        q[7] ^= 1
+        check("a changed byte changes the sums", not torch.equal(batch_sums(t5, q), batch_sums(t5, p5)))
     print(f"{counts[0]} passed, {counts[1]} failed", flush=True)
     return counts[1] == 0
 
@@ -1130,7 +1347,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=os.path.join(HERE, "..", "target", "release", "libexpseg.so"))
     ap.add_argument("--out", default="bench-torch-out")
-    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help="also: handoff")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help=f"default: {' '.join(WORKLOADS)}; also: handoff."
+                    f" Two ranks (skipped with fewer than 2 GPUs): {' '.join(TWO_RANK)}; deepspeed*: skipped when deepspeed cannot be imported")
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
     ap.add_argument("--commit", default="unknown")
