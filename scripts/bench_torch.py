@@ -65,7 +65,9 @@ once per round, the order of the modes rotated by one each round (round r starts
 r mod len), so that drift of the machine falls on every mode alike. A mode's step time is the
 median of its runs' medians (each kept); per round, each mode's median and its ratios to the
 default and expandable runs of the same round, and whether its losses equal those of the first
-default run.
+default run. Every run is a fresh process (a fresh torchrun for two ranks), so start-up weighs
+as much as the steps: plan on roughly 15-25 s a run of a two-rank workload (deepspeed the
+slowest) and 10-20 s of the others, times modes times rounds.
 
 Stranded bytes: every expseg mode writes its exit reports (EXPSEG_REPORT, one table and one
 JSON per process) to DIR/reports (or --reports DIR), named WORKLOAD_MODE_ROUND_rank%r-pid%p.txt;
