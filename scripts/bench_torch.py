@@ -21,12 +21,29 @@ filler process that holds the rest of the card:
          KV-cache-sized block set (12 GiB of 64 MiB blocks) and runs its model, empty_cache() in
          both; the step is the trainer's whole round;
   ddp_ec   two ranks (torchrun, one GPU each, NCCL) of DDP over the small GPT with varying
-         shapes and torch.cuda.empty_cache() every step; rank 0's step time and device memory;
-         needs two GPUs (skipped with fewer), no filler; ddp: the same without empty_cache();
+         shapes and torch.cuda.empty_cache() every step; rank 0's step time, device memory and
+         losses; needs two GPUs (skipped with fewer), no filler; ddp: the same without
+         empty_cache(). The other two-rank workloads are alike:
+  fsdp2_ec PyTorch FSDP2 (fully_shard on each block and the root, bf16 parameters, fp32
+         gradient reduction) over a GPT-2-sized decoder (12 layers of 768, GPT-2's vocabulary;
+         shim-tests/gpt.py), AdamW, batches of 8 of 512-1024 tokens, 60 steps,
+         torch.cuda.empty_cache() every step; fsdp2: the same without empty_cache();
+  deepspeed_ec DeepSpeed ZeRO stage 3 (0.19.8; bf16, no offload, torch's AdamW so that no
+         DeepSpeed op is built) over the same decoder of 8 layers, 60 steps, empty_cache()
+         every step; deepspeed: without. Skipped, with the reason, when deepspeed cannot be
+         imported: scripts/bench-deps.sh brings it to a machine without internet;
+  prefetch one process, two threads: a data thread makes batches on the CPU in pinned memory
+         (the small GPT's tokens, in train_ec's varying shapes, and 32 MiB of other data) and
+         moves each to the GPU on a stream of its own (non-blocking copies, an event per
+         batch, at most 2 waiting), while the trainer waits on each batch's event, checks its
+         checksums on the GPU against the CPU's, trains and calls torch.cuda.empty_cache()
+         every step (150 steps). A checksum mismatch or a CUDA error fails the run (error in
+         the results; mismatches and batches_checked in the summary);
   handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
          frees it, empties its cache and writes one line to a pipe; a second process reads
-         the line and at once asks for 70 % of the free memory (one torch.empty). --rounds
-         rounds per pair of trainer mode and consumer (plain PyTorch, or under expseg); the
+         the line and at once asks for 70 % of the free memory (one torch.empty).
+         --handoff-rounds (else --rounds, else 20) rounds per pair of trainer mode and
+         consumer (plain PyTorch, or under expseg); the
          trainer also as a plain CUDA program (shim-tests/handoff_fill.cu, the cudaMalloc
          path; built with nvcc when missing). Not in the default list (--workloads handoff).
 Modes: default, expandable (expandable_segments:True), expandable_256 (the same with
@@ -41,20 +58,44 @@ DriverFloor), expseg
 expandable_segments:True itself when nothing is set) and expseg-release0 (the same with
 EXPSEG_RELEASE_DELAY=0: released pages go back to the driver at once, no reuse); not run unless
 asked: expseg-keep200 (EXPSEG_RELEASE_DELAY=200: released handles kept through 200 ms of quiet). Under expseg PyTorch's pages are
-coalesced. Prints a table (completed steps or OOM, peak device memory, peak reserved, median
-step time, ratios to expandable_segments and default), writes results.json and memory.png to
-DIR, and with --json a summary (device, driver, date, commit; per workload and mode: steps,
-median ms, peak reserved and device GiB; --append adds to the file of an earlier run of the same
-commit on the same device). Diagnosis: --steps N runs N steps instead of the
-workload's own count, --repeat N runs every mode N times interleaved (step time: the median of
-the runs' medians, each kept), --alt-lib PATH runs a second build as mode expseg-alt (LD_PRELOAD
-alone), --reports DIR keeps the expseg modes' exit reports, --cpus LIST
-pins every worker to those CPUs. Steps of a few ms (moe) are launch-bound and vary by up to 40 %
-between processes and over time within one, pinned or not (H100, 2026-11-23: the machine has a
-fast and a slow state, whatever the allocator; scripts/vmm-cost/torch_bookkeeping.py): compare
-them with --steps 300 --repeat 5 or more.
+coalesced.
+
+Rounds: --rounds N (default 1; --repeat N is its older name) runs every mode of a workload
+once per round, the order of the modes rotated by one each round (round r starts at mode
+r mod len), so that drift of the machine falls on every mode alike. A mode's step time is the
+median of its runs' medians (each kept); per round, each mode's median and its ratios to the
+default and expandable runs of the same round, and whether its losses equal those of the first
+default run. Every run is a fresh process (a fresh torchrun for two ranks), so start-up weighs
+as much as the steps: plan on roughly 15-25 s a run of a two-rank workload (deepspeed the
+slowest) and 10-20 s of the others, times modes times rounds.
+
+Stranded bytes: every expseg mode writes its exit reports (EXPSEG_REPORT, one table and one
+JSON per process) to DIR/reports (or --reports DIR), named WORKLOAD_MODE_ROUND_rank%r-pid%p.txt;
+from the JSON each run records coalesce_peak_stranded_bytes and, where the library writes them,
+coalesce_peak_beyond_bytes (stranded plus bytes grown ahead) and coalesce_peak_held_bytes
+(physical bytes behind PyTorch's pages), with stranded/held: those of the process that ran the
+steps (rank 0), and the max over every process that wrote one (both ranks; rl's inference
+worker too). A mode's figures are the peaks over its rounds.
+
+Prints a table (completed steps or OOM, peak device memory, peak reserved, median step time,
+ratios to expandable_segments and default; with rounds or reports a second one: per-round
+ratios' mean and 95 % interval, peak stranded bytes and their share of peak held), writes
+results.json (each run as it ends: a run cut short keeps what it did) and memory.png to DIR,
+and with --json a summary (device, driver, date, commit; per workload and mode: steps, median
+ms, run medians, peak reserved and device GiB, losses_identical_to_default; vs_default and
+vs_expandable each _per_round, _mean and _ci95 (Student t, mean +- t(0.975, n-1) s/sqrt(n);
+null with one round); peak_stranded_bytes, peak_beyond_bytes, peak_held_bytes,
+stranded_of_held and each _max_over_ranks; --append adds to the file of an earlier run of the
+same commit on the same device). Diagnosis: --steps N runs N steps instead of the workload's
+own count, --alt-lib PATH runs a second build as mode expseg-alt (LD_PRELOAD alone), --cpus
+LIST pins every worker to those CPUs. Steps of a few ms (moe) are launch-bound and vary by up
+to 40 % between processes and over time within one, pinned or not (H100, 2026-11-23: the
+machine has a fast and a slow state, whatever the allocator;
+scripts/vmm-cost/torch_bookkeeping.py): compare them with --steps 300 --rounds 5 or more.
+--selftest checks the orchestrator on the CPU (no GPU, no torch needed).
 """
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -74,7 +115,17 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "rl": (40, 30),
     "ddp": (0, 120),
     "ddp_ec": (0, 120),
+    "fsdp2": (0, 60),
+    "fsdp2_ec": (0, 60),
+    "deepspeed": (0, 60),
+    "deepspeed_ec": (0, 60),
+    "prefetch": (24, 150),
 }
+# Workloads of two ranks: torchrun, one GPU a rank, NCCL; rank 0's figures.
+TWO_RANK = ("ddp", "ddp_ec", "fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec")
+# The prefetch workload's batches: besides the tokens, this many bytes of other data (images,
+# features) that travel with each batch and are checked, not used.
+PAYLOAD = 32 << 20
 # Trainer modes of the handoff workload: PyTorch ones (mode_env), and a plain CUDA program.
 HANDOFF_MODES = [
     "default", "expandable", "expseg", "expseg-preload", "expseg-keep",
@@ -275,6 +326,8 @@ def floor_point():
 
 
 def worker(name):
+    if os.environ.get("BENCH_FAKE"):
+        return fake_worker(name)
     if os.environ.get("BENCH_CPUS"):
         os.sched_setaffinity(0, cpu_list(os.environ["BENCH_CPUS"]))
     import pynvml
@@ -289,7 +342,7 @@ def worker(name):
         raise SystemExit(f"floor-late: {name} marks no point after its forward pass")
     steps = int(os.environ.get("BENCH_STEPS") or steps)
     B = budget * GIB
-    if name in ("ddp", "ddp_ec"):
+    if name in TWO_RANK:
         import torch.distributed as dist
 
         local = int(os.environ["LOCAL_RANK"])
@@ -301,7 +354,7 @@ def worker(name):
     base_used = device_used()
     rng = random.Random(1234)
     u8 = torch.uint8
-    res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": []}
+    res = {"steps": 0, "oom": None, "step_ms": [], "mem": [], "losses": [], "pid": os.getpid()}
     state = {}
     if name in ("train", "train_ec", "ddp", "ddp_ec"):
         torch.manual_seed(0)
@@ -319,6 +372,57 @@ def worker(name):
             gen.manual_seed(1 + dist.get_rank())
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
+    if name in ("fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec"):
+        # A GPT-2-sized decoder (dim 768, 12 heads, GPT-2's vocabulary; 12 layers under FSDP2,
+        # 8 under DeepSpeed), built alike on both ranks, sharded by the framework, AdamW.
+        torch.manual_seed(0)
+        # warn_only: the frameworks' own kernels need not all have deterministic forms.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        vocab = 50257
+        model = gpt(dim=768, layers=12 if name.startswith("fsdp2") else 8, vocab=vocab, heads=12, positions=1024).cuda()
+        gen = torch.Generator().manual_seed(1 + dist.get_rank())
+        if name.startswith("fsdp2"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        else:
+            import logging
+
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+            # ZeRO stage 3, bf16, no offload; torch's AdamW, so that no DeepSpeed op is built
+            # (installed with DS_BUILD_OPS=0).
+            config = {
+                "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 1,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 1 << 30,
+                "wall_clock_breakdown": False,
+            }
+            model, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+    if name == "prefetch":
+        torch.manual_seed(0)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
+        from gpt import gpt
+
+        vocab = 8192
+        model = gpt(dim=512, layers=6, vocab=vocab, heads=8, positions=2048).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        state["queue"] = start_prefetch(steps, vocab)
+        res["batches_checked"], res["mismatches"] = 0, 0
     if name == "gpt2_ec":
         torch.manual_seed(0)
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -393,6 +497,45 @@ def worker(name):
             res["losses"].append(loss.item())
             if name in ("train_ec", "ddp_ec"):
                 torch.cuda.empty_cache()
+        elif name in ("fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec"):
+            seq = 512 + 128 * (i % 5)
+            data = torch.randint(0, vocab, (8, seq + 1), generator=gen).to("cuda")
+            logits = model(data[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), data[:, 1:].reshape(-1))
+            del logits
+            if name.startswith("deepspeed"):
+                model.backward(loss)  # the engine: backward, then its ZeRO-3 step
+                model.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            if name.endswith("_ec"):
+                torch.cuda.empty_cache()
+        elif name == "prefetch":
+            # The batch the data thread moved on its own stream: wait for its copies on this
+            # stream (the event), keep its memory from going back to the data thread's stream
+            # while this one may still use it (record_stream), check it against the CPU's sums.
+            item = state["queue"].get(timeout=300)
+            if isinstance(item, BaseException):
+                raise item
+            tokens, payload, event, sums, _pinned = item
+            main = torch.cuda.current_stream()
+            main.wait_event(event)
+            tokens.record_stream(main)
+            payload.record_stream(main)
+            got = batch_sums(tokens, payload)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            res["losses"].append(loss.item())
+            res["batches_checked"] += 1
+            res["mismatches"] += not torch.equal(got.cpu(), sums)
+            del logits, loss
+            torch.cuda.empty_cache()  # while the data thread copies the next batches
         elif name == "gpt2_ec":
             seq = 512 + 128 * (i % 5)
             data = torch.randint(0, 50257, (8, seq), generator=gen).to("cuda")
@@ -450,12 +593,20 @@ def worker(name):
             res["steps"] = i + 1
     except torch.OutOfMemoryError as e:
         res["oom"] = str(e).split("\n")[0][:200]
+    except Exception as e:
+        if name != "prefetch":
+            raise
+        # A CUDA error (an illegal memory access) or the data thread's failure: a failure of
+        # the run, recorded as such.
+        res["error"] = f"step {res['steps']}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    if name == "prefetch" and res["mismatches"] and not res.get("error"):
+        res["error"] = f"{res['mismatches']} of {res['batches_checked']} batches differ from their CPU checksums"
     peak["run"] = False
     sampler.join()
     if name == "rl":
         state["q_in"].put(("stop", 0))
         state["proc"].join(timeout=60)
-    if name in ("ddp", "ddp_ec"):
+    if name in TWO_RANK:
         dist.barrier()
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -467,6 +618,63 @@ def worker(name):
         res["floor_ms"], res["floor_gib"] = FLOOR[0].result()
         res["peak_reserved"] = max(res["peak_reserved"], FLOOR[0].max_reserved)
     print("RESULT " + json.dumps(res))
+
+
+def batch_sums(tokens, payload):
+    """Checksums of a prefetch batch, on the CPU or the GPU alike: sums of all and of every
+    other token, of all and of every third byte of the payload (int64)."""
+    import torch
+
+    i64 = torch.int64
+    return torch.stack([tokens.sum(dtype=i64), tokens[:, ::2].sum(dtype=i64), payload.sum(dtype=i64), payload[::3].sum(dtype=i64)])
+
+
+def make_batch(i, vocab, gen, pool, pin=True):
+    """Prefetch batch i on the CPU (pinned): tokens of train_ec's varying shapes, and PAYLOAD
+    bytes that differ from batch to batch (the pool rotated and shifted)."""
+    import torch
+
+    batch, seq = 16 + 8 * (i % 3), 256 + 128 * (i % 4)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    payload = torch.empty(len(pool), dtype=torch.uint8, pin_memory=pin)
+    k = (i * 4099) % len(pool)
+    torch.add(pool[k:], i % 251, out=payload[: len(pool) - k])
+    torch.add(pool[:k], i % 251, out=payload[len(pool) - k :])
+    return (tokens.pin_memory() if pin else tokens), payload
+
+
+def start_prefetch(n, vocab):
+    """The prefetch workload's data thread: n batches made on the CPU in pinned memory, each
+    moved to the GPU on a stream of the thread's own (non-blocking copies, an event recorded
+    after them), at most 2 waiting in the queue it returns. An item: (tokens and payload on
+    the GPU, the event, their CPU checksums, the pinned tensors), or the exception that
+    stopped the thread."""
+    import queue
+    import threading
+
+    import torch
+
+    q = queue.Queue(maxsize=2)
+
+    def run():
+        try:
+            stream = torch.cuda.Stream()
+            gen = torch.Generator().manual_seed(1)
+            pool = torch.randint(0, 256, (PAYLOAD,), dtype=torch.uint8, generator=gen)
+            for i in range(n):
+                tokens, payload = make_batch(i, vocab, gen, pool)
+                sums = batch_sums(tokens, payload)
+                with torch.cuda.stream(stream):
+                    g_tokens = tokens.to("cuda", non_blocking=True)
+                    g_payload = payload.to("cuda", non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                q.put((g_tokens, g_payload, event, sums, (tokens, payload)))
+        except BaseException as e:  # handed to the trainer, which records it
+            q.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return q
 
 
 def handoff_trainer():
@@ -533,7 +741,9 @@ def c_trainer_binary():
 
 
 def run_handoff(args, results):
-    """Every trainer mode against a plain and an expseg consumer, --rounds rounds each."""
+    """Every trainer mode against a plain and an expseg consumer, --handoff-rounds (else
+    --rounds, else 20) rounds each."""
+    rounds = args.handoff_rounds or args.rounds or 20
     def readline_until(p, words):
         while True:
             l = p.stdout.readline()
@@ -554,13 +764,13 @@ def run_handoff(args, results):
             c = subprocess.Popen([sys.executable, __file__, "--handoff-consumer"], env=cenv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(rfd,))
             os.close(rfd)
             os.close(wfd)
-            r = {"ok": 0, "of": args.rounds, "fill_failed": 0, "consumer_ms": [], "error": ""}
+            r = {"ok": 0, "of": rounds, "fill_failed": 0, "consumer_ms": [], "error": ""}
             if readline_until(t, ("READY",)) is None or readline_until(c, ("READY",)) is None:
                 r["error"] = "a process did not start"
             else:
                 time.sleep(0.5)
                 free = free_now()
-                for i in range(args.rounds):
+                for i in range(rounds):
                     c.stdin.write(f"{int(0.70 * free)}\n")
                     c.stdin.flush()
                     t.stdin.write(f"{int(0.80 * free)}\n")
@@ -645,52 +855,190 @@ def free_now():
     return pynvml.nvmlDeviceGetMemoryInfo(h).free
 
 
+DEEPSPEED = {}
+
+
+def deepspeed_missing():
+    """Why `import deepspeed` fails in a worker's Python, or None when it works (asked once, in
+    a process of its own: importing it here would start CUDA in the orchestrator)."""
+    if "why" not in DEEPSPEED:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            DEEPSPEED["why"] = "not installed"
+        else:
+            p = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, text=True, timeout=300)
+            DEEPSPEED["why"] = (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1][:200] if p.returncode else None
+    return DEEPSPEED["why"]
+
+
+# t_{0.975, df} for df = 1..29: the half-width of a 95 % interval of a mean of n = df + 1
+# rounds is T975[n - 2] * s / sqrt(n). Past n = 30 the last value stands (a little wide).
+T975 = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+]
+
+
+def mean_ci95(xs):
+    """Mean of the rounds' values and its 95 % interval (Student t): mean +- t * s / sqrt(n);
+    rounds with no value (a failed run) are left out; fewer than two values give no interval."""
+    xs = [x for x in xs if x is not None]
+    n = len(xs)
+    if n == 0:
+        return None, None
+    m = sum(xs) / n
+    if n < 2:
+        return round(m, 4), None
+    h = T975[min(n - 2, len(T975) - 1)] * statistics.stdev(xs) / n**0.5
+    return round(m, 4), [round(m - h, 4), round(m + h, 4)]
+
+
+def round_order(modes, r):
+    """The modes of round r: the list rotated by r, so that round r starts at mode r mod len and
+    drift of the machine falls on every mode alike."""
+    k = r % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def round_ratios(medians):
+    """{mode: median ms or None} of one round -> {mode: (vs default, vs expandable)}: each mode
+    against the default and expandable runs of the same round (None where one is missing)."""
+
+    def ratio(a, b):
+        return round(a / b, 4) if a and b else None
+
+    d, e = medians.get("default"), medians.get("expandable")
+    return {m: (ratio(v, d), ratio(v, e)) for m, v in medians.items()}
+
+
+# Figures of the exit report (EXPSEG_REPORT's JSON, its "process" object; a library that
+# gives them per device only is summed over its devices) -> the names the results use. Only
+# the first is in every library; the other two are newer.
+REPORT_KEYS = {
+    "coalesce_peak_stranded_bytes": "peak_stranded_bytes",
+    "coalesce_peak_beyond_bytes": "peak_beyond_bytes",  # stranded plus bytes grown ahead, peak
+    "coalesce_peak_held_bytes": "peak_held_bytes",  # physical bytes behind PyTorch's pages, peak
+}
+
+
+def report_figures(rep):
+    """One exit report (parsed JSON) -> its figures, or None for a process that coalesced
+    nothing (torchrun's launcher, a library that predates the figures)."""
+    proc, fig = rep.get("process", {}), {}
+    for key, name in REPORT_KEYS.items():
+        if key in proc:
+            fig[name] = proc[key]
+        elif any(key in d for d in rep.get("devices", [])):
+            fig[name] = sum(d.get(key, 0) for d in rep["devices"])
+    if "peak_stranded_bytes" not in fig:
+        return None
+    if fig.get("peak_held_bytes"):
+        fig["stranded_of_held"] = round(fig["peak_stranded_bytes"] / fig["peak_held_bytes"], 5)
+    return fig
+
+
+def read_reports(folder, prefix, pid=None):
+    """The exit reports of one run (folder/prefix*.json): the figures of the process that
+    printed the result (its pid; else the one of rank 0), and of each, the max over every
+    process that wrote one (`*_max_over_ranks`: both ranks of a 2-rank workload, rl's
+    inference worker too). None when no report has them."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(folder, glob.escape(prefix) + "*.json"))):
+        try:
+            rep = json.load(open(path))
+        except (OSError, ValueError):
+            continue
+        fig = report_figures(rep)
+        if fig:
+            found.append((rep.get("pid"), str(rep.get("rank")), fig))
+    if not found:
+        return None
+    mine = [f for p, _, f in found if pid is not None and p == pid] or [f for _, rank, f in found if rank == "0"]
+    out = dict(mine[0] if mine else found[0][2])
+    out["reports"] = len(found)
+    for name in list(REPORT_KEYS.values()) + ["stranded_of_held"]:
+        vals = [f[name] for _, _, f in found if name in f]
+        if vals:
+            out[name + "_max_over_ranks"] = max(vals)
+    return out
+
+
+def merge_max(a, b):
+    """Two runs' report figures -> the larger of each (a mode's peak over its rounds)."""
+    if not a or not b:
+        return a or b
+    return {k: max(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
+
+
 def run_all(args):
     os.makedirs(args.out, exist_ok=True)
     results = {}
+    ref_losses = {}  # workload: the losses of its first default run
+    reports = os.path.abspath(args.reports or os.path.join(args.out, "reports"))
     for w in args.workloads:
         if w == "handoff":
             run_handoff(args, results)
             continue
         budget, _ = WORKLOADS[w]
         launch = []
-        if w in ("ddp", "ddp_ec"):
+        if w in TWO_RANK:
             import torch
 
             if torch.cuda.device_count() < 2:
                 print(f"SKIP {w}: {torch.cuda.device_count()} GPU(s), it needs two", flush=True)
                 continue
             launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        if w.startswith("deepspeed") and deepspeed_missing():
+            print(f"SKIP {w}: deepspeed cannot be imported ({deepspeed_missing()}); scripts/bench-deps.sh --install DIR installs it", flush=True)
+            continue
         # Hold everything but the budget (plus room for one CUDA context) in another process.
         fill = free_now() / GIB - budget - 0.75 if budget else 0
         fp = None
         if fill > 0:
             fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             fp.stdout.readline()
-        # With --repeat N the modes run N times, interleaved (mode order rotated each round),
+        # With --rounds N the modes run N times, interleaved (mode order rotated each round),
         # so that drift of the machine hits every mode alike; a mode's step time is then the
-        # median of its runs' medians, and the runs' medians are kept.
-        for rep in range(args.repeat):
-            k = rep % len(args.modes)
-            for m in args.modes[k:] + args.modes[:k]:
+        # median of its runs' medians, and the runs' medians are kept, and each round's
+        # ratios to the default and expandable runs of that round.
+        for rep in range(args.rounds or args.repeat):
+            medians, same, figs = {}, {}, {}
+            for m in round_order(args.modes, rep):
                 env, pre = mode_env(m, args.lib)
                 if args.steps:
                     env["BENCH_STEPS"] = str(args.steps)
                 if args.cpus:
                     env["BENCH_CPUS"] = args.cpus
-                if args.reports and m.startswith("expseg"):
-                    os.makedirs(args.reports, exist_ok=True)
-                    env["EXPSEG_REPORT"] = os.path.join(os.path.abspath(args.reports), f"{w}_{m}_{rep}_%p.txt")
+                # Every expseg mode writes its exit reports (a table, and JSON beside it), one
+                # per process: stranded bytes come from them.
+                prefix = f"{w}_{m}_{rep}_"
+                if m.startswith("expseg"):
+                    os.makedirs(reports, exist_ok=True)
+                    for old in glob.glob(os.path.join(reports, glob.escape(prefix) + "*")):
+                        os.remove(old)  # an earlier invocation's, of the same name
+                    env["EXPSEG_REPORT"] = os.path.join(reports, prefix + "rank%r-pid%p.txt")
                 t0 = time.time()
                 p = subprocess.run(pre + [sys.executable] + launch + [__file__, "--worker", w], env=env, capture_output=True, text=True, timeout=600)
                 line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
                 r = json.loads(line[-1][7:]) if line else {"steps": 0, "oom": None, "error": (p.stderr or p.stdout)[-400:]}
                 r["wall_s"] = round(time.time() - t0, 1)
+                fig = read_reports(reports, prefix, r.get("pid")) if m.startswith("expseg") else None
                 prev = results.setdefault(w, {}).get(m)
                 runs = (prev or {}).get("run_medians_ms", []) + [round(r.get("median_step_ms", 0), 3)]
+                failed = bool(r.get("oom") or r.get("error"))
+                medians[m] = None if failed else r.get("median_step_ms") or None
+                if r.get("losses"):
+                    if m == "default" and w not in ref_losses and not failed:
+                        ref_losses[w] = r["losses"]
+                    same[m] = r["losses"]
                 if prev and (prev.get("oom") or prev.get("error")):
                     r = prev  # a failed run stands for the mode
                 r["run_medians_ms"] = runs
+                r["rounds"] = (prev or {}).get("rounds", [])
+                r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
+                figs[m] = fig
                 r["median_step_ms"] = statistics.median(runs)
                 r["peak_device"] = max(r.get("peak_device", 0), (prev or {}).get("peak_device", 0))
                 r["peak_reserved"] = max(r.get("peak_reserved", 0), (prev or {}).get("peak_reserved", 0))
@@ -700,10 +1048,21 @@ def run_all(args):
                 print(
                     f"{w:6} {m:11} steps {r['steps']:4} median {runs[-1]:.2f} ms peak {r['peak_device'] / GIB:.2f} GiB"
                     f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[-300:]}"
-                    + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else ""),
+                    + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else "")
+                    + (f" stranded peak {fig['peak_stranded_bytes'] / 2**20:.0f} MiB" if fig else "")
+                    + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else ""),
                     flush=True,
                 )
                 json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
+            # The round is complete: each mode against the default and expandable runs of it.
+            for m, (vd, ve) in round_ratios(medians).items():
+                entry = {"round": rep, "median_ms": medians[m] and round(medians[m], 3), "vs_default": vd, "vs_expandable": ve}
+                if m in same and w in ref_losses:
+                    entry["losses_identical_to_default"] = same[m] == ref_losses[w]
+                if figs.get(m):
+                    entry["report"] = figs[m]
+                results[w][m]["rounds"].append(entry)
+            json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
         if fp:
             fp.stdin.close()
             fp.wait()
@@ -738,11 +1097,18 @@ def summary(results, args):
         if (prev.get("device"), prev.get("commit")) == (out["device"], out["commit"]):
             out["workloads"] = prev.get("workloads", {})
             out["command"] = prev.get("command", "") + "; then " + " ".join(sys.argv[1:])
+    out["workloads"].update(summarize(results))
+    json.dump(out, open(args.json, "w"), indent=1)
+
+
+def summarize(results):
+    """The summary's figures of each workload and mode (--json's "workloads")."""
+    out = {}
     for w, modes in results.items():
         if w == "handoff":
-            out["workloads"][w] = {k: {"ok": r["ok"], "of": r["of"], "fill_failed": r["fill_failed"], "error": r["error"]} for k, r in modes.items()}
+            out[w] = {k: {"ok": r["ok"], "of": r["of"], "fill_failed": r["fill_failed"], "error": r["error"]} for k, r in modes.items()}
             continue
-        out["workloads"][w] = {
+        out[w] = {
             m: {
                 "steps": r.get("steps", 0),
                 "of": WORKLOADS[w][1],
@@ -753,15 +1119,29 @@ def summary(results, args):
                 "peak_reserved_gib": round(r.get("peak_reserved", 0) / GIB, 3),
                 "peak_device_gib": round(r.get("peak_device", 0) / GIB, 3),
                 **({"floor_driver_ms": r["floor_ms"], "floor_gib": r["floor_gib"]} if r.get("floor_ms") else {}),
+                # From the exit reports: peaks over the rounds, of rank 0 (the process that ran
+                # the steps) and the max over every process that wrote one.
+                **(r.get("stranded") or {}),
+                **({"batches_checked": r["batches_checked"], "mismatches": r["mismatches"]} if "mismatches" in r else {}),
             }
             for m, r in modes.items()
         }
         d = results[w].get("default", {}).get("losses")
-        if d:
-            for m, r in modes.items():
-                if r.get("losses"):
-                    out["workloads"][w][m]["losses_identical_to_default"] = r["losses"] == d
-    json.dump(out, open(args.json, "w"), indent=1)
+        for m, r in modes.items():
+            o = out[w][m]
+            flags = [e["losses_identical_to_default"] for e in r.get("rounds", []) if "losses_identical_to_default" in e]
+            if flags:  # every round's run against the first default run
+                o["losses_identical_to_default"] = all(flags)
+            elif d and r.get("losses"):
+                o["losses_identical_to_default"] = r["losses"] == d
+            # Per round: the ratio to the default and expandable runs of the same round; their
+            # mean and 95 % interval (null with one round).
+            for ref in ("default", "expandable"):
+                per = [e.get(f"vs_{ref}") for e in r.get("rounds", [])]
+                if any(x is not None for x in per):
+                    o[f"vs_{ref}_per_round"] = per
+                    o[f"vs_{ref}_mean"], o[f"vs_{ref}_ci95"] = mean_ci95(per)
+    return out
 
 
 def table(results):
@@ -782,10 +1162,32 @@ def table(results):
                 f"| {w} | {m} | {steps} | {pd:.2f} | {pr:.2f} | {st:.1f} | {ratio(r.get('peak_device', 0), ref.get('peak_device', 0))}"
                 f" | {ratio(st, ref.get('median_step_ms', 0))} | {ratio(st, dflt.get('median_step_ms', 0))} |"
             )
-    for w in ("train", "train_ec", "gpt2_ec", "rl", "ddp", "ddp_ec"):
-        d = results.get(w, {}).get("default", {}).get("losses")
-        for m, r in results.get(w, {}).items():
-            if d and r.get("losses"):
+    # Rounds: each mode's ratios to the default and expandable runs of the same round, their
+    # mean and 95 % interval; stranded bytes from the exit reports (peak over the rounds).
+    if any(len(r.get("rounds", [])) > 1 or r.get("stranded") for modes in results.values() for r in modes.values()):
+        print("\n| workload | mode | rounds | vs default, mean [95 % interval] | vs expandable, mean [95 % interval] | peak stranded MiB (max over ranks) | of peak held |")
+        print("|---|---|---:|---|---|---:|---:|")
+        for w, modes in results.items():
+            if w == "handoff":
+                continue
+            for m, r in modes.items():
+
+                def interval(ref):
+                    mean, ci = mean_ci95([e.get(f"vs_{ref}") for e in r.get("rounds", [])])
+                    return "-" if mean is None else f"{mean:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+                st = r.get("stranded") or {}
+                mib = lambda k: f"{st[k] / 2**20:.0f}" if k in st else "-"
+                held = f"{100 * st['stranded_of_held']:.2f} %" if "stranded_of_held" in st else "-"
+                print(f"| {w} | {m} | {len(r.get('rounds', []))} | {interval('default')} | {interval('expandable')}"
+                      f" | {mib('peak_stranded_bytes')} ({mib('peak_stranded_bytes_max_over_ranks')}) | {held} |")
+    for w, modes in results.items():
+        d = modes.get("default", {}).get("losses") if w != "handoff" else None
+        for m, r in modes.items():
+            flags = [e["losses_identical_to_default"] for e in r.get("rounds", []) if "losses_identical_to_default" in e]
+            if flags:
+                print(f"{w} losses, {m} vs default: {'identical' if all(flags) else 'DIFFERENT'} (identical in {sum(flags)} of {len(flags)} runs, {len(r.get('losses', []))} steps)")
+            elif d and r.get("losses"):
                 print(f"{w} losses, {m} vs default: {'identical' if r['losses'] == d else 'DIFFERENT'} ({len(r['losses'])} steps)")
 
 
@@ -812,27 +1214,165 @@ def plot(results, path):
     fig.savefig(path, dpi=80)
 
 
+# ---------------------------------------------------------------- the self-test (no GPU)
+
+
+def fake_worker(name):
+    """--selftest's stand-in for a worker: no CUDA; a step time by mode (expseg 90 ms,
+    expandable 120, else 100, a few % of noise), losses (different under
+    EXPSEG_RELEASE_DELAY=0), and for an expseg mode three exit reports as the library and
+    torchrun would leave them: its own, a launcher's without coalescer figures, rank 1's."""
+    import random
+
+    pid, mine = os.getpid(), os.environ.get("EXPSEG_REPORT")
+    base = 90.0 if mine else 120.0 if "expandable" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") else 100.0
+    ms = base * (1 + random.random() / 20)
+    losses = [2.0, 1.5, 1.25] if os.environ.get("EXPSEG_RELEASE_DELAY") != "0" else [2.0, 1.5, 1.3]
+    if mine:
+        figs = {"coalesce_peak_stranded_bytes": 3 << 20, "coalesce_peak_beyond_bytes": 5 << 20, "coalesce_peak_held_bytes": 300 << 20}
+        for p, rank, process in ((pid, "0", figs), (1, "0", {"allocs": 0}), (2, "1", {k: 2 * v for k, v in figs.items()})):
+            with open(mine.replace("%p", str(p)).replace("%r", rank) + ".json", "w") as f:
+                json.dump({"pid": p, "rank": rank, "status": "pool never started", "process": process, "devices": [], "config": {}}, f)
+    steps = int(os.environ["BENCH_FAKE"])
+    print("RESULT " + json.dumps({"steps": steps, "oom": None, "step_ms": [ms] * steps, "mem": [], "losses": losses, "pid": pid,
+                                  "median_step_ms": ms, "peak_device": GIB, "peak_reserved": GIB}))
+
+
+def selftest():
+    """CPU-only checks of the orchestrator (--selftest): the t interval, the rotation of modes,
+    the per-round ratios, reading exit reports, and three rounds of four modes run end to end
+    by fake workers (fake_worker). Prints 'N passed, N failed'; exits 1 on a failure."""
+    import argparse
+    import tempfile
+
+    counts = [0, 0]
+
+    def check(what, cond):
+        counts[not cond] += 1
+        if not cond:
+            print(f"FAIL {what}", flush=True)
+
+    # The interval: n = 5, s = sqrt(2.5), t(4) = 2.776: 3 +- 1.9629.
+    check("interval of 1..5", mean_ci95([1, 2, 3, 4, 5]) == (3.0, [1.0371, 4.9629]))
+    check("interval of two", mean_ci95([1.0, 3.0]) == (2.0, [-10.706, 14.706]))
+    check("one round: no interval", mean_ci95([1.1]) == (1.1, None))
+    check("failed rounds left out", mean_ci95([None, 2.0, None]) == (2.0, None))
+    check("no rounds", mean_ci95([]) == (None, None))
+    check("t table: df 1..29, falling", len(T975) == 29 and T975[0] == 12.706 and T975[-1] == 2.045 and T975 == sorted(T975, reverse=True))
+    check("n over 30 takes df 29's t", mean_ci95([1.0, 2.0] * 20)[1] == [round(1.5 - 2.045 * statistics.stdev([1.0, 2.0] * 20) / 40**0.5, 4), round(1.5 + 2.045 * statistics.stdev([1.0, 2.0] * 20) / 40**0.5, 4)])
+    # Rotation: round r starts at mode r mod len; over len rounds each mode takes each place once.
+    modes = ["default", "expandable", "expseg-preload", "expseg-alt"]
+    orders = [round_order(modes, r) for r in range(8)]
+    check("round 0 is the order given", orders[0] == modes)
+    check("round r starts at mode r mod len", [o[0] for o in orders] == modes + modes)
+    check("each round runs every mode once", all(sorted(o) == sorted(modes) for o in orders))
+    check("each mode in each place once in len rounds", all(len({o[k] for o in orders[:4]}) == 4 for k in range(4)))
+    # Ratios within one round.
+    rr = round_ratios({"default": 100.0, "expandable": 125.0, "expseg-preload": 110.0, "failed": None})
+    check("ratios to default and expandable", rr["expseg-preload"] == (1.1, 0.88) and rr["default"] == (1.0, 0.8) and rr["expandable"] == (1.25, 1.0))
+    check("a failed run has no ratio", rr["failed"] == (None, None))
+    check("no expandable in the round", round_ratios({"default": 100.0, "x": 50.0})["x"] == (0.5, None))
+    # Exit reports.
+    with tempfile.TemporaryDirectory() as d:
+        def report(name, pid, rank, process, devices=()):
+            with open(os.path.join(d, name), "w") as f:
+                json.dump({"pid": pid, "rank": rank, "status": "", "process": process, "devices": list(devices), "config": {}}, f)
+
+        new = {"coalesce_peak_stranded_bytes": 10, "coalesce_peak_beyond_bytes": 30, "coalesce_peak_held_bytes": 1000}
+        report("w_m_0_rank0-pid7.txt.json", 7, "0", {"allocs": 1})  # torchrun's launcher
+        report("w_m_0_rank0-pid8.txt.json", 8, "0", new)
+        report("w_m_0_rank1-pid9.txt.json", 9, "1", {k: 3 * v for k, v in new.items()})
+        report("w_m_1_rank0-pid10.txt.json", 10, "0", {"coalesce_peak_stranded_bytes": 99})  # another round
+        report("w_m2_0_rank0-pid11.txt.json", 11, "0", {"coalesce_peak_stranded_bytes": 5})  # an older library
+        report("w_m3_0_rank0-pid12.txt.json", 12, "0", {}, [{"device": 0, "coalesce_peak_stranded_bytes": 4, "coalesce_peak_held_bytes": 400}])
+        with open(os.path.join(d, "w_m4_0_rank0-pid13.txt.json"), "w") as f:
+            f.write('{"pid":13,')  # cut short
+        fig = read_reports(d, "w_m_0_", pid=8)
+        check("the stepping process's figures", fig and fig["peak_stranded_bytes"] == 10 and fig["peak_beyond_bytes"] == 30 and fig["peak_held_bytes"] == 1000 and fig["stranded_of_held"] == 0.01)
+        check("max over ranks", fig and fig["peak_stranded_bytes_max_over_ranks"] == 30 and fig["peak_held_bytes_max_over_ranks"] == 3000 and fig["reports"] == 2)
+        check("rank 0 without a pid", read_reports(d, "w_m_0_")["peak_stranded_bytes"] == 10)
+        old = read_reports(d, "w_m2_0_", pid=11)
+        check("an older library: stranded bytes alone", old == {"peak_stranded_bytes": 5, "reports": 1, "peak_stranded_bytes_max_over_ranks": 5})
+        check("figures per device only", read_reports(d, "w_m3_0_")["stranded_of_held"] == 0.01)
+        check("no report, or a broken one", read_reports(d, "w_m9_0_") is None and read_reports(d, "w_m4_0_") is None)
+        check("merge over rounds", merge_max({"a": 1, "b": 5}, {"a": 3}) == {"a": 3, "b": 5} and merge_max(None, {"a": 1}) == {"a": 1})
+    # Three rounds of four modes, end to end.
+    with tempfile.TemporaryDirectory() as d:
+        WORKLOADS["fake"] = (0, 3)
+        os.environ["BENCH_FAKE"] = "3"  # steps
+        args = argparse.Namespace(out=d, workloads=["fake"], modes=["default", "expandable", "expseg-preload", "expseg-release0"], rounds=3, repeat=1,
+                                  steps=None, cpus=None, reports=None, json=None, lib=os.path.join(d, "libexpseg.so"))
+        run_all(args)
+        del os.environ["BENCH_FAKE"]
+        res = json.load(open(os.path.join(d, "results.json")))["fake"]
+        check("three rounds a mode", all(len(r["rounds"]) == 3 and len(r["run_medians_ms"]) == 3 for r in res.values()))
+        for k in range(3):
+            med = {m: r["rounds"][k]["median_ms"] for m, r in res.items()}
+            check(f"round {k}: ratios of that round's runs", all(  # (medians kept to 3 decimals)
+                abs(r["rounds"][k]["vs_default"] - med[m] / med["default"]) < 2e-4 and abs(r["rounds"][k]["vs_expandable"] - med[m] / med["expandable"]) < 2e-4
+                for m, r in res.items()))
+            check(f"round {k}: medians are the runs'", all(r["rounds"][k]["median_ms"] == r["run_medians_ms"][k] for r in res.values()))
+        check("losses compared each round", [e["losses_identical_to_default"] for e in res["expseg-preload"]["rounds"]] == [True] * 3
+              and [e["losses_identical_to_default"] for e in res["expseg-release0"]["rounds"]] == [False] * 3)
+        check("reports of expseg modes only", all(("stranded" in r and r["stranded"] is not None) == m.startswith("expseg") for m, r in res.items()))
+        st = res["expseg-preload"]["stranded"]
+        check("stranded bytes per mode", st["peak_stranded_bytes"] == 3 << 20 and st["peak_stranded_bytes_max_over_ranks"] == 6 << 20 and st["stranded_of_held"] == 0.01)
+        check("every round's report", all(e["report"]["peak_held_bytes"] == 300 << 20 for e in res["expseg-preload"]["rounds"]))
+        sm = summarize({"fake": res})["fake"]
+        check("summary: per-round ratios, mean, interval", all(len(o["vs_default_per_round"]) == 3 and len(o["vs_default_ci95"]) == 2 and len(o["vs_expandable_ci95"]) == 2 for o in sm.values()))
+        check("summary: default against itself", sm["default"]["vs_default_mean"] == 1.0 and sm["default"]["vs_default_ci95"] == [1.0, 1.0])
+        check("summary: expseg about 0.9 of default", 0.8 < sm["expseg-preload"]["vs_default_mean"] < 1.0)
+        check("summary: losses", sm["expseg-preload"]["losses_identical_to_default"] is True and sm["expseg-release0"]["losses_identical_to_default"] is False)
+        check("summary: stranded bytes", sm["expseg-preload"]["peak_held_bytes"] == 300 << 20 and "peak_stranded_bytes" not in sm["default"])
+        del WORKLOADS["fake"]
+    # The prefetch batches (CPU only), where torch is here.
+    try:
+        import torch
+    except ImportError:
+        print("prefetch batch checks skipped: no torch here", flush=True)
+    else:
+        gen = torch.Generator().manual_seed(1)
+        pool = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+        t0, p0 = make_batch(0, 8192, gen, pool, pin=False)
+        t5, p5 = make_batch(5, 8192, gen, pool, pin=False)
+        check("batch shapes vary", tuple(t0.shape) == (16, 257) and tuple(t5.shape) == (32, 385))
+        check("payloads differ from batch to batch", not torch.equal(batch_sums(t0, p0)[2:], batch_sums(t5, p5)[2:]))
+        check("payload 5 is the pool rotated and shifted", torch.equal(p5, pool.roll(-(5 * 4099 % len(pool))) + 5))
+        q = p5.clone()
+        q[7] ^= 1
+        check("a changed byte changes the sums", not torch.equal(batch_sums(t5, q), batch_sums(t5, p5)))
+    print(f"{counts[0]} passed, {counts[1]} failed", flush=True)
+    return counts[1] == 0
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=os.path.join(HERE, "..", "target", "release", "libexpseg.so"))
     ap.add_argument("--out", default="bench-torch-out")
-    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help="also: handoff")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help=f"default: {' '.join(WORKLOADS)}; also: handoff."
+                    f" Two ranks (skipped with fewer than 2 GPUs): {' '.join(TWO_RANK)}; deepspeed*: skipped when deepspeed cannot be imported")
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--append", action="store_true", help="add this run's workloads to the --json file when it is of the same device and commit")
-    ap.add_argument("--steps", type=int, help="steps per workload instead of the default (diagnosis)")
-    ap.add_argument("--reports", help="keep the expseg modes' exit reports in this folder")
-    ap.add_argument("--repeat", type=int, default=1, help="run every mode this many times, interleaved")
+    ap.add_argument("--steps", type=int, help="steps per workload instead of each one's own count (WORKLOADS)")
+    ap.add_argument("--reports", help="write the expseg modes' exit reports to this folder (default OUT/reports)")
+    ap.add_argument("--repeat", type=int, default=1, help="the older name of --rounds (workloads other than handoff)")
     ap.add_argument("--cpus", help="pin every worker to these CPUs (e.g. 4-7)")
     ap.add_argument("--alt-lib", help="another libexpseg.so, run as mode expseg-alt (LD_PRELOAD alone): two builds side by side")
-    ap.add_argument("--rounds", type=int, default=20, help="handoff: rounds per pair")
+    ap.add_argument("--rounds", type=int, help="run every mode of a workload once per round, the order of modes rotated by one each round;"
+                    " per round each mode's ratio to default and expandable, their mean and 95 %% interval in --json (default 1;"
+                    " handoff: rounds per pair, default 20)")
+    ap.add_argument("--handoff-rounds", type=int, help="handoff: rounds per pair (default: --rounds, else 20)")
     ap.add_argument("--handoff-modes", nargs="*", default=HANDOFF_MODES, help="handoff: trainer modes")
     ap.add_argument("--handoff-trainer", action="store_true")
     ap.add_argument("--handoff-consumer", action="store_true")
     ap.add_argument("--worker")
     ap.add_argument("--fill", type=float)
+    ap.add_argument("--selftest", action="store_true", help="check the orchestrator's arithmetic and bookkeeping on the CPU (fake workers, no GPU) and exit")
     args = ap.parse_args()
+    if args.selftest:
+        sys.exit(0 if selftest() else 1)
     if args.handoff_trainer:
         handoff_trainer()
     elif args.handoff_consumer:
