@@ -136,6 +136,7 @@ MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", 
 # Every mode mode_env knows (a name it does not know would run as the default allocator).
 KNOWN_MODES = set(MODES) | set(HANDOFF_MODES) | {
     "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead",
+    "expseg-tail", "expseg-tail-noahead", "expseg-compact",
 }
 
 
@@ -182,6 +183,16 @@ def mode_env(mode, lib):
     elif mode == "expseg-release0":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "0"
+    elif mode in ("expseg-tail", "expseg-tail-noahead"):
+        # The last page of each batch alone (EXPSEG_SPLIT_TAIL=1), with or without growing ahead.
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_SPLIT_TAIL"] = "1"
+        if mode.endswith("noahead"):
+            env["EXPSEG_GROW_AHEAD"] = "0"
+    elif mode == "expseg-compact":
+        # Opt-in: live pages move to give stranded bytes back (EXPSEG_COMPACT=1).
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_COMPACT"] = "1"
     elif mode == "expseg-noahead":
         # Without growing ahead (EXPSEG_GROW_AHEAD=0): a handle per batch of new pages.
         env["LD_PRELOAD"] = lib

@@ -392,6 +392,7 @@ pub(super) mod coalescers {
                     ahead: c.grow_ahead,
                     peer_hold: c.peer_hold,
                     move_live: c.compact,
+                    split_tail: c.split_tail,
                 };
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
@@ -539,12 +540,13 @@ pub(super) mod coalescers {
         v.all()
             .map(|c| {
                 let (pages, phys) = c.counts();
+                let stranded = c.stranded_now();
                 (
                     c.driver().device(),
                     c.stats().clone(),
                     pages,
                     phys,
-                    c.stranded(),
+                    stranded,
                     c.driver_calls().to_vec(),
                 )
             })

@@ -51,6 +51,10 @@ pub struct CoalesceConfig {
     /// using it, and no hook sees them); released pages of a handle that still has live ones
     /// stay held until its last page goes or new pages are mapped where they were.
     pub move_live: bool,
+    /// The last page of each batch of new pages gets a handle of its own
+    /// (`EXPSEG_SPLIT_TAIL`): the program's next small blocks share it, so its lifetime is
+    /// not the batch's.
+    pub split_tail: bool,
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -66,6 +70,7 @@ impl Default for CoalesceConfig {
             ahead: 1 << 30,
             peer_hold: crate::config::PeerHold::Off,
             move_live: false,
+            split_tail: false,
         }
     }
 }
@@ -259,6 +264,9 @@ pub struct Coalescer<D: Driver> {
     /// A trim from outside the program's calls (`trim_unmoved`) left memory that only moving
     /// live pages gives back: its next call does.
     pub(super) trim_owed: bool,
+    /// The program released a page of a handle that stays (stranded bytes may have grown):
+    /// measured when its giving back ends (`note_stranded`).
+    pub(super) released_since: bool,
     /// Whether the call under way runs on the device's allocator thread (set by the caller
     /// before each call, `allow_moves`): only there may a call move live pages it was not
     /// asked to move (the compaction owed since the program's release loop, a trim before a
@@ -300,6 +308,7 @@ impl<D: Driver> Coalescer<D> {
             no_ahead: false,
             giving_back: false,
             trim_owed: false,
+            released_since: false,
             moves_allowed: true,
             host: HostCopies::default(),
             stats: CoalesceStats::default(),
@@ -369,7 +378,11 @@ impl<D: Driver> Coalescer<D> {
         self.dirty.iter().map(|p| self.dead(*p)).sum()
     }
 
-    /// Record the peaks of stranded bytes, and of stranded bytes with bytes grown ahead.
+    /// Record the peaks of stranded bytes, and of stranded bytes with bytes grown ahead: where
+    /// the program's giving back has ended (its next other call, a settle where memory is
+    /// asked for, a query), not between the pages of a release loop (`empty_cache()` releases
+    /// a handle's pages block by block: its first pages are released pages of a live handle
+    /// only until its last ones go, in the same call).
     pub(super) fn note_stranded(&mut self) {
         let stranded = self.stranded();
         let beyond = stranded + self.ahead_bytes();
@@ -388,6 +401,13 @@ impl<D: Driver> Coalescer<D> {
             .sum();
         self.peak_held = self.peak_held.max(held);
         self.stats.peak_held = self.stats.peak_held.max(held);
+    }
+
+    /// The stranded bytes now, as measured (a query from the program: its giving back has
+    /// ended, or it asks meanwhile).
+    pub fn stranded_now(&mut self) -> u64 {
+        self.note_stranded();
+        self.stranded()
     }
 
     /// Whether the program has a page of `pid` mapped: moving it could meet another

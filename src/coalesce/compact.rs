@@ -98,7 +98,9 @@ impl<D: Driver> Coalescer<D> {
         if self.dirty.is_empty() {
             return;
         }
-        self.note_stranded();
+        if force {
+            self.note_stranded();
+        }
         if !self.cfg.move_live && !force {
             return;
         }

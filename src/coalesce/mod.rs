@@ -174,6 +174,9 @@ impl<D: Driver> Coalescer<D> {
     /// On a thread other than the device's allocator's (`moves_allowed` false) nothing moves:
     /// the device's own next call does this.
     pub fn giving_back_ended(&mut self) {
+        if std::mem::take(&mut self.released_since) {
+            self.note_stranded();
+        }
         if !self.moves_allowed {
             return;
         }
@@ -724,7 +727,7 @@ impl<D: Driver> Coalescer<D> {
         self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);
-            self.note_stranded();
+            self.released_since = true;
             if !self.parking() {
                 // Released memory goes back before the call returns (the contract without
                 // keeping): compact now, unless the program may be releasing the next page

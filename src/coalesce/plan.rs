@@ -19,9 +19,22 @@ impl<D: Driver> Coalescer<D> {
                 rest.extend(self.adopt_parked(&piece));
             }
         }
+        // The last page of the program's batch is shared with what it allocates next (PyTorch
+        // serves small blocks from the tail of the block it mapped pages for): with
+        // `split_tail` it gets a handle of its own, so the batch's other pages go back whole
+        // when their block does, whatever lives in the tail.
+        let tail = inside.last().map(|(va, _)| *va);
         for piece in rest {
             for run in self.pending_runs(&piece, self.cfg.max_handle) {
-                self.back_run(&run)?;
+                match run.split_last() {
+                    Some((last, body))
+                        if self.cfg.split_tail && !body.is_empty() && Some(last.0) == tail =>
+                    {
+                        self.back_run(body)?;
+                        self.back_run(&[*last])?;
+                    }
+                    _ => self.back_run(&run)?,
+                }
             }
         }
         // Map every phys of the range that is not mapped where its pages are (a phys whose

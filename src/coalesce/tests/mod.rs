@@ -41,6 +41,7 @@ pub(super) fn cfg() -> CoalesceConfig {
         ahead: 0,
         peer_hold: crate::config::PeerHold::Off,
         move_live: true,
+        split_tail: false,
     }
 }
 
