@@ -105,8 +105,9 @@ pub struct Config {
     /// mapped where they were. Only for programs where no other thread launches GPU work while
     /// the allocator runs (such work meets the pages while they are away: an illegal address).
     pub compact: bool,
-    /// `EXPSEG_SPLIT_TAIL`: the last page of each batch of PyTorch's new pages gets a handle
-    /// of its own (its tail holds the next small blocks, whose lifetime is not the batch's).
+    /// `EXPSEG_SPLIT_TAIL` (default on): the last page of each batch of PyTorch's new pages
+    /// gets a handle of its own (its tail holds the next small blocks, whose lifetime is not
+    /// the batch's), so that the batch's other pages go back whole. Off: one handle a batch.
     pub split_tail: bool,
     /// `EXPSEG_COALESCE_MARGIN`: free memory kept in hand while pages are admitted without
     /// being created; nearer the limit pages are created at once.
@@ -181,7 +182,7 @@ impl Default for Config {
             // Released pages are compacted inside the release that strands them.
             strand_max: 0,
             compact: false,
-            split_tail: false,
+            split_tail: true,
             coalesce_margin: GIB,
             // Released handles go back before the release returns: a colocated engine handed
             // the memory by empty_cache() gets it (kept 2 ms, it did 1 time in 20; churn

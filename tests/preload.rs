@@ -1448,7 +1448,13 @@ fn doctor_fails_without_vmm() {
 }
 
 fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
-    let mut all = vec![("FAKE_MEMINFO_REAL", "1"), ("FAKE_CAPACITY", "4294967296")];
+    // These programs count one handle per batch: the batch's last page alone (the default
+    // EXPSEG_SPLIT_TAIL=1) is asked for where a test wants it.
+    let mut all = vec![
+        ("FAKE_MEMINFO_REAL", "1"),
+        ("FAKE_CAPACITY", "4294967296"),
+        ("EXPSEG_SPLIT_TAIL", "0"),
+    ];
     all.extend_from_slice(env);
     let path = fixture().dir.join(lib);
     run_in(
@@ -3151,11 +3157,14 @@ fn nccl_buffer_registration_of_pytorch_pages_exports_the_page_itself() {
     }
 }
 
+/// The library's own defaults (`pages` turns the tail's handle off for the handle counts).
+const DEFAULTS: [(&str, &str); 1] = [("EXPSEG_SPLIT_TAIL", "1")];
+
 #[test]
 fn at_the_defaults_no_live_page_moves() {
     // Released pages of a live handle stay held (EXPSEG_COMPACT off): cudaMemGetInfo moves
     // nothing, and the data, the pages mapped again there and the export are as they were.
-    let r = pages("libc10_cuda.so", "full", &[]).ok();
+    let r = pages("libc10_cuda.so", "full", &DEFAULTS).ok();
     for (k, v) in [
         ("used_stranded_mib", "160"),
         ("used_compacted_mib", "160"),
@@ -3170,8 +3179,18 @@ fn at_the_defaults_no_live_page_moves() {
     }
     // The program's own trim and pause move nothing either: the stranded bytes stay held
     // (trim), or go with their handle and come back with it (pause).
-    let t = pages("libc10_cuda.so", "full", &[("TRIM_THREAD", "1")]).ok();
-    let p = pages("libc10_cuda.so", "full", &[("PAUSE_THREAD", "1")]).ok();
+    let t = pages(
+        "libc10_cuda.so",
+        "full",
+        &[DEFAULTS[0], ("TRIM_THREAD", "1")],
+    )
+    .ok();
+    let p = pages(
+        "libc10_cuda.so",
+        "full",
+        &[DEFAULTS[0], ("PAUSE_THREAD", "1")],
+    )
+    .ok();
     for (r, k, v) in [
         (&t, "trim_thread_mib", "0"),
         (&t, "used_compacted_mib", "160"),
@@ -3186,13 +3205,18 @@ fn at_the_defaults_no_live_page_moves() {
     }
     // A thread launching on the pages while the allocator's thread releases the rest of their
     // batch and asks cudaMemGetInfo: nothing moves, so nothing is met or lost.
-    let r = launch_race(&[]);
+    let r = launch_race(&DEFAULTS);
     assert!(r.out.status.success(), "{}\n{}", r.stdout(), r.stderr());
     for (k, v) in [("race_bad", "0"), ("race_moved", "0"), ("graphs", "0")] {
         assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
     }
     // Two devices' threads: no call moves another's pages, or its own.
-    let r = pages("libc10_cuda.so", "two_threads", &[("FAKE_DEVICES", "2")]).ok();
+    let r = pages(
+        "libc10_cuda.so",
+        "two_threads",
+        &[DEFAULTS[0], ("FAKE_DEVICES", "2")],
+    )
+    .ok();
     for (k, v) in [
         ("used_stranded_mib", "320"),
         ("used_after_dev0_thread_mib", "320"),

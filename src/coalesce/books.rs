@@ -70,7 +70,7 @@ impl Default for CoalesceConfig {
             ahead: 1 << 30,
             peer_hold: crate::config::PeerHold::Off,
             move_live: false,
-            split_tail: false,
+            split_tail: true,
         }
     }
 }
@@ -407,6 +407,24 @@ impl<D: Driver> Coalescer<D> {
     /// ended, or it asks meanwhile).
     pub fn stranded_now(&mut self) -> u64 {
         self.note_stranded();
+        if log::log_enabled!(log::Level::Debug) {
+            for pid in &self.dirty {
+                let ph = &self.phys[pid];
+                let pages: Vec<(u64, u64, bool)> = ph
+                    .slots
+                    .iter()
+                    .map(|(o, v)| (o >> 20, self.pages[v].size >> 20, self.pages[v].single))
+                    .collect();
+                log::debug!(
+                    "device {}: stranded {} MiB in a handle of {} MiB at {:?} (ahead {} MiB); pages (MiB offset, MiB, shared): {pages:?}",
+                    self.drv.device(),
+                    self.dead(*pid) >> 20,
+                    ph.size >> 20,
+                    ph.base,
+                    ph.ahead >> 20
+                );
+            }
+        }
         self.stranded()
     }
 
