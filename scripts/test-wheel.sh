@@ -26,9 +26,15 @@ check "wheel version is Cargo.toml's ($version), tagged py3-none-<platform>" $r
 unzip -l "$wheel" | grep -q ' torch' && r=1 || r=0
 grep -qi '^Requires-Dist' <(unzip -p "$wheel" '*/METADATA') && r=1
 check "wheel depends on nothing" $r
+lics=$(unzip -Z1 "$wheel" | grep -c '\.dist-info/licenses/LICENSE-\(MIT\|APACHE\)$')
+metalic=$(unzip -p "$wheel" '*/METADATA' | grep -c '^License-File: LICENSE-\(MIT\|APACHE\)$')
+[ "$lics" = 2 ] && [ "$metalic" = 2 ]
+check "wheel carries LICENSE-MIT and LICENSE-APACHE, named in its metadata" $? "$lics files, $metalic License-File lines"
 
 python3 -m venv "$work/venv" && "$work/venv/bin/pip" install --quiet --no-index --no-deps "$wheel" >"$work/install.log" 2>&1
 check "installs into a fresh virtual environment" $? "$(tail -3 "$work/install.log")"
+ls "$work"/venv/lib/python*/site-packages/expseg-*.dist-info/licenses/LICENSE-MIT "$work"/venv/lib/python*/site-packages/expseg-*.dist-info/licenses/LICENSE-APACHE >/dev/null 2>&1
+check "the installed package has its license files" $?
 bin=$work/venv/bin
 py=$bin/python
 # From here, nothing of the checkout: the installed files only.
