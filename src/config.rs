@@ -683,7 +683,8 @@ mod tests {
 
     #[test]
     fn switches_take_only_their_words_and_anything_else_keeps_the_default() {
-        let switches: [(&str, fn(&Config) -> bool); 7] = [
+        type Field = fn(&Config) -> bool;
+        let switches: [(&str, Field); 7] = [
             ("EXPSEG_DISABLE", |c| c.disabled),
             ("EXPSEG_DRIVER_API", |c| c.driver_api),
             ("EXPSEG_TORCH_DEFAULTS", |c| c.torch_defaults),
