@@ -119,6 +119,18 @@ r=$?; msg=$("$py" compare.py "$work/off.out" /dev/null off 2>&1) || r=1
 check "without expseg: active() is False and stats() says why" $r "$msg"
 EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c 'import expseg, sys; s = expseg.stats(); sys.exit(0 if not expseg.active() and "EXPSEG_DISABLE" in s["why"] else 1)' 2>/dev/null
 check "EXPSEG_DISABLE=1: active() is False, stats() names the variable" $?
+out=$(EXPSEG_DISABLE=2 LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active())' 2>&1)
+[ "$out" = "$(printf 'expseg: invalid EXPSEG_DISABLE="2" (expected 1/0, true/false, yes/no or on/off); using the default false\nTrue')" ]
+check "EXPSEG_DISABLE=2: one line naming it, and the default (active)" $? "$out"
+# No driver: where libcuda.so.1 cannot be loaded without the fakes (a machine without the
+# NVIDIA driver), expseg passes everything through and says so, as expseg doctor does.
+if env -u LD_LIBRARY_PATH "$py" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null; then
+  echo "SKIP no driver: active() is False (libcuda.so.1 loads here)"
+else
+  out=$(env -u LD_LIBRARY_PATH LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active(), expseg.stats().get("why"))' 2>&1)
+  [ "$out" = "False pass-through: libcuda.so.1 cannot be loaded" ]
+  check "no NVIDIA driver: active() is False, stats() says why" $? "$out"
+fi
 cat >"$work/trim.py" <<'PY'
 import ctypes, sys
 import expseg

@@ -478,6 +478,40 @@ fn a_device_without_vmm_passes_through_with_one_line() {
 }
 
 #[test]
+fn stats_say_active_only_where_the_pool_serves_and_why_not() {
+    let both = |r: &Run| (r.get("before_active"), r.get("after_active"));
+    let r = run("stats", &[]).ok();
+    assert_eq!(both(&r), ("1".into(), "1".into()));
+    for on in ["1", "on", "TRUE"] {
+        let r = run("stats", &[("EXPSEG_DISABLE", on)]).ok();
+        assert_eq!(both(&r), ("0".into(), "0".into()), "EXPSEG_DISABLE={on}");
+        assert_eq!(r.get("after_why"), "disabled_by_EXPSEG_DISABLE");
+    }
+    // A word that is not a switch's: one line naming it, and the default (enabled).
+    let r = run("stats", &[("EXPSEG_DISABLE", "2")]).ok();
+    assert_eq!(both(&r), ("1".into(), "1".into()));
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("EXPSEG_DISABLE=\"2\""), "{err}");
+    // A driver without the VMM calls: known before the first allocation.
+    let f = fixture();
+    let dirs = std::env::join_paths([f.dir.join("novmm"), f.dir.clone()]).unwrap();
+    let r = run_in(Path::new(&dirs), "prog", &["stats"], &[]).ok();
+    assert_eq!(both(&r), ("0".into(), "0".into()));
+    assert!(r
+        .get("before_why")
+        .starts_with("pass-through:_libcuda.so.1_lacks_cuMem"));
+    // A device without VMM: found out at its first allocation.
+    let r = run("stats", &[("FAKE_NO_VMM_ATTR", "1")]).ok();
+    assert_eq!(both(&r), ("1".into(), "0".into()));
+    assert!(
+        r.get("after_why").contains("virtual_memory_management"),
+        "{}",
+        r.get("after_why")
+    );
+}
+
+#[test]
 fn a_panic_becomes_an_error_code_not_a_crash() {
     let r = run("simple", &[("EXPSEG_TEST_PANIC", "cudaMalloc")]).ok();
     assert_eq!(
