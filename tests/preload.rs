@@ -2651,19 +2651,28 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     let p = cli(&["pause", &pid]);
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     assert!(
-        text(&p).starts_with(&format!("pid {pid}: paused {} bytes in ", 64u64 << 20)),
+        text(&p).starts_with(&format!("pid {pid}: paused 64.0 MiB in "))
+            && text(&p).ends_with(" s"),
         "{}",
         text(&p)
     );
     assert!(need(&mut Command::new(f.dir.join("prog"))).starts_with("need_rc=0"));
     assert_eq!(
         text(&cli(&["paused", &pid])),
-        format!("pid {pid}: {} bytes paused", 64u64 << 20)
+        format!("pid {pid}: 64.0 MiB paused")
+    );
+    // --json: the bytes, for scripts.
+    assert_eq!(
+        text(&cli(&["paused", &pid, "--json"])),
+        format!(
+            "{{\"pid\":{pid},\"command\":\"paused\",\"bytes\":{}}}",
+            64u64 << 20
+        )
     );
     // --all addresses every expseg process of the user (here: the sleeper alone serves).
     let all = cli(&["paused", "--all"]);
     assert!(
-        text(&all).contains(&format!("pid {pid}: {} bytes paused", 64u64 << 20)),
+        text(&all).contains(&format!("pid {pid}: 64.0 MiB paused")),
         "{}",
         text(&all)
     );
@@ -2691,9 +2700,16 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
         assert!(!o.status.success(), "another user is refused");
         assert!(String::from_utf8_lossy(&o.stderr).contains("belongs to uid"));
     }
-    let r = cli(&["resume", &pid]);
+    let r = cli(&["resume", &pid, "--json"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 64u64 << 20)));
+    assert!(
+        text(&r).starts_with(&format!(
+            "{{\"pid\":{pid},\"command\":\"resume\",\"bytes\":{},\"seconds\":",
+            64u64 << 20
+        )),
+        "{}",
+        text(&r)
+    );
     let mut stdin = sleeper.stdin.take().unwrap();
     stdin.write_all(b"check\n").unwrap();
     line.clear();
@@ -2720,20 +2736,17 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     assert!(!r.status.success());
     assert!(
         err.contains("not enough free GPU memory")
-            && err.contains(&format!(
-                "({} bytes resumed before the failure",
-                32u64 << 20
-            )),
+            && err.contains("(32.0 MiB resumed before the failure"),
         "{err}"
     );
     assert_eq!(
         text(&cli(&["paused", &pid])),
-        format!("pid {pid}: {} bytes paused", 32u64 << 20)
+        format!("pid {pid}: 32.0 MiB paused")
     );
     drop(keeper.stdin.take());
     assert!(keeper.wait().unwrap().success());
     let r = cli(&["resume", &pid]);
-    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 32u64 << 20)));
+    assert!(text(&r).starts_with(&format!("pid {pid}: resumed 32.0 MiB in ")));
     stdin.write_all(b"check\n").unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();
