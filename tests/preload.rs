@@ -1760,11 +1760,21 @@ fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_create
     }
     let dir = fixture().dir.join("no-srun");
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // A PATH of the tools the script needs and no srun (the machine may have Slurm's client).
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for tool in ["bash", "dirname", "readlink", "mkdir"] {
+        let found = ["/usr/bin", "/bin"]
+            .iter()
+            .map(|d| Path::new(d).join(tool))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("{tool} not found"));
+        std::os::unix::fs::symlink(found, bin.join(tool)).unwrap();
+    }
     let out = Command::new(script("expseg-srun"))
         .args(["-N1", "--", "true"])
         .current_dir(&dir)
-        .env("PATH", "/usr/bin:/bin")
+        .env("PATH", &bin)
         .env_remove("EXPSEG_REPORT_DIR")
         .output()
         .unwrap();
