@@ -1335,6 +1335,32 @@ fn the_wrapper_fails_clearly_without_a_usable_library() {
 }
 
 #[test]
+fn an_unusable_report_directory_costs_one_warning_not_the_run() {
+    let out = wrapped(
+        &["sh", "-c", "echo \"report=${EXPSEG_REPORT:-none}\"; exit 3"],
+        &[
+            ("EXPSEG_REPORT_DIR", "/proc/nope"),
+            ("EXPSEG_TORCH_DEFAULTS", "0"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(3), "the command's own exit status");
+    assert_eq!(env_of(&out, "report").as_deref(), Some("none"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("expseg-run: warning: no report: cannot create /proc/nope"),
+        "{err}"
+    );
+    // Unknown options are named; `--` lets a command start with a dash.
+    let out = wrapped(&["--frob"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "expseg-run: unknown option '--frob' (see 'expseg-run --help')\n"
+    );
+}
+
+#[test]
 fn srun_tasks_get_rank_aware_reports_and_the_sbatch_template_parses() {
     let f = fixture();
     // A stand-in srun: runs the task once as Slurm rank 3, local rank 1.
