@@ -230,6 +230,6 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   echo "$out" | grep -q '^SKIP' || r=1
 fi
-check "README's test command: shim-tests/run.sh \"\$(python3 -m expseg --lib)\"" $r "$(echo "$out" | tail -2)"
+check "the GPU tests with the installed library: shim-tests/run.sh \"\$(python3 -m expseg --lib)\"" $r "$(echo "$out" | tail -2)"
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -350,7 +350,7 @@ fi
 # device's default stream (coalesce_held_moves), so the worker's kernels queued meanwhile run
 # after it. Printed, not counted: natively, and the control without the fence
 # (EXPSEG_MOVE_FENCE=0: an illegal memory access) and the worker on a non-blocking side stream
-# (not held: README, "Limits").
+# (not held: docs/configuration.md, EXPSEG_COMPACT).
 if want threads && torch_for threads; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 "$here/torch_thread_race.py" 10 >"$logs/thread_race_native.log" 2>&1
   echo "INFO natively (expandable segments, no expseg), rc=$?: $(grep '^{' "$logs/thread_race_native.log" | cut -c1-200)"

@@ -12,7 +12,8 @@ Natively (expandable segments) nothing moves. expseg copies the pages and holds 
 default stream until they are back at their address (`coalesce_held_moves`), so the
 worker's kernels queued meanwhile run after the move; with EXPSEG_MOVE_FENCE=0 they meet the
 pages while they are away (an illegal memory access). RACE_STREAM=side: the worker adds on a
-non-blocking side stream of its own, which the fence does not hold (the limit README states).
+non-blocking side stream of its own, which the fence does not hold (docs/configuration.md,
+EXPSEG_COMPACT: moves are only for programs whose other threads launch no GPU work meanwhile).
 RACE_STREAM=peer (two GPUs, CuPy): the worker adds from device 1, a kernel on device 1's
 default stream writing `x` on device 0 through peer access (as PyTorch's copies between
 devices run on the source device); expseg holds device 1's default stream through the move
