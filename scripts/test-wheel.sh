@@ -26,9 +26,15 @@ check "wheel version is Cargo.toml's ($version), tagged py3-none-<platform>" $r
 unzip -l "$wheel" | grep -q ' torch' && r=1 || r=0
 grep -qi '^Requires-Dist' <(unzip -p "$wheel" '*/METADATA') && r=1
 check "wheel depends on nothing" $r
+lics=$(unzip -Z1 "$wheel" | grep -c '\.dist-info/licenses/LICENSE-\(MIT\|APACHE\)$')
+metalic=$(unzip -p "$wheel" '*/METADATA' | grep -c '^License-File: LICENSE-\(MIT\|APACHE\)$')
+[ "$lics" = 2 ] && [ "$metalic" = 2 ]
+check "wheel carries LICENSE-MIT and LICENSE-APACHE, named in its metadata" $? "$lics files, $metalic License-File lines"
 
 python3 -m venv "$work/venv" && "$work/venv/bin/pip" install --quiet --no-index --no-deps "$wheel" >"$work/install.log" 2>&1
 check "installs into a fresh virtual environment" $? "$(tail -3 "$work/install.log")"
+ls "$work"/venv/lib/python*/site-packages/expseg-*.dist-info/licenses/LICENSE-MIT "$work"/venv/lib/python*/site-packages/expseg-*.dist-info/licenses/LICENSE-APACHE >/dev/null 2>&1
+check "the installed package has its license files" $?
 bin=$work/venv/bin
 py=$bin/python
 # From here, nothing of the checkout: the installed files only.
@@ -38,7 +44,8 @@ lib=$("$py" -m expseg --lib)
 check "python -m expseg --lib names the installed library ($lib)" $?
 [ "$("$py" -c 'import expseg; print(expseg.library_path())')" = "$lib" ]
 check "expseg.library_path() is the same" $?
-[ "$("$py" -m expseg --version)" = "$version" ] && [ "$("$py" -c 'import expseg; print(expseg.__version__)')" = "$version" ]
+[ "$("$py" -m expseg --version)" = "expseg $version" ] && [ "$("$bin/expseg" -V)" = "expseg $version" ] &&
+  [ "$("$py" -c 'import expseg; print(expseg.__version__)')" = "$version" ]
 check "versions are $version" $?
 for t in "expseg --help" "expseg doctor --help" "expseg-run --help" "expseg-srun --help" "expseg-report-merge --help" "python -m expseg --help"; do
   set -- $t
@@ -47,6 +54,46 @@ for t in "expseg --help" "expseg doctor --help" "expseg-run --help" "expseg-srun
   r=$?; [ $r = 0 ] && echo "$out" | grep -qi usage || r=1
   check "on PATH: $t" $r "$(echo "$out" | head -2)"
 done
+# The command line as a user meets it (tests/cli.rs checks the binary's cases one by one):
+# help, help CMD = CMD --help, one line with a hint and exit 2 for what it cannot read, and
+# installed names, not checkout paths, in every help text.
+ok=0
+for c in doctor pause resume paused glibc run srun report-merge; do
+  a=$("$bin/expseg" help $c 2>&1) && b=$("$bin/expseg" $c --help 2>&1) && [ "$a" = "$b" ] &&
+    case "$a" in usage:*) true ;; *) false ;; esac || { ok=1; echo "  expseg help $c: $(head -2 <<<"$a")"; }
+done
+check "expseg help CMD and expseg CMD --help print the same usage, exit 0" $ok
+for t in "expseg --help" "expseg pause --help" "expseg-run --help" "expseg-srun --help" "expseg-report-merge --help"; do
+  set -- $t
+  cmd=$1; shift
+  "$bin/$cmd" "$@" 2>&1 | grep -q 'scripts/' && { ok=1; echo "  $t names a checkout path"; }
+done
+check "help texts name installed commands, not checkout paths" $ok
+refused() { # WANT_LINE COMMAND...: one line on stderr, nothing on stdout, exit 2
+  local want=$1; shift
+  local o e r; o=$("$@" 2>"$work/refused.err"); r=$?; e=$(cat "$work/refused.err")
+  [ "$r" = 2 ] && [ -z "$o" ] && [ "$e" = "$want" ] || { echo "  $*: rc $r, stdout '$o', stderr '$e'"; return 1; }
+}
+refused "expseg: unknown command 'frobnicate' (see 'expseg --help')" "$bin/expseg" frobnicate &&
+  refused "expseg: unknown command 'frobnicate' (see 'expseg --help')" "$bin/expseg" help frobnicate &&
+  refused "expseg: unknown option '--frobnicate' (see 'expseg --help')" "$bin/expseg" --frobnicate &&
+  refused "expseg pause: unknown option '--frob' (see 'expseg pause --help')" "$bin/expseg" pause --frob &&
+  refused "expseg paused: unknown argument '12x' (see 'expseg paused --help')" "$py" -m expseg paused 12x &&
+  refused "expseg-run: unknown option '--frob' (see 'expseg-run --help')" "$bin/expseg-run" --frob &&
+  refused "expseg-report-merge: unknown option '--frob' (see 'expseg-report-merge --help')" "$bin/expseg-report-merge" --frob
+check "unknown commands, options and arguments: one line with a hint, exit 2" $?
+mkdir -p "$work/ipc" "$work/smi"
+printf '#!/bin/sh
+case "$1" in --query-gpu=*) echo "0, GPU-0000" ;; esac
+' >"$work/smi/nvidia-smi"
+chmod +x "$work/smi/nvidia-smi"
+ok=0
+for sel in "--all" "--tree 999999999" "--gpu 0"; do
+  o=$(PATH="$work/smi:$PATH" EXPSEG_IPC_DIR=$work/ipc "$bin/expseg" paused $sel 2>&1)
+  r=$?
+  case "$o" in "expseg paused: $sel: no expseg process found"*) [ $r = 1 ] ;; *) false ;; esac || { ok=1; echo "  paused $sel: rc $r: $o"; }
+done
+check "--all, --tree, --gpu that find no expseg process say so, exit 1" $ok
 out=$("$bin/expseg" doctor 2>&1)
 echo "$out" | grep -q "glibc needed by libexpseg.so .*($lib)"
 check "expseg doctor checks the installed library" $? "$(echo "$out" | grep glibc)"
@@ -113,6 +160,18 @@ r=$?; msg=$("$py" compare.py "$work/off.out" /dev/null off 2>&1) || r=1
 check "without expseg: active() is False and stats() says why" $r "$msg"
 EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c 'import expseg, sys; s = expseg.stats(); sys.exit(0 if not expseg.active() and "EXPSEG_DISABLE" in s["why"] else 1)' 2>/dev/null
 check "EXPSEG_DISABLE=1: active() is False, stats() names the variable" $?
+out=$(EXPSEG_DISABLE=2 LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active())' 2>&1)
+[ "$out" = "$(printf 'expseg: invalid EXPSEG_DISABLE="2" (expected 1/0, true/false, yes/no or on/off); using the default false\nTrue')" ]
+check "EXPSEG_DISABLE=2: one line naming it, and the default (active)" $? "$out"
+# No driver: where libcuda.so.1 cannot be loaded without the fakes (a machine without the
+# NVIDIA driver), expseg passes everything through and says so, as expseg doctor does.
+if env -u LD_LIBRARY_PATH "$py" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null; then
+  echo "SKIP no driver: active() is False (libcuda.so.1 loads here)"
+else
+  out=$(env -u LD_LIBRARY_PATH LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active(), expseg.stats().get("why"))' 2>&1)
+  [ "$out" = "False pass-through: libcuda.so.1 cannot be loaded" ]
+  check "no NVIDIA driver: active() is False, stats() says why" $? "$out"
+fi
 cat >"$work/trim.py" <<'PY'
 import ctypes, sys
 import expseg
@@ -134,6 +193,33 @@ msg=$(EXPSEG_CACHE_MAX=1G LD_PRELOAD=$lib "$py" "$work/trim.py" $((64 << 20)) 2>
 check "EXPSEG_CACHE_MAX=1G: stats() shows the cached 64 MiB, trim() gives them back" $? "$msg"
 "$py" -c 'import expseg, sys; sys.exit(0 if expseg.trim() == 0 else 1)' 2>/dev/null
 check "without expseg: trim() returns 0" $?
+# A live process paused from outside by the installed CLI: sizes for people, and --json.
+cat >"$work/sleeper.py" <<'PY'
+import ctypes, os, sys, time
+rt = ctypes.CDLL("libcudart.so.13")
+p = ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(p), 64 << 20) == 0
+open(sys.argv[1] + ".ready", "w").close()
+while not os.path.exists(sys.argv[1] + ".go"):
+    time.sleep(0.02)
+PY
+EXPSEG_IPC_DIR=$work/ipc LD_PRELOAD=$lib "$py" "$work/sleeper.py" "$work/sleeper" 2>"$work/sleeper.err" &
+sleeper=$!
+for _ in $(seq 500); do [ -e "$work/sleeper.ready" ] || ! kill -0 $sleeper 2>/dev/null && break; sleep 0.02; done
+cli() { EXPSEG_IPC_DIR=$work/ipc "$bin/expseg" "$@" 2>&1; }
+p=$(cli pause $sleeper) && q=$(cli paused $sleeper) && j=$(cli paused $sleeper --json) && r=$(cli resume $sleeper --json)
+rc=$?
+touch "$work/sleeper.go"
+wait $sleeper
+[ $rc = 0 ] && [[ $p =~ ^"pid $sleeper: paused 64.0 MiB in "[0-9.]+" s"$ ]] && [ "$q" = "pid $sleeper: 64.0 MiB paused" ] &&
+  [ "$j" = "{\"pid\":$sleeper,\"command\":\"paused\",\"bytes\":67108864}" ] &&
+  [[ $r =~ ^"{\"pid\":$sleeper,\"command\":\"resume\",\"bytes\":67108864,\"seconds\":"[0-9.]+"}"$ ]]
+check "expseg pause/paused/resume PID: sizes for people, --json in bytes" $? "$p | $q | $j | $r $(head -2 "$work/sleeper.err")"
+# A report directory that cannot be made costs one warning line, not the run.
+o=$(EXPSEG_REPORT_DIR=/proc/nope "$bin/expseg-run" "$py" -c 'import expseg, sys; print(expseg.active()); sys.exit(3)' 2>"$work/nope.err")
+r=$?
+[ $r = 3 ] && [ "$o" = True ] && [ "$(grep -c 'expseg-run: warning: no report: cannot create /proc/nope' "$work/nope.err")" = 1 ]
+check "EXPSEG_REPORT_DIR=/proc/nope expseg-run CMD: one warning, CMD runs with its own exit status" $? "rc $r, $o: $(head -3 "$work/nope.err")"
 "$bin/expseg-report-merge" "$work/r-preload.txt.json" "$work/r-run.txt.json" >"$work/merge.out" 2>&1
 grep -q '| all |' "$work/merge.out"
 check "expseg-report-merge merges the reports" $? "$(head -3 "$work/merge.out")"
@@ -144,6 +230,6 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   echo "$out" | grep -q '^SKIP' || r=1
 fi
-check "README's test command: shim-tests/run.sh \"\$(python3 -m expseg --lib)\"" $r "$(echo "$out" | tail -2)"
+check "the GPU tests with the installed library: shim-tests/run.sh \"\$(python3 -m expseg --lib)\"" $r "$(echo "$out" | tail -2)"
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -364,7 +364,7 @@ fi
 # pages stayed held while the tensors lived (peak stranded bytes > 0: the test tested).
 # EXPSEG_COMPACT=1 (opt-in) moves the live pages under a hold of the default stream
 # (coalesce_held_moves): counted on the default stream; printed, not counted, the controls
-# that fault (without the fence; the worker on a side stream: README, "Limits").
+# that fault (without the fence; the worker on a side stream: docs/configuration.md, EXPSEG_COMPACT).
 race_runs() { # name runs env... -- checks each run's JSON with $check (python, e = expseg figures)
   local name=$1 runs=$2 ok=0 i line; shift 2
   for i in $(seq "$runs"); do

@@ -37,6 +37,8 @@ plain() { env -u LD_PRELOAD -u PYTORCH_CUDA_ALLOC_CONF -u PYTORCH_ALLOC_CONF "$@
 gpu=${CUDA_VISIBLE_DEVICES:-0}
 gpu=${gpu%%,*}
 smi() { nvidia-smi -i "$gpu" --query-gpu="$1" --format=csv,noheader,nounits | head -n 1 | tr -d ' '; }
+# The CLI runs with --json: one object per process, sizes in bytes ("bytes":N).
+bytes_of() { sed -n 's/.*"bytes":\([0-9]*\).*/\1/p' | head -n 1; }
 echo "library: $lib"
 echo "cli: $cli"
 echo "logs: $out"
@@ -65,11 +67,11 @@ result expseg_run_ready 0 "pid $pid after step 3"
 # 3. Pause from outside.
 used0=$(smi memory.used) free0=$(smi memory.free)
 t0=$(date +%s%N)
-pause_out=$("$cli" pause "$pid" 2>"$out/pause.err")
+pause_out=$("$cli" pause "$pid" --json 2>"$out/pause.err")
 rc=$?
 ms=$((($(date +%s%N) - t0) / 1000000))
 echo "$pause_out" >"$out/pause.out"
-bytes=$(sed -n "s/^pid $pid: paused \([0-9]*\) bytes.*/\1/p" <<<"$pause_out")
+bytes=$(bytes_of <<<"$pause_out")
 bytes=${bytes:-0}
 [ "$rc" = 0 ] && [ "$bytes" -gt 0 ]
 result cli_pause $? "rc $rc, ${ms} ms wall: $pause_out $(head -c 300 "$out/pause.err")"
@@ -99,17 +101,17 @@ PY
 fi
 
 # 4. What is paused, as the CLI tells it.
-paused_out=$("$cli" paused "$pid" 2>&1)
+paused_out=$("$cli" paused "$pid" --json 2>&1)
 rc=$?
-now=$(sed -n "s/^pid $pid: \([0-9]*\) bytes paused.*/\1/p" <<<"$paused_out")
+now=$(bytes_of <<<"$paused_out")
 [ "$rc" = 0 ] && [ "${now:-x}" = "$bytes" ]
 result cli_paused $? "$paused_out"
 # The same through --gpu 0 (the processes nvidia-smi lists on GPU 0), where nvidia-smi sees pids.
-gpu_out=$("$cli" paused --gpu 0 2>&1)
+gpu_out=$("$cli" paused --gpu 0 --json 2>&1)
 if grep -q "lists no process" <<<"$gpu_out"; then
   echo "SKIP cli_paused_gpu: nvidia-smi lists no process here ($gpu_out)"
 else
-  grep -q "^pid $pid: $bytes bytes paused" <<<"$gpu_out"
+  grep -q "^{\"pid\":$pid,\"command\":\"paused\",\"bytes\":$bytes}" <<<"$gpu_out"
   result cli_paused_gpu $? "$(head -c 300 <<<"$gpu_out")"
 fi
 
@@ -131,7 +133,7 @@ elif ! "${asuser[@]}" /bin/sh -c 'test -x "$0"' "$tmp/$(basename "$cli")" 2>/dev
 else
   other=$("${asuser[@]}" "$tmp/$(basename "$cli")" pause "$pid" 2>&1)
   rc=$?
-  after=$("$cli" paused "$pid" 2>&1)
+  after=$("$cli" paused "$pid" --json 2>&1)
   # exit 1 is a refusal; 126/127 would be a failure to run at all
   [ "$rc" = 1 ] && [ "$after" = "$paused_out" ]
   result other_user_refused $? "rc $rc: $(head -c 300 <<<"$other")"
@@ -156,11 +158,11 @@ while not os.path.exists(flag + ".go"):
 PY
   holder=$!
   for _ in $(seq 600); do [ -e "$out/holder.ready" ] || ! kill -0 $holder 2>/dev/null && break; sleep 0.1; done
-  partial=$("$cli" resume "$pid" 2>&1)
+  partial=$("$cli" resume "$pid" --json 2>&1)
   rc=$?
-  early=$(sed -n "s/.*(\([0-9]*\) bytes resumed before the failure.*/\1/p" <<<"$partial")
-  left=$("$cli" paused "$pid" 2>&1)
-  now=$(sed -n "s/^pid $pid: \([0-9]*\) bytes paused.*/\1/p" <<<"$left")
+  early=$(bytes_of <<<"$partial")
+  left=$("$cli" paused "$pid" --json 2>&1)
+  now=$(bytes_of <<<"$left")
   touch "$out/holder.go"
   wait $holder
   [ "$rc" = 1 ] && grep -q "not enough free GPU memory" <<<"$partial" && [ -n "$early" ] &&
@@ -171,14 +173,14 @@ fi
 
 # 6. Resume; the program goes on.
 t0=$(date +%s%N)
-resume_out=$("$cli" resume "$pid" 2>"$out/resume.err")
+resume_out=$("$cli" resume "$pid" --json 2>"$out/resume.err")
 rc=$?
 ms=$((($(date +%s%N) - t0) / 1000000))
-back=$(sed -n "s/^pid $pid: resumed \([0-9]*\) bytes.*/\1/p" <<<"$resume_out")
+back=$(bytes_of <<<"$resume_out")
 [ "$rc" = 0 ] && [ "${back:-x}" = "$((bytes - early))" ]
 result cli_resume $? "rc $rc, ${ms} ms wall: $resume_out $(head -c 300 "$out/resume.err")"
-after=$("$cli" paused "$pid" 2>&1)
-grep -q "^pid $pid: 0 bytes paused" <<<"$after"
+after=$("$cli" paused "$pid" --json 2>&1)
+grep -q "^{\"pid\":$pid,\"command\":\"paused\",\"bytes\":0}" <<<"$after"
 result cli_paused_after_resume $? "$after"
 touch "$out/expseg/go"
 for _ in $(seq 1200); do # up to 120 s

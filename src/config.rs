@@ -211,7 +211,7 @@ struct Var {
 const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_DISABLE",
-        set: |c, v| parse_bool(v).map(|b| c.disabled = b),
+        set: |c, v| set_switch(&mut c.disabled, v),
         show: |c| c.disabled.to_string(),
     },
     Var {
@@ -242,7 +242,7 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_DRIVER_API",
-        set: |c, v| parse_bool(v).map(|b| c.driver_api = b),
+        set: |c, v| set_switch(&mut c.driver_api, v),
         show: |c| c.driver_api.to_string(),
     },
     Var {
@@ -261,10 +261,7 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_TORCH_DEFAULTS",
         // Empty is the default, as `expseg-run` reads it (`${EXPSEG_TORCH_DEFAULTS:-1}`).
-        set: |c, v| {
-            c.torch_defaults = v.trim().is_empty() || parse_bool(v)?;
-            Ok(())
-        },
+        set: |c, v| set_switch(&mut c.torch_defaults, v),
         show: |c| u8::from(c.torch_defaults).to_string(),
     },
     Var {
@@ -285,12 +282,12 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_COMPACT",
-        set: |c, v| parse_bool(v).map(|b| c.compact = b),
+        set: |c, v| set_switch(&mut c.compact, v),
         show: |c| u8::from(c.compact).to_string(),
     },
     Var {
         name: "EXPSEG_SPLIT_TAIL",
-        set: |c, v| parse_bool(v).map(|b| c.split_tail = b),
+        set: |c, v| set_switch(&mut c.split_tail, v),
         show: |c| u8::from(c.split_tail).to_string(),
     },
     Var {
@@ -333,13 +330,14 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_MOVE_FENCE",
-        set: |c, v| parse_bool(v).map(|b| c.move_fence = b),
+        set: |c, v| set_switch(&mut c.move_fence, v),
         show: |c| c.move_fence.to_string(),
     },
     Var {
         name: "EXPSEG_PEER_HOLD",
         set: |c, v| {
             c.peer_hold = match v.trim() {
+                "" => return Ok(()),
                 "self" => PeerHold::SelfTest,
                 b => match parse_bool(b) {
                     Ok(true) => PeerHold::On,
@@ -357,17 +355,17 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_IPC_TICKETS",
-        set: |c, v| parse_bool(v).map(|b| c.ipc_tickets = b),
+        set: |c, v| set_switch(&mut c.ipc_tickets, v),
         show: |c| c.ipc_tickets.to_string(),
     },
     Var {
         name: "EXPSEG_CONTROL",
-        set: |c, v| parse_bool(v).map(|b| c.control = b),
+        set: |c, v| set_switch(&mut c.control, v),
         show: |c| c.control.to_string(),
     },
     Var {
         name: "EXPSEG_PAUSE_KEEP_HOST",
-        set: |c, v| parse_bool(v).map(|b| c.pause_keep_host = b),
+        set: |c, v| set_switch(&mut c.pause_keep_host, v),
         show: |c| c.pause_keep_host.to_string(),
     },
     Var {
@@ -528,12 +526,21 @@ pub fn valid_ipc_dir(v: &str) -> Result<(), &'static str> {
     }
 }
 
+/// A switch's word: 1/0, true/false, yes/no, on/off (any case); nothing else.
 fn parse_bool(v: &str) -> Result<bool, &'static str> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
+        "0" | "false" | "no" | "off" => Ok(false),
         _ => Err("1/0, true/false, yes/no or on/off"),
     }
+}
+
+/// Set a switch from its word; an empty value is as if unset (the default stays).
+fn set_switch(field: &mut bool, v: &str) -> Result<(), &'static str> {
+    if !v.trim().is_empty() {
+        *field = parse_bool(v)?;
+    }
+    Ok(())
 }
 
 /// One of two words: `Ok(false)` for the first, `Ok(true)` for the second, `Ok(default)` for
@@ -695,6 +702,56 @@ mod tests {
         let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "all")]);
         assert_eq!(bad.len(), 1, "{bad:?}");
         assert!(c.ipc_extent_torch, "the default kept");
+    }
+
+    #[test]
+    fn switches_take_only_their_words_and_anything_else_keeps_the_default() {
+        type Field = fn(&Config) -> bool;
+        let switches: [(&str, Field); 7] = [
+            ("EXPSEG_DISABLE", |c| c.disabled),
+            ("EXPSEG_DRIVER_API", |c| c.driver_api),
+            ("EXPSEG_TORCH_DEFAULTS", |c| c.torch_defaults),
+            ("EXPSEG_MOVE_FENCE", |c| c.move_fence),
+            ("EXPSEG_IPC_TICKETS", |c| c.ipc_tickets),
+            ("EXPSEG_CONTROL", |c| c.control),
+            ("EXPSEG_PAUSE_KEEP_HOST", |c| c.pause_keep_host),
+        ];
+        for (name, field) in switches {
+            let default = field(&Config::default());
+            for (word, want) in [
+                ("1", true),
+                ("true", true),
+                ("YES", true),
+                (" on ", true),
+                ("0", false),
+                ("false", false),
+                ("no", false),
+                ("Off", false),
+            ] {
+                let (c, bad) = with(&[(name, word)]);
+                assert!(
+                    bad.is_empty() && field(&c) == want,
+                    "{name}={word:?}: {bad:?}"
+                );
+            }
+            // Unset and empty are the same: the default, silently.
+            let (c, bad) = with(&[(name, " ")]);
+            assert!(
+                bad.is_empty() && field(&c) == default,
+                "{name}=\" \": {bad:?}"
+            );
+            for word in ["2", "-1", "enabled", "y", "disable"] {
+                let (c, bad) = with(&[(name, word)]);
+                assert_eq!(field(&c), default, "{name}={word:?}: the default is used");
+                assert_eq!(bad.len(), 1, "{name}={word:?}: one line");
+                assert!(
+                    bad[0].contains(&format!("{name}=\"{word}\""))
+                        && bad[0].contains("1/0, true/false, yes/no or on/off"),
+                    "{}",
+                    bad[0]
+                );
+            }
+        }
     }
 
     #[test]

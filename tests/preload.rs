@@ -478,6 +478,40 @@ fn a_device_without_vmm_passes_through_with_one_line() {
 }
 
 #[test]
+fn stats_say_active_only_where_the_pool_serves_and_why_not() {
+    let both = |r: &Run| (r.get("before_active"), r.get("after_active"));
+    let r = run("stats", &[]).ok();
+    assert_eq!(both(&r), ("1".into(), "1".into()));
+    for on in ["1", "on", "TRUE"] {
+        let r = run("stats", &[("EXPSEG_DISABLE", on)]).ok();
+        assert_eq!(both(&r), ("0".into(), "0".into()), "EXPSEG_DISABLE={on}");
+        assert_eq!(r.get("after_why"), "disabled_by_EXPSEG_DISABLE");
+    }
+    // A word that is not a switch's: one line naming it, and the default (enabled).
+    let r = run("stats", &[("EXPSEG_DISABLE", "2")]).ok();
+    assert_eq!(both(&r), ("1".into(), "1".into()));
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("EXPSEG_DISABLE=\"2\""), "{err}");
+    // A driver without the VMM calls: known before the first allocation.
+    let f = fixture();
+    let dirs = std::env::join_paths([f.dir.join("novmm"), f.dir.clone()]).unwrap();
+    let r = run_in(Path::new(&dirs), "prog", &["stats"], &[]).ok();
+    assert_eq!(both(&r), ("0".into(), "0".into()));
+    assert!(r
+        .get("before_why")
+        .starts_with("pass-through:_libcuda.so.1_lacks_cuMem"));
+    // A device without VMM: found out at its first allocation.
+    let r = run("stats", &[("FAKE_NO_VMM_ATTR", "1")]).ok();
+    assert_eq!(both(&r), ("1".into(), "0".into()));
+    assert!(
+        r.get("after_why").contains("virtual_memory_management"),
+        "{}",
+        r.get("after_why")
+    );
+}
+
+#[test]
 fn a_panic_becomes_an_error_code_not_a_crash() {
     let r = run("simple", &[("EXPSEG_TEST_PANIC", "cudaMalloc")]).ok();
     assert_eq!(
@@ -1301,6 +1335,32 @@ fn the_wrapper_fails_clearly_without_a_usable_library() {
 }
 
 #[test]
+fn an_unusable_report_directory_costs_one_warning_not_the_run() {
+    let out = wrapped(
+        &["sh", "-c", "echo \"report=${EXPSEG_REPORT:-none}\"; exit 3"],
+        &[
+            ("EXPSEG_REPORT_DIR", "/proc/nope"),
+            ("EXPSEG_TORCH_DEFAULTS", "0"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(3), "the command's own exit status");
+    assert_eq!(env_of(&out, "report").as_deref(), Some("none"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("expseg-run: warning: no report: cannot create /proc/nope"),
+        "{err}"
+    );
+    // Unknown options are named; `--` lets a command start with a dash.
+    let out = wrapped(&["--frob"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "expseg-run: unknown option '--frob' (see 'expseg-run --help')\n"
+    );
+}
+
+#[test]
 fn srun_tasks_get_rank_aware_reports_and_the_sbatch_template_parses() {
     let f = fixture();
     // A stand-in srun: runs the task once as Slurm rank 3, local rank 1.
@@ -1758,11 +1818,21 @@ fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_create
     }
     let dir = fixture().dir.join("no-srun");
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // A PATH of the tools the script needs and no srun (the machine may have Slurm's client).
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    for tool in ["bash", "dirname", "readlink", "mkdir"] {
+        let found = ["/usr/bin", "/bin"]
+            .iter()
+            .map(|d| Path::new(d).join(tool))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("{tool} not found"));
+        std::os::unix::fs::symlink(found, bin.join(tool)).unwrap();
+    }
     let out = Command::new(script("expseg-srun"))
         .args(["-N1", "--", "true"])
         .current_dir(&dir)
-        .env("PATH", "/usr/bin:/bin")
+        .env("PATH", &bin)
         .env_remove("EXPSEG_REPORT_DIR")
         .output()
         .unwrap();
@@ -2649,19 +2719,28 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     let p = cli(&["pause", &pid]);
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     assert!(
-        text(&p).starts_with(&format!("pid {pid}: paused {} bytes in ", 64u64 << 20)),
+        text(&p).starts_with(&format!("pid {pid}: paused 64.0 MiB in "))
+            && text(&p).ends_with(" s"),
         "{}",
         text(&p)
     );
     assert!(need(&mut Command::new(f.dir.join("prog"))).starts_with("need_rc=0"));
     assert_eq!(
         text(&cli(&["paused", &pid])),
-        format!("pid {pid}: {} bytes paused", 64u64 << 20)
+        format!("pid {pid}: 64.0 MiB paused")
+    );
+    // --json: the bytes, for scripts.
+    assert_eq!(
+        text(&cli(&["paused", &pid, "--json"])),
+        format!(
+            "{{\"pid\":{pid},\"command\":\"paused\",\"bytes\":{}}}",
+            64u64 << 20
+        )
     );
     // --all addresses every expseg process of the user (here: the sleeper alone serves).
     let all = cli(&["paused", "--all"]);
     assert!(
-        text(&all).contains(&format!("pid {pid}: {} bytes paused", 64u64 << 20)),
+        text(&all).contains(&format!("pid {pid}: 64.0 MiB paused")),
         "{}",
         text(&all)
     );
@@ -2689,9 +2768,16 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
         assert!(!o.status.success(), "another user is refused");
         assert!(String::from_utf8_lossy(&o.stderr).contains("belongs to uid"));
     }
-    let r = cli(&["resume", &pid]);
+    let r = cli(&["resume", &pid, "--json"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 64u64 << 20)));
+    assert!(
+        text(&r).starts_with(&format!(
+            "{{\"pid\":{pid},\"command\":\"resume\",\"bytes\":{},\"seconds\":",
+            64u64 << 20
+        )),
+        "{}",
+        text(&r)
+    );
     let mut stdin = sleeper.stdin.take().unwrap();
     stdin.write_all(b"check\n").unwrap();
     line.clear();
@@ -2718,20 +2804,17 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     assert!(!r.status.success());
     assert!(
         err.contains("not enough free GPU memory")
-            && err.contains(&format!(
-                "({} bytes resumed before the failure",
-                32u64 << 20
-            )),
+            && err.contains("(32.0 MiB resumed before the failure"),
         "{err}"
     );
     assert_eq!(
         text(&cli(&["paused", &pid])),
-        format!("pid {pid}: {} bytes paused", 32u64 << 20)
+        format!("pid {pid}: 32.0 MiB paused")
     );
     drop(keeper.stdin.take());
     assert!(keeper.wait().unwrap().success());
     let r = cli(&["resume", &pid]);
-    assert!(text(&r).starts_with(&format!("pid {pid}: resumed {} bytes", 32u64 << 20)));
+    assert!(text(&r).starts_with(&format!("pid {pid}: resumed 32.0 MiB in ")));
     stdin.write_all(b"check\n").unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();

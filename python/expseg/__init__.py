@@ -117,8 +117,10 @@ def trim():
 
 
 def active():
-    """Whether libexpseg.so is loaded in this process and serves it (not disabled by
-    ``EXPSEG_DISABLE``, not a forked child, VMM available)."""
+    """Whether libexpseg.so is loaded in this process and serves it: False where it passes
+    every call through (disabled by ``EXPSEG_DISABLE``, a forked child, no NVIDIA driver, a
+    driver without VMM, no device served), and ``stats()["why"]`` says which. A device
+    without VMM is found out at the first allocation on it; until then this is True."""
     return stats().get("active") is True
 
 

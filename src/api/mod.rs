@@ -545,7 +545,8 @@ fn revoke_peer(peer: i32, cur: i32) {
 
 /// The exit report's figures now, as its JSON object, with `active` (whether expseg serves
 /// this process) and, when not, `why`; for `expseg.stats()` in Python (`pyapi`). Starts
-/// nothing and makes no CUDA call.
+/// nothing and makes no CUDA call (before the pool starts, it looks for the driver library as
+/// the start would: without one, or without its VMM calls, everything passes through).
 pub fn live_report_json(library: &str) -> String {
     let started = STATE_STARTED.load(Ordering::Acquire);
     let (status, pools) = if started {
@@ -553,6 +554,8 @@ pub fn live_report_json(library: &str) -> String {
         (status(&st), pool_stats(&mut st))
     } else if config().disabled {
         ("disabled by EXPSEG_DISABLE".to_string(), Vec::new())
+    } else if let Some(why) = state::pass_through_before_start() {
+        (why, Vec::new())
     } else if !vmm::report_rows().is_empty() {
         (
             "coalescing PyTorch's pages (no cudaMalloc reached the pool)".to_string(),

@@ -94,8 +94,8 @@ static OWNER_PID: AtomicU32 = AtomicU32::new(0);
 enum Slot {
     Unopened,
     Open(Box<Pool<CudaDriver>>),
-    /// VMM cannot serve this device; its calls pass through.
-    Off,
+    /// VMM cannot serve this device (why); its calls pass through.
+    Off(String),
 }
 
 pub(super) struct State {
@@ -176,7 +176,7 @@ impl State {
                 }
                 Err(why) => {
                     log::warn!("{why}; its allocations pass through to cudaMalloc");
-                    Slot::Off
+                    Slot::Off(why)
                 }
             };
         }
@@ -269,15 +269,33 @@ pub(super) fn ensure_state() -> MutexGuard<'static, State> {
     g
 }
 
-/// Whether the pool is running, or why not; for reports and diagnostics.
+/// Whether the pool is running, or why not; for reports and diagnostics. "pass-through: ..."
+/// when every call so far passed through: no driver, or no device that was asked for could
+/// be served (no VMM).
 pub(super) fn status(st: &State) -> String {
     if config().disabled {
         return "disabled by EXPSEG_DISABLE".into();
     }
-    match &st.driver {
-        Ok(_) => "pool active".into(),
-        Err(why) => format!("pass-through: {why}"),
+    if let Err(why) = &st.driver {
+        return format!("pass-through: {why}");
     }
+    let served = st.pools.iter().any(|s| matches!(s, Slot::Open(_)));
+    match st.pools.iter().find_map(|s| match s {
+        Slot::Off(why) => Some(why),
+        _ => None,
+    }) {
+        Some(why) if !served => format!("pass-through: {why}"),
+        _ => "pool active".into(),
+    }
+}
+
+/// Before the pool starts: why it would pass everything through, where that is known without a
+/// CUDA call (the driver library is missing or lacks the VMM calls: what starting would find
+/// first, as `expseg doctor` does). Looks the library up, calls nothing in it.
+pub(super) fn pass_through_before_start() -> Option<String> {
+    real::driver()
+        .err()
+        .map(|why| format!("pass-through: {why}"))
 }
 
 /// Counters of every open pool.

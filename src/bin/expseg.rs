@@ -7,8 +7,12 @@
 //! `expseg pause|resume|paused PID...`: pause and resume the GPU memory of running expseg
 //! processes of the calling user, over their sockets (`expseg::ipc::control`). Processes
 //! found by `--tree`, `--gpu` or `--all` that are not expseg processes of the user's are
-//! skipped with a note; a named PID that does not answer is a failure (exit 1), and so is
-//! finding none that answers.
+//! skipped with a note, and a way of finding that finds none says so; a named PID that does
+//! not answer is a failure (exit 1), and so is finding none that answers. Sizes are printed
+//! for people (`16.2 GiB`), or in bytes as JSON lines with `--json`.
+//!
+//! Every command answers `--help` (the same text as `expseg help CMD`); a command line it
+//! cannot read is named in one line with a hint, exit status 2, as git and cargo do.
 
 use expseg::config::Config;
 use expseg::real::{self, DriverTable};
@@ -392,74 +396,233 @@ fn doctor() -> ExitCode {
 }
 
 const HELP: &str = "\
-expseg: tools for libexpseg.so
+usage: expseg COMMAND [ARGS...]
 
-usage:
-  expseg doctor        check whether expseg can work on this machine: glibc, driver, VMM and
-                       POSIX-fd export per device, pidfd_getfd, ticketed IPC in a child
-                       process, PyTorch's libcudart, the effective EXPSEG_* configuration;
-                       exits 1 when expseg cannot work (EXPSEG_LIB: the library to check)
-  expseg glibc FILE    the highest GLIBC_ version FILE requires
-  expseg pause PID... [--discard] [--tag NAME]
-                       pause the GPU memory of running expseg processes of yours: their
-                       bytes go to host memory (--discard: dropped), the GPU memory goes
-                       back to the driver, addresses stay; the program must not run GPU
-                       work on it until resumed (pause between steps)
-  expseg resume PID... [--tag NAME]
-                       the paused memory again, at the same addresses, bytes back
-  expseg paused PID... bytes paused now
-                       PID... may be --all (every expseg process of yours), --tree PID
-                       (PID and its descendants: a launcher and its workers), or --gpu N
-                       (the processes nvidia-smi lists on GPU N, an index or a UUID)
-  expseg --help        this text
+commands:
+  doctor          can expseg work on this machine? one verdict per line
+  pause PID...    pause the GPU memory of running expseg processes of yours
+  resume PID...   bring paused memory back, at the same addresses
+  paused PID...   how much memory is paused now
+  glibc FILE      the highest GLIBC_ version FILE requires
+  help COMMAND    a command's help (the same as expseg COMMAND --help)
 
-Run a program under expseg with scripts/expseg-run CMD (or LD_PRELOAD=libexpseg.so CMD);
-README.md lists the EXPSEG_* variables.
+options:
+  -h, --help      this text
+  -V, --version   expseg's version
+
+Run a program under expseg with expseg-run CMD (or LD_PRELOAD=/path/to/libexpseg.so CMD).
+The EXPSEG_* variables are listed in docs/configuration.md.
 ";
 
 const DOCTOR_HELP: &str = "\
 usage: expseg doctor
 
-Prints one verdict per line (ok, info, warn, FAIL): the system's glibc and the one
-libexpseg.so needs, the driver's CUDA version, each device's VMM support, POSIX-fd handles,
-granularity and export, whether pidfd_getfd is permitted, whether a ticketed IPC handle opens
-in a child process, which libcudart a PyTorch process loads, and every EXPSEG_* variable with
-its effective value (invalid values named). Exit status 1 when expseg cannot work here.
-The library checked is $EXPSEG_LIB, else the one next to this program.
+Can expseg work on this machine? One verdict per line (ok, info, warn, FAIL): the system's
+glibc and the one libexpseg.so needs, the NVIDIA driver's CUDA version, each device's VMM
+support, POSIX-fd handles, granularity and export, whether pidfd_getfd is permitted, whether
+a ticketed IPC handle opens in a child process, which libcudart a PyTorch process loads, and
+every EXPSEG_* variable with its effective value (invalid values named).
+
+The library checked is $EXPSEG_LIB, else the libexpseg.so next to this program.
+Exit status: 0 when expseg can work here, 1 when it cannot (FAIL lines).
 ";
 
+const GLIBC_HELP: &str = "\
+usage: expseg glibc FILE
+
+Prints the highest GLIBC_ version the ELF file FILE requires (\"none\" if it needs none): the
+check of the portable build. Exit status 2 when FILE cannot be read or is not ELF.
+";
+
+/// What `pause`, `resume` and `paused` share in their help: choosing processes, output, exit.
+const SELECT_HELP: &str = "\
+processes (any mix, at least one):
+  PID             this process (it must answer)
+  --all           every expseg process of yours
+  --tree PID      PID and its descendants (a launcher and its workers)
+  --gpu N         the processes nvidia-smi lists on GPU N (an index or a UUID)
+Processes found by --all, --tree or --gpu that are not expseg processes of yours are
+skipped with a note.
+
+output:
+  one line per process, sizes for people (\"pid 4242: paused 16.2 GiB in 0.87 s\");
+  --json: one JSON object per process and line instead, sizes in bytes:
+    {\"pid\":4242,\"command\":\"pause\",\"bytes\":17421041664,\"seconds\":0.871}
+    {\"pid\":4243,\"command\":\"pause\",\"error\":\"...\",\"bytes\":0}  (bytes done before it failed)
+
+Exit status: 0; 1 when a named PID does not answer or a request fails, or when no expseg
+process is found; 2 for a command line it cannot read.
+";
+
+const PAUSE_HELP: &str = "\
+usage: expseg pause (PID | --all | --tree PID | --gpu N)... [--discard] [--tag NAME] [--json]
+
+Pauses the GPU memory of running expseg processes of yours: each waits for its GPU, copies its
+live bytes to host memory (--discard: drops them) and gives the GPU memory back to the driver,
+so another process can take it. Addresses stay reserved: tensors, pointers and CUDA graphs
+stay valid. The program must run no GPU work on paused memory until it is resumed (pause
+between steps). Memory shared with other processes by IPC is left alone.
+
+  --discard       drop the bytes instead of copying them (they come back undefined)
+  --tag NAME      only memory allocated under expseg.tag(NAME)
+";
+
+const RESUME_HELP: &str = "\
+usage: expseg resume (PID | --all | --tree PID | --gpu N)... [--tag NAME] [--json]
+
+Makes paused memory again, at the same addresses, and copies its bytes back. Where the GPU has
+too little free memory, what fits is resumed and the rest stays paused with its bytes (exit
+status 1): resume again once memory is free.
+
+  --tag NAME      only memory allocated under expseg.tag(NAME)
+";
+
+const PAUSED_HELP: &str = "\
+usage: expseg paused (PID | --all | --tree PID | --gpu N)... [--json]
+
+How much GPU memory each process has paused now.
+";
+
+/// A command's help text, whole.
+fn command_help(cmd: &str) -> Option<String> {
+    Some(match cmd {
+        "doctor" => DOCTOR_HELP.to_string(),
+        "glibc" => GLIBC_HELP.to_string(),
+        "pause" => format!("{PAUSE_HELP}\n{SELECT_HELP}"),
+        "resume" => format!("{RESUME_HELP}\n{SELECT_HELP}"),
+        "paused" => format!("{PAUSED_HELP}\n{SELECT_HELP}"),
+        "help" => HELP.to_string(),
+        _ => return None,
+    })
+}
+
+/// A command line expseg cannot read: one line naming what, a hint, exit status 2.
+fn bad_usage(cmd: Option<&str>, what: &str) -> ExitCode {
+    let who = cmd.map_or("expseg".to_string(), |c| format!("expseg {c}"));
+    eprintln!("{who}: {what} (see '{who} --help')");
+    ExitCode::from(2)
+}
+
+fn is_help(a: &str) -> bool {
+    a == "--help" || a == "-h"
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let help = |a: Option<&String>| a.is_some_and(|a| a == "--help" || a == "-h");
-    if help(args.get(1)) || args.get(1).is_some_and(|a| a == "help") {
-        print!("{HELP}");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(first) = args.first().map(String::as_str) else {
+        eprint!("{HELP}");
+        return ExitCode::from(2);
+    };
+    let rest = &args[1..];
+    match first {
+        "-h" | "--help" => {
+            print!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+        "-V" | "--version" => {
+            println!("expseg {}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
+        "help" => {
+            return match rest {
+                [] => {
+                    print!("{HELP}");
+                    ExitCode::SUCCESS
+                }
+                [cmd] => match command_help(cmd) {
+                    Some(h) => {
+                        print!("{h}");
+                        ExitCode::SUCCESS
+                    }
+                    None => bad_usage(None, &format!("unknown command '{cmd}'")),
+                },
+                [_, extra, ..] => bad_usage(Some("help"), &format!("unknown argument '{extra}'")),
+            };
+        }
+        _ => {}
+    }
+    let Some(help) = command_help(first) else {
+        let what = if first.starts_with('-') {
+            "option"
+        } else {
+            "command"
+        };
+        return bad_usage(None, &format!("unknown {what} '{first}'"));
+    };
+    // `expseg CMD --help`: the same text as `expseg help CMD`, whatever else is on the line.
+    if rest.iter().any(|a| is_help(a)) {
+        print!("{help}");
         return ExitCode::SUCCESS;
     }
-    match args.get(1).map(String::as_str) {
-        Some("doctor") if help(args.get(2)) => {
-            print!("{DOCTOR_HELP}");
+    match first {
+        "doctor" => match rest.first() {
+            None => doctor(),
+            Some(a) => bad_usage(Some("doctor"), &format!("unknown argument '{a}'")),
+        },
+        "glibc" => match rest {
+            [file] if !file.starts_with('-') => glibc(file),
+            [] => bad_usage(Some("glibc"), "FILE missing"),
+            [a] => bad_usage(Some("glibc"), &format!("unknown option '{a}'")),
+            [_, extra, ..] => bad_usage(Some("glibc"), &format!("unknown argument '{extra}'")),
+        },
+        cmd => control(cmd, rest),
+    }
+}
+
+fn glibc(file: &str) -> ExitCode {
+    match std::fs::read(file)
+        .map_err(|e| e.to_string())
+        .and_then(|b| expseg::elf::glibc_requirement(&b).map_err(str::to_string))
+    {
+        Ok(v) => {
+            println!("{}", v.unwrap_or_else(|| "none".into()));
             ExitCode::SUCCESS
         }
-        Some("doctor") => doctor(),
-        Some(cmd @ ("pause" | "resume" | "paused")) => control(cmd, &args[2..]),
-        Some("glibc") if args.len() == 3 => match std::fs::read(&args[2])
-            .map_err(|e| e.to_string())
-            .and_then(|b| expseg::elf::glibc_requirement(&b).map_err(str::to_string))
-        {
-            Ok(v) => {
-                println!("{}", v.unwrap_or_else(|| "none".into()));
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("expseg glibc: {}: {e}", args[2]);
-                ExitCode::from(2)
-            }
-        },
-        _ => {
-            eprint!("{HELP}");
+        Err(e) => {
+            eprintln!("expseg glibc: {file}: {e}");
             ExitCode::from(2)
         }
     }
+}
+
+/// Bytes for people: `512 B`, `64.0 MiB`, `16.2 GiB`.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// A JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut o = String::with_capacity(s.len() + 2);
+    o.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+/// A way of finding processes other than naming them, and what it found.
+struct Selector {
+    /// As the user wrote it: `--all`, `--tree 42`, `--gpu 0`.
+    label: String,
+    pids: Vec<u32>,
+    /// Why it may have found nothing, for the "no expseg process found" line.
+    hint: Option<String>,
 }
 
 /// `expseg pause|resume|paused`: one request per process, one line per answer.
@@ -467,38 +630,56 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     use expseg::ipc::control::{self, Control};
     use expseg::ipc::sockdir::current_uid;
     use expseg::ipc::transport::AskError;
-    let (mut pids, mut tag, mut discard, mut all) = (Vec::new(), None, false, false);
+    let (mut tag, mut discard, mut all, mut json) = (None, false, false, false);
     // Processes named by PID must answer; those found by --tree, --gpu or --all may be no
     // expseg process of the user's (a launcher, a data loader worker, another user's job on
     // the GPU): skipped with a note, not failures.
     let mut named: Vec<u32> = Vec::new();
+    let mut selectors: Vec<Selector> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--discard" if cmd == "pause" => discard = true,
+            "--json" => json = true,
             "--all" => all = true,
             "--tag" if cmd != "paused" => match it.next() {
-                Some(t) if !t.is_empty() => tag = Some(expseg::api::sleep::tag_of(t)),
-                _ => return usage(cmd, "--tag needs a name"),
+                Some(t) if !t.is_empty() && !t.starts_with('-') => {
+                    tag = Some(expseg::api::sleep::tag_of(t))
+                }
+                _ => return bad_usage(Some(cmd), "--tag needs a name"),
             },
             "--tree" => match it.next().and_then(|p| p.parse::<u32>().ok()) {
-                Some(p) => pids.extend(tree(p)),
-                None => return usage(cmd, "--tree needs a PID"),
-            },
-            "--gpu" => match it.next().map(|g| on_gpu(g)) {
-                Some(Ok(p)) => pids.extend(p),
-                Some(Err(e)) => {
-                    eprintln!("expseg {cmd}: --gpu: {e}");
-                    return ExitCode::FAILURE;
+                Some(p) => {
+                    let exists = Path::new(&format!("/proc/{p}")).exists();
+                    selectors.push(Selector {
+                        label: format!("--tree {p}"),
+                        pids: if exists { tree(p) } else { Vec::new() },
+                        hint: (!exists).then(|| format!("there is no process {p}")),
+                    });
                 }
-                None => return usage(cmd, "--gpu needs an index or a UUID"),
+                None => return bad_usage(Some(cmd), "--tree needs a PID"),
+            },
+            "--gpu" => match it.next() {
+                Some(g) if !g.starts_with('-') => {
+                    let (pids, hint) = match on_gpu(g) {
+                        Ok(p) if p.is_empty() => (p, Some(format!("nvidia-smi lists no process on GPU {g}; in a container it may not see them: name the PIDs"))),
+                        Ok(p) => (p, None),
+                        Err(e) => (Vec::new(), Some(e)),
+                    };
+                    selectors.push(Selector {
+                        label: format!("--gpu {g}"),
+                        pids,
+                        hint,
+                    });
+                }
+                _ => return bad_usage(Some(cmd), "--gpu needs an index or a UUID"),
             },
             p => match p.parse::<u32>() {
-                Ok(p) => {
-                    pids.push(p);
-                    named.push(p);
+                Ok(p) => named.push(p),
+                Err(_) if p.starts_with('-') => {
+                    return bad_usage(Some(cmd), &format!("unknown option '{p}'"))
                 }
-                Err(_) => return usage(cmd, &format!("unknown argument {p}")),
+                Err(_) => return bad_usage(Some(cmd), &format!("unknown argument '{p}'")),
             },
         }
     }
@@ -506,44 +687,79 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     if all {
         // Sockets of processes that are gone (killed before they could remove theirs) are
         // not processes of the user's any more: skipped.
-        let alive = |p: &u32| std::path::Path::new(&format!("/proc/{p}")).exists();
-        pids.extend(
-            expseg::ipc::reclaim::peers(uid, std::process::id())
+        let alive = |p: &u32| Path::new(&format!("/proc/{p}")).exists();
+        selectors.push(Selector {
+            label: "--all".into(),
+            pids: expseg::ipc::reclaim::peers(uid, std::process::id())
                 .into_iter()
-                .filter(alive),
+                .filter(alive)
+                .collect(),
+            hint: None,
+        });
+    }
+    if named.is_empty() && selectors.is_empty() {
+        return bad_usage(
+            Some(cmd),
+            "name the processes: PID..., --all, --tree PID or --gpu N",
         );
     }
+    let mut pids: Vec<u32> = named
+        .iter()
+        .chain(selectors.iter().flat_map(|s| s.pids.iter()))
+        .copied()
+        .collect();
     pids.sort_unstable();
     pids.dedup();
-    if pids.is_empty() {
-        return usage(cmd, "no process named (PID..., --all or --tree PID)");
-    }
     let c = match cmd {
         "pause" => Control::Pause { tag, discard },
         "resume" => Control::Resume { tag },
         _ => Control::Query,
     };
-    let (mut ok, mut answered) = (true, 0usize);
+    let mut ok = true;
+    let mut answered: Vec<u32> = Vec::new();
+    let fail = |pid: u32, why: String, done: u64| {
+        if json {
+            println!(
+                "{{\"pid\":{pid},\"command\":{},\"error\":{},\"bytes\":{done}}}",
+                json_str(cmd),
+                json_str(&why)
+            );
+        } else {
+            eprintln!("pid {pid}: {cmd} failed: {why}");
+        }
+    };
     for pid in pids {
         let found = !named.contains(&pid);
         if let Some(owner) = owner_of(pid).filter(|o| *o != uid) {
             if found {
                 eprintln!("pid {pid}: belongs to uid {owner}: skipped");
             } else {
-                eprintln!("pid {pid}: belongs to uid {owner}; expseg pauses and resumes only processes of your own user ({uid})");
                 ok = false;
+                fail(pid, format!("belongs to uid {owner}; expseg pauses and resumes only processes of your own user ({uid})"), 0);
             }
             continue;
         }
         let t = std::time::Instant::now();
         match control::ask(uid, pid, c, control::TIMEOUT) {
             Ok(n) => {
-                answered += 1;
+                answered.push(pid);
                 let s = t.elapsed().as_secs_f64();
+                if json {
+                    let secs = match c {
+                        Control::Query => String::new(),
+                        _ => format!(",\"seconds\":{s:.3}"),
+                    };
+                    println!(
+                        "{{\"pid\":{pid},\"command\":{},\"bytes\":{n}{secs}}}",
+                        json_str(cmd)
+                    );
+                    continue;
+                }
+                let n = human(n);
                 match c {
-                    Control::Pause { .. } => println!("pid {pid}: paused {n} bytes in {s:.3} s"),
-                    Control::Resume { .. } => println!("pid {pid}: resumed {n} bytes in {s:.3} s"),
-                    Control::Query => println!("pid {pid}: {n} bytes paused"),
+                    Control::Pause { .. } => println!("pid {pid}: paused {n} in {s:.2} s"),
+                    Control::Resume { .. } => println!("pid {pid}: resumed {n} in {s:.2} s"),
+                    Control::Query => println!("pid {pid}: {n} paused"),
                 }
             }
             Err(AskError::Unreachable(_)) if found => {
@@ -551,18 +767,23 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
             }
             Err(e) => {
                 ok = false;
-                let why = match e {
-                    AskError::Unreachable(e) => format!("no answer ({e}): not an expseg process of yours, or EXPSEG_CONTROL=0 there, or it made no GPU allocation yet"),
-                    AskError::Refused(r, done) => refused(c, r, done),
-                    AskError::Untrusted(w) => format!("not asked: {w}"),
-                    AskError::Protocol(w) => format!("bad answer: {w}"),
+                let (why, done) = match e {
+                    AskError::Unreachable(e) => (format!("no answer ({e}): not an expseg process of yours, or EXPSEG_CONTROL=0 there, or it made no GPU allocation yet"), 0),
+                    AskError::Refused(r, done) => (refused(c, r, done, json), done),
+                    AskError::Untrusted(w) => (format!("not asked: {w}"), 0),
+                    AskError::Protocol(w) => (format!("bad answer: {w}"), 0),
                 };
-                eprintln!("pid {pid}: {cmd} failed: {why}");
+                fail(pid, why, done);
             }
         }
     }
-    if named.is_empty() && answered == 0 {
-        eprintln!("expseg {cmd}: no expseg process of yours among the processes found");
+    for s in &selectors {
+        if !s.pids.iter().any(|p| answered.contains(p)) {
+            let hint = s.hint.as_ref().map_or(String::new(), |h| format!(" ({h})"));
+            eprintln!("expseg {cmd}: {}: no expseg process found{hint}", s.label);
+        }
+    }
+    if named.is_empty() && answered.is_empty() {
         ok = false;
     }
     match ok {
@@ -571,8 +792,14 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
     }
 }
 
-/// Why a pause, resume or query was refused, and what was done before it.
-fn refused(c: expseg::ipc::control::Control, r: expseg::ipc::Refusal, done: u64) -> String {
+/// Why a pause, resume or query was refused, and what was done before it (in bytes for
+/// `--json`, where the answer's `bytes` carries them, for people otherwise).
+fn refused(
+    c: expseg::ipc::control::Control,
+    r: expseg::ipc::Refusal,
+    done: u64,
+    json: bool,
+) -> String {
     use expseg::ipc::control::Control;
     use expseg::ipc::Refusal::NoMemory;
     let why = match (c, r) {
@@ -580,21 +807,18 @@ fn refused(c: expseg::ipc::control::Control, r: expseg::ipc::Refusal, done: u64)
         (Control::Pause { .. }, NoMemory) => "not enough host memory for the paused bytes (its MemAvailable or cgroup limit, less 1 GiB kept for the system): the rest stays on the GPU; free host memory or pause with --discard".to_string(),
         _ => format!("refused ({r:?}): see that process's [expseg] log lines"),
     };
+    let done = if json {
+        format!("{done} bytes")
+    } else {
+        human(done)
+    };
     match c {
-        Control::Pause { .. } => {
-            format!("{why} ({done} bytes paused before the failure stay paused)")
-        }
+        Control::Pause { .. } => format!("{why} ({done} paused before the failure stay paused)"),
         Control::Resume { .. } => {
-            format!("{why} ({done} bytes resumed before the failure stay resumed)")
+            format!("{why} ({done} resumed before the failure stay resumed)")
         }
         Control::Query => why,
     }
-}
-
-fn usage(cmd: &str, why: &str) -> ExitCode {
-    eprintln!("expseg {cmd}: {why}\n");
-    eprint!("{HELP}");
-    ExitCode::from(2)
 }
 
 /// The uid that owns process `pid` (None: no such process visible).
@@ -605,7 +829,8 @@ fn owner_of(pid: u32) -> Option<u32> {
         .map(|m| m.uid())
 }
 
-/// The processes `nvidia-smi` lists on GPU `gpu` (its index or UUID).
+/// The processes `nvidia-smi` lists on GPU `gpu` (its index or UUID); none is an answer, a GPU
+/// that is not there or an `nvidia-smi` that does not run is an error.
 fn on_gpu(gpu: &str) -> Result<Vec<u32>, String> {
     let q = |args: &[&str]| -> Result<String, String> {
         let out = std::process::Command::new("nvidia-smi")
@@ -635,10 +860,7 @@ fn on_gpu(gpu: &str) -> Result<Vec<u32>, String> {
         .filter(|(_, u)| u.trim() == uuid)
         .filter_map(|(p, _)| p.trim().parse().ok())
         .collect();
-    match pids.is_empty() {
-        true => Err(format!("nvidia-smi lists no process on GPU {gpu} (in a container it may not see them: name the PIDs)")),
-        false => Ok(pids),
-    }
+    Ok(pids)
 }
 
 /// `root` and every process descended from it.
@@ -664,4 +886,34 @@ fn tree(root: u32) -> Vec<u32> {
         i += 1;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_printed_for_people() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(1023), "1023 B");
+        assert_eq!(human(64 << 20), "64.0 MiB");
+        assert_eq!(human(17_421_041_664), "16.2 GiB");
+        assert_eq!(human(3 << 40), "3.0 TiB");
+        assert_eq!(human(u64::MAX), "16384.0 PiB");
+    }
+
+    #[test]
+    fn json_strings_are_escaped() {
+        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+    }
+
+    #[test]
+    fn every_command_has_its_help() {
+        for cmd in ["doctor", "glibc", "pause", "resume", "paused", "help"] {
+            let h = command_help(cmd).unwrap();
+            assert!(h.starts_with("usage: expseg"), "{cmd}: {h}");
+            assert!(!h.contains("scripts/"), "{cmd}: installed names only");
+        }
+        assert!(command_help("frobnicate").is_none());
+    }
 }

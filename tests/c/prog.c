@@ -797,6 +797,31 @@ static int reset(void) {
   return 0;
 }
 
+/* What expseg.stats() reads (the library's expseg_stats_json): WHEN_active=0|1 and, when not
+ * active, WHEN_why=... with spaces as '_'. */
+static void print_stats(const char* when) {
+  size_t (*f)(char*, size_t) = (size_t (*)(char*, size_t))dlsym(RTLD_DEFAULT, "expseg_stats_json");
+  static char buf[1 << 16];
+  if (!f || f(buf, sizeof buf) == 0) { printf("%s_loaded=0\n", when); return; }
+  printf("%s_active=%d\n", when, strstr(buf, "\"active\":true") != 0);
+  const char* w = strstr(buf, "\"why\":\"");
+  if (!w) return;
+  printf("%s_why=", when);
+  for (w += 7; *w && *w != '"'; w++) putchar(*w == ' ' ? '_' : *w);
+  putchar('\n');
+}
+
+/* expseg.stats()'s view before and after one allocation. */
+static int stats(void) {
+  print_stats("before");
+  void* p = 0;
+  int rc = cudaMalloc(&p, 4 * MIB);
+  printf("malloc_rc=%d\n", rc);
+  print_stats("after");
+  if (!rc) cudaFree(p);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
@@ -816,6 +841,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "peer_mirror")) return peer_mirror();
   if (!strcmp(s, "fork")) return forked();
   if (!strcmp(s, "simple")) return simple();
+  if (!strcmp(s, "stats")) return stats();
   if (!strcmp(s, "mirror_race")) return mirror_race();
   if (!strcmp(s, "move_race")) return move_race();
   if (!strcmp(s, "wait")) return wait_for_term();
