@@ -13,6 +13,7 @@
 //! ticket gets an error, never memory.
 
 pub mod control;
+pub mod ns;
 pub mod reclaim;
 pub mod sockdir;
 mod ticket;

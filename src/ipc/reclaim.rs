@@ -32,7 +32,10 @@ pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
 /// process is listed too; asking it fails at once). Nothing when the directory is not
 /// private to `uid`.
 pub fn peers(uid: u32, me: u32) -> Vec<u32> {
-    peers_in(&sockdir::socket_dir(uid), uid, me)
+    match sockdir::socket_dir(uid) {
+        Ok(dir) => peers_in(&dir, uid, me),
+        Err(_) => Vec::new(),
+    }
 }
 
 fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
@@ -57,7 +60,8 @@ fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
 /// Ask process `pid` of `uid` to give back what it holds beyond live memory on the GPU of
 /// `key`: the bytes it gave back.
 pub fn ask_one(uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
-    ask_at(&sockdir::socket_path(uid, pid), uid, pid, key, timeout)
+    let path = sockdir::socket_path(uid, pid).map_err(AskError::Untrusted)?;
+    ask_at(&path, uid, pid, key, timeout)
 }
 
 fn ask_at(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
@@ -74,7 +78,10 @@ pub struct Answer {
 /// Ask every other expseg process of `uid` at once (one thread each, each bounded by
 /// `timeout`): their answers, in pid order.
 pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    ask_peers_in(&sockdir::socket_dir(uid), uid, me, key, timeout)
+    match sockdir::socket_dir(uid) {
+        Ok(dir) => ask_peers_in(&dir, uid, me, key, timeout),
+        Err(_) => Vec::new(),
+    }
 }
 
 fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {

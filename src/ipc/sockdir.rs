@@ -2,6 +2,7 @@
 //! directory per user (and per pid namespace) under `${EXPSEG_IPC_DIR:-/tmp}`, private to
 //! that user, with one socket per producer process named by its pid.
 
+use super::ns::{self, PidNamespace};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -10,34 +11,27 @@ use std::path::{Path, PathBuf};
 /// `/tmp` each have their own pid 7: one process's socket must not be taken for, or removed
 /// as the stale socket of, another's; a ticket names its producer by pid, which a process of
 /// another pid namespace could not check anyway). An invalid `EXPSEG_IPC_DIR` (named once on
-/// stderr by the configuration) means `/tmp`.
-pub fn socket_dir(uid: u32) -> PathBuf {
+/// stderr by the configuration) means `/tmp`. `Err`: this process's pid namespace is unknown
+/// (`ns::own`), and it has no socket directory.
+pub fn socket_dir(uid: u32) -> Result<PathBuf, String> {
     let base = std::env::var("EXPSEG_IPC_DIR")
         .ok()
         .filter(|v| crate::config::valid_ipc_dir(v).is_ok())
         .unwrap_or_else(|| "/tmp".into());
-    Path::new(&base).join(dir_name(uid, *PID_NAMESPACE))
+    Ok(Path::new(&base).join(dir_name(uid, ns::own()?)))
 }
 
-/// The inode of the host's pid namespace (`PROC_PID_INIT_INO`).
-const HOST_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
-
-/// This process's pid namespace (the inode of `/proc/self/ns/pid`); unknown means the host's.
-static PID_NAMESPACE: once_cell::sync::Lazy<u64> = once_cell::sync::Lazy::new(|| {
-    std::fs::metadata("/proc/self/ns/pid").map_or(HOST_PID_NAMESPACE, |m| m.ino())
-});
-
-fn dir_name(uid: u32, pid_namespace: u64) -> String {
-    if pid_namespace == HOST_PID_NAMESPACE {
+fn dir_name(uid: u32, pid_namespace: PidNamespace) -> String {
+    if pid_namespace.is_host() {
         format!("expseg-{uid}")
     } else {
-        format!("expseg-{uid}-ns{pid_namespace}")
+        format!("expseg-{uid}-ns{}", pid_namespace.ino)
     }
 }
 
-/// The socket of producer `pid` of user `uid`.
-pub fn socket_path(uid: u32, pid: u32) -> PathBuf {
-    socket_dir(uid).join(format!("{pid}.sock"))
+/// The socket of producer `pid` of user `uid` (`Err`: the pid namespace is unknown).
+pub fn socket_path(uid: u32, pid: u32) -> Result<PathBuf, String> {
+    Ok(socket_dir(uid)?.join(format!("{pid}.sock")))
 }
 
 /// This process's effective uid: whose socket directory it uses.
@@ -52,7 +46,7 @@ pub fn current_uid() -> u32 {
 /// (0711), and the producer's uid check decides.
 pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
     let mode = if others { 0o711 } else { 0o700 };
-    let dir = socket_dir(uid);
+    let dir = socket_dir(uid)?;
     match std::fs::DirBuilder::new().mode(mode).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -99,16 +93,34 @@ mod tests {
 
     #[test]
     fn each_pid_namespace_has_its_own_socket_directory() {
-        assert_eq!(dir_name(1000, HOST_PID_NAMESPACE), "expseg-1000");
-        assert_eq!(dir_name(1000, 4026532301), "expseg-1000-ns4026532301");
-        assert_ne!(dir_name(1000, 4026532301), dir_name(1000, 4026532302));
+        let ns = |ino| PidNamespace { dev: 4, ino };
+        assert_eq!(dir_name(1000, ns(PidNamespace::HOST_INO)), "expseg-1000");
+        assert_eq!(dir_name(1000, ns(4026532301)), "expseg-1000-ns4026532301");
+        assert_ne!(
+            dir_name(1000, ns(4026532301)),
+            dir_name(1000, ns(4026532302))
+        );
         // This process: the name its own namespace gives (the host's here, or a container's).
-        let name = socket_dir(1000);
+        let name = socket_dir(1000).unwrap();
         let name = name.file_name().unwrap().to_str().unwrap();
         assert!(
             name == "expseg-1000" || name.starts_with("expseg-1000-ns"),
             "{name}"
         );
+    }
+
+    #[test]
+    fn an_unknown_pid_namespace_means_no_socket_directory() {
+        // Taken for the host's, the directory would be the host processes' own, where a live
+        // socket of a host process with this pid could be taken for ours.
+        ns::UNKNOWN.with(|u| u.set(true));
+        let dir = socket_dir(current_uid());
+        let path = socket_path(current_uid(), 7);
+        let prepared = prepare_dir(current_uid(), false);
+        ns::UNKNOWN.with(|u| u.set(false));
+        for e in [dir.unwrap_err(), path.unwrap_err(), prepared.unwrap_err()] {
+            assert!(e.contains("/proc/self/ns/pid") && e.contains("off"), "{e}");
+        }
     }
 
     #[test]

@@ -128,7 +128,7 @@ pub fn serve(
     admit: impl Fn(u32) -> bool + Send + 'static,
     decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
 ) -> Result<(), String> {
-    let _ = std::fs::remove_file(path); // a stale socket of a dead process with our pid
+    clear_stale(path)?;
     let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
     // Connecting needs write permission on the socket: for allowed other users, everyone may
     // connect, and the uid check decides.
@@ -184,6 +184,35 @@ pub fn serve(
         })
         .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
     Ok(())
+}
+
+/// Make way for a socket at `path`: a file there that no process listens on (the socket of a
+/// dead process that had this pid) is removed; a live socket is never touched: another process
+/// serves there (of another pid namespace whose directory name is the same), and this one
+/// serves nothing rather than take its socket away.
+fn clear_stale(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(found) = std::fs::symlink_metadata(path) else {
+        return Ok(()); // nothing there
+    };
+    match connect_within(path, Duration::from_millis(200)) {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+            // Only the file found dead: not one a process with the same pid made meanwhile.
+            let now = std::fs::symlink_metadata(path);
+            if now.is_ok_and(|m| (m.dev(), m.ino()) == (found.dev(), found.ino())) {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Ok(_) => Err(format!(
+            "{}: another process serves this socket; this process serves none",
+            path.display()
+        )),
+        Err(e) => Err(format!(
+            "{}: a socket that may be another process's ({e}); this process serves none",
+            path.display()
+        )),
+    }
 }
 
 /// Connect to the socket at `path`, waiting at most `timeout` (`std`'s connect waits without a
@@ -552,6 +581,42 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
         assert!(!queued.is_empty(), "connects succeed while there is room");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_live_socket_is_never_unlinked_a_dead_one_is_replaced() {
+        let dir = std::env::temp_dir().join(format!("expseg-live-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("7.sock");
+        // Another process's live socket at the same name (another namespace's pid 7).
+        let theirs = UnixListener::bind(&path).unwrap();
+        let e = serve(
+            &path,
+            false,
+            |_| true,
+            |_, _, _| Err(Refusal::Unknown.into()),
+        )
+        .unwrap_err();
+        assert!(e.contains("another process serves"), "{e}");
+        let mut c = UnixStream::connect(&path).expect("their socket still answers");
+        theirs.accept().unwrap();
+        c.write_all(b"x").unwrap();
+        // Once it is dead, the name is free: the stale file goes, this process serves there.
+        drop(theirs);
+        serve(
+            &path,
+            false,
+            |_| true,
+            |_, _, _| Err(Refusal::Unknown.into()),
+        )
+        .unwrap();
+        let me = (current_uid(), std::process::id());
+        assert!(matches!(
+            ask(&path, me.0, me.1, 3, 1),
+            Err(AskError::Refused(Refusal::Unknown, 0))
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

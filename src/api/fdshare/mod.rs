@@ -50,7 +50,13 @@ pub fn exported(fd: i32, handle: u64) {
 pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
     let pid = pid_of_pidfd(pidfd)?;
     let uid = sockdir::current_uid();
-    let path = sockdir::socket_path(uid, pid);
+    let path = match sockdir::socket_path(uid, pid) {
+        Ok(path) => path,
+        Err(why) => {
+            log::warn!("pidfd_getfd of descriptor {fd} of process {pid} was denied, and its expseg cannot be asked: {why}");
+            return None;
+        }
+    };
     if std::fs::symlink_metadata(&path).is_err() {
         return None; // the producer does not run expseg (or shared nothing through it)
     }

@@ -126,20 +126,23 @@ fn server_ready(st: &mut State) -> bool {
     st.ipc.server == Some(true)
 }
 
+/// The pid that serves and its socket, removed when that process exits.
+static SERVED: OnceCell<(u32, std::path::PathBuf)> = OnceCell::new();
+
 fn start_server() -> Result<(), String> {
     // Nonces are what keeps other processes of the user from guessing tickets.
     crate::ipc::random_u64()
         .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
     let uid = sockdir::current_uid();
     let others = !config().ipc_allow_uids.is_empty();
-    sockdir::prepare_dir(uid, others)?;
-    let path = sockdir::socket_path(uid, std::process::id());
+    let path = sockdir::prepare_dir(uid, others)?.join(format!("{}.sock", std::process::id()));
     transport::serve(&path, others, admitted, decide)?;
+    let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
-        let _ = std::fs::remove_file(sockdir::socket_path(
-            sockdir::current_uid(),
-            std::process::id(),
-        ));
+        // A forked child exits with this handler too: the socket stays its parent's.
+        if let Some((_, path)) = SERVED.get().filter(|s| s.0 == std::process::id()) {
+            let _ = std::fs::remove_file(path);
+        }
     }
     #[allow(unsafe_code)]
     // SAFETY: registers a plain extern "C" function that removes one file.
