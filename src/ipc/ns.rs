@@ -65,6 +65,39 @@ fn read_own(proc: &Path) -> Result<PidNamespace, String> {
     })
 }
 
+/// Whether process `pid` (this namespace's number, as `SO_PEERCRED` gives it) is in pid
+/// namespace `own`, this process's. `Err` says why not, or why it cannot be told.
+///
+/// A process of an outer or a sibling namespace has no number here: the kernel gives pid 0.
+/// A process of a namespace inside this one has a number here and more below: its
+/// `/proc/<pid>/status` lists more than one. Its `/proc/<pid>/ns/pid` is compared too where it
+/// can be read (another user's process needs ptrace rights for that link; its status file
+/// needs none, so an `EXPSEG_IPC_ALLOW_UIDS` peer is checked by the status alone).
+pub fn check_peer(pid: u32, own: PidNamespace) -> Result<(), String> {
+    check_peer_in(Path::new("/proc"), pid, own)
+}
+
+fn check_peer_in(proc: &Path, pid: u32, own: PidNamespace) -> Result<(), String> {
+    if pid == 0 {
+        return Err("a process of another pid namespace (the kernel gives it no pid here)".into());
+    }
+    let entry = proc.join(pid.to_string());
+    let depth = nspid_depth(&entry.join("status"));
+    if depth.is_some_and(|d| d != 1) {
+        return Err(format!(
+            "process {pid} is in a pid namespace inside this one"
+        ));
+    }
+    match std::fs::metadata(entry.join("ns/pid")) {
+        Ok(md) if (md.dev(), md.ino()) == (own.dev, own.ino) => Ok(()),
+        Ok(_) => Err(format!("process {pid} is in another pid namespace")),
+        Err(_) if depth == Some(1) => Ok(()),
+        Err(e) => Err(format!(
+            "cannot tell the pid namespace of process {pid} ({e})"
+        )),
+    }
+}
+
 /// How many pid namespaces number the process whose status file is `status` (the `NSpid:`
 /// line: procfs's namespace down to the process's own), if the file says.
 fn nspid_depth(status: &Path) -> Option<usize> {
@@ -97,6 +130,70 @@ mod tests {
         UNKNOWN.with(|u| u.set(true));
         assert!(super::own().is_err());
         UNKNOWN.with(|u| u.set(false));
+    }
+
+    #[test]
+    fn peers_of_other_pid_namespaces_are_told_apart() {
+        let own = own().unwrap();
+        assert!(check_peer(std::process::id(), own).is_ok());
+        assert!(check_peer(0, own)
+            .unwrap_err()
+            .contains("another pid namespace"));
+        // A procfs where process 42 is numbered in two namespaces (its own inside this one),
+        // or has a namespace link of another namespace.
+        let fake = std::env::temp_dir().join(format!("expseg-fakeproc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&fake);
+        std::fs::create_dir_all(fake.join("42/ns")).unwrap();
+        std::fs::write(fake.join("42/status"), "NSpid:\t42\t1\n").unwrap();
+        std::fs::write(fake.join("42/ns/pid"), "").unwrap();
+        let e = check_peer_in(&fake, 42, own).unwrap_err();
+        assert!(e.contains("inside this one"), "{e}");
+        std::fs::write(fake.join("42/status"), "NSpid:\t42\n").unwrap();
+        let e = check_peer_in(&fake, 42, own).unwrap_err();
+        assert!(e.contains("another pid namespace"), "{e}");
+        // The link unreadable (another user's process): the status alone decides.
+        std::fs::remove_file(fake.join("42/ns/pid")).unwrap();
+        assert!(check_peer_in(&fake, 42, own).is_ok());
+        // Neither readable (a process gone): refused.
+        std::fs::remove_file(fake.join("42/status")).unwrap();
+        assert!(check_peer_in(&fake, 42, own).is_err());
+        let _ = std::fs::remove_dir_all(&fake);
+        // A real process of another namespace, where this machine lets us make one.
+        if let Some(mut child) = in_new_pid_namespace() {
+            let e = check_peer(child.1, own).unwrap_err();
+            assert!(e.contains("inside this one"), "{e}");
+            let _ = child.0.kill();
+            let _ = child.0.wait();
+        }
+    }
+
+    /// `unshare --pid --fork sleep 30`: the child and the pid of its sleep (numbered here),
+    /// or `None` (with a line saying why) where this machine cannot make pid namespaces.
+    pub(crate) fn in_new_pid_namespace() -> Option<(std::process::Child, u32)> {
+        let child = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "sleep", "30"])
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        let Ok(mut child) = child else {
+            eprintln!("skipped: no unshare here");
+            return None;
+        };
+        for _ in 0..200 {
+            let kids = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))
+                .unwrap_or_default();
+            if let Some(pid) = kids.split_whitespace().next().and_then(|p| p.parse().ok()) {
+                return Some((child, pid));
+            }
+            if let Ok(Some(_)) = child.try_wait() {
+                eprintln!("skipped: unshare --pid --fork is not allowed here");
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        eprintln!("skipped: unshare --pid --fork started no child");
+        None
     }
 
     #[test]

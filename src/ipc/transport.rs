@@ -10,6 +10,7 @@
 //! or resume ([`Denial`]), the bytes done before the failure. Little-endian.
 #![allow(unsafe_code)]
 
+use super::ns::{self, PidNamespace};
 use super::sockdir::dir_trusted;
 use super::ticket::{Grant, Refusal};
 use std::io::{Read, Write};
@@ -54,9 +55,58 @@ pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The uid of the process at the other end of `s`.
-fn peer_uid(s: &UnixStream) -> Option<u32> {
-    peer_cred(s).map(|(uid, _)| uid)
+/// The uid of the process at the other end of `s`, if it is a process of pid namespace `own`
+/// (`ns::check_peer`); `Err` says why it is not, or cannot be told. Where the kernel gives a
+/// pidfd of the peer (`SO_PEERPIDFD`, Linux 6.5), the process must still be alive after the
+/// check: its pid was then not handed on to another process while `/proc` was read.
+fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<u32, String> {
+    let pidfd = peer_pidfd(s);
+    let (uid, pid) = peer_cred(s).ok_or("no credentials on the connection")?;
+    ns::check_peer(pid, own)?;
+    if pidfd.is_some_and(|fd| !alive(&fd)) {
+        return Err(format!("process {pid} exited before it could be checked"));
+    }
+    Ok(uid)
+}
+
+/// A pidfd of the process at the other end of `s` (`None` before Linux 6.5).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn peer_pidfd(s: &UnixStream) -> Option<OwnedFd> {
+    const SO_PEERPIDFD: libc::c_int = 77;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` and `len` are valid for the size given.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: a descriptor the kernel just made for us.
+    (r == 0 && fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn peer_pidfd(_: &UnixStream) -> Option<OwnedFd> {
+    None
+}
+
+/// Whether the process of `pidfd` still runs (signal 0: `EPERM` also means it does).
+fn alive(pidfd: &OwnedFd) -> bool {
+    // SAFETY: pidfd_send_signal with signal 0 and no siginfo only checks.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// The uid and pid of the process at the other end of `s` (as it was at connect time).
@@ -119,7 +169,10 @@ pub const MAX_IN_FLIGHT: usize = 32;
 const SLOT_WAIT: Duration = Duration::from_secs(2);
 
 /// Listen at `path` on a thread of its own. Each connection's peer is checked with
-/// `SO_PEERCRED` before a byte is read (`admit(uid)`; refused peers are closed at once), and
+/// `SO_PEERCRED` before a byte is read: a process of another pid namespace is closed at once,
+/// whatever its uid (it could not be told from a process of this one with the same pid, and
+/// a container must not reach into another that shares its `/tmp`), and so is one that
+/// `admit(uid)` refuses. `Err` where this process's pid namespace is unknown. Then
 /// each admitted request is answered on a thread of its own, so an idle or slow peer delays
 /// nobody else; `decide(id, nonce, peer_uid)` answers it.
 pub fn serve(
@@ -128,6 +181,7 @@ pub fn serve(
     admit: impl Fn(u32) -> bool + Send + 'static,
     decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
 ) -> Result<(), String> {
+    let own_ns = ns::own()?;
     clear_stale(path)?;
     let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
     // Connecting needs write permission on the socket: for allowed other users, everyone may
@@ -148,7 +202,13 @@ pub fn serve(
                     continue;
                 };
                 let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    peer_uid(&s).filter(|u| admit(*u))
+                    match peer_uid(&s, own_ns) {
+                        Ok(uid) => admit(uid).then_some(uid),
+                        Err(why) => {
+                            refused_once(&why);
+                            None
+                        }
+                    }
                 }));
                 let Ok(Some(uid)) = admitted else {
                     continue; // closed unread
@@ -212,6 +272,14 @@ fn clear_stale(path: &Path) -> Result<(), String> {
             "{}: a socket that may be another process's ({e}); this process serves none",
             path.display()
         )),
+    }
+}
+
+/// The first connection closed for its pid namespace is logged; later ones are not.
+fn refused_once(why: &str) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        log::warn!("IPC: closed a connection unread: {why} (only processes of this pid namespace are served); later ones are closed silently");
     }
 }
 
@@ -775,6 +843,145 @@ mod tests {
             "never decided"
         );
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// Run this test binary's `helper` test as a separate process, in a new pid namespace
+    /// when `new_ns` (`unshare --pid --fork`, with its own /proc), with `env`. `None` (with a
+    /// line saying why) where this machine cannot make pid namespaces.
+    fn helper(name: &str, new_ns: bool, env: (&str, &Path)) -> Option<std::process::Child> {
+        let exe = std::env::current_exe().unwrap();
+        let test = format!("ipc::transport::tests::{name}");
+        let mut c = if new_ns {
+            let mut c = std::process::Command::new("unshare");
+            c.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+                .arg(exe);
+            c
+        } else {
+            std::process::Command::new(exe)
+        };
+        c.args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+            .env(env.0, env.1)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        match c.spawn() {
+            Ok(child) => Some(child),
+            Err(e) => {
+                eprintln!("skipped: cannot run {name} ({e})");
+                None
+            }
+        }
+    }
+
+    /// The value of `key=` in a helper's output.
+    fn helper_said(out: &str, key: &str) -> Option<String> {
+        // The harness prints the test's name on the same line first.
+        let key = format!("{key}=");
+        out.lines()
+            .find_map(|l| l.split_once(&key))
+            .map(|(_, v)| v.trim().to_string())
+    }
+
+    /// Helper (does nothing unless `EXPSEG_TEST_POKE` names a socket): connect, send a
+    /// request for ticket 7, and say how many bytes of answer came (0: closed unread).
+    #[test]
+    fn poke_helper() {
+        let Some(path) = std::env::var_os("EXPSEG_TEST_POKE") else {
+            return;
+        };
+        let mut s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut req = [0u8; 16];
+        req[0] = 7;
+        let _ = s.write_all(&req);
+        let mut head = [0u8; 16];
+        let n = s.read(&mut head).unwrap_or(0);
+        println!("poke_read={n}");
+    }
+
+    /// Helper (does nothing unless `EXPSEG_TEST_SERVE` names a socket): serve there, any
+    /// peer admitted, every request refused as unknown, for 10 s.
+    #[test]
+    fn serve_helper() {
+        let Some(path) = std::env::var_os("EXPSEG_TEST_SERVE") else {
+            return;
+        };
+        let r = serve(
+            Path::new(&path),
+            true,
+            |_| true,
+            |_, _, _| Err(Refusal::Unknown.into()),
+        );
+        println!("serving={}", r.is_ok());
+        std::thread::sleep(Duration::from_secs(10));
+    }
+
+    #[test]
+    fn processes_of_another_pid_namespace_are_closed_unread_both_ways() {
+        use std::io::BufRead;
+        let (path, seen) = counting_server("ns", |_| true);
+        // A process of this namespace is answered (the helper works).
+        let Some(same) = helper("poke_helper", false, ("EXPSEG_TEST_POKE", &path)) else {
+            return;
+        };
+        let out = String::from_utf8(same.wait_with_output().unwrap().stdout).unwrap();
+        assert_eq!(
+            helper_said(&out, "poke_read").as_deref(),
+            Some("16"),
+            "{out}"
+        );
+        assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // The same program in a pid namespace inside this one (same uid): closed unread.
+        let Some(inner) = helper("poke_helper", true, ("EXPSEG_TEST_POKE", &path)) else {
+            return;
+        };
+        let out = inner.wait_with_output().unwrap();
+        let out = String::from_utf8(out.stdout).unwrap();
+        let Some(n) = helper_said(&out, "poke_read") else {
+            eprintln!("skipped: unshare --pid --fork --mount-proc is not allowed here");
+            return;
+        };
+        assert_eq!(n, "0", "closed, not answered");
+        assert_eq!(
+            seen.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "never decided"
+        );
+        // A server in the inner namespace: this process has no pid there (0), and is closed.
+        let inner_path = path.with_file_name("inner.sock");
+        let mut server = helper("serve_helper", true, ("EXPSEG_TEST_SERVE", &inner_path)).unwrap();
+        let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+        let first = lines.find_map(|l| l.ok().and_then(|l| helper_said(&l, "serving")));
+        assert_eq!(first.as_deref(), Some("true"));
+        let mut s = UnixStream::connect(&inner_path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let _ = s.write_all(&[1u8; 16]);
+        let mut head = [0u8; 16];
+        assert_eq!(s.read(&mut head).unwrap_or(0), 0, "closed, not answered");
+        let _ = server.kill();
+        let _ = server.wait();
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_peers_pidfd_tells_whether_it_still_runs() {
+        let dir = std::env::temp_dir().join(format!("expseg-pidfd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let mut child = helper("poke_helper", false, ("EXPSEG_TEST_POKE", &path)).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let Some(pidfd) = peer_pidfd(&s) else {
+            eprintln!("skipped: no SO_PEERPIDFD (Linux before 6.5)");
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        };
+        assert!(alive(&pidfd));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!alive(&pidfd), "gone: its pid may be another process's now");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
