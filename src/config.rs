@@ -78,6 +78,9 @@ pub struct Config {
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
+    /// `EXPSEG_ALLOW_REMOTE_DISCARD`: opt-in: `expseg pause --discard` from outside may drop
+    /// this process's paused bytes (without it, only an offloading pause is served).
+    pub allow_remote_discard: bool,
     /// `EXPSEG_PAUSE_KEEP_HOST`: opt-in: the page-locked host buffers of a pause are kept
     /// after the resume for the next pause (page-locking is what a first pause waits for);
     /// `expseg.trim()` frees them.
@@ -156,6 +159,8 @@ impl Default for Config {
             // (scripts/vmm-cost/fence_peer.cu decides whether it can wait on device 0's).
             peer_hold: PeerHold::Off,
             control: true,
+            // Discarding loses the program's data: only the program's own environment says yes.
+            allow_remote_discard: false,
             pause_keep_host: false,
             ipc_peers_expseg: false,
             // A tensor ends inside its PyTorch block; the run of mappings after its page is
@@ -341,6 +346,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_CONTROL",
         set: |c, v| parse_bool(v).map(|b| c.control = b),
         show: |c| c.control.to_string(),
+    },
+    Var {
+        name: "EXPSEG_ALLOW_REMOTE_DISCARD",
+        set: |c, v| parse_bool(v).map(|b| c.allow_remote_discard = b),
+        show: |c| c.allow_remote_discard.to_string(),
     },
     Var {
         name: "EXPSEG_PAUSE_KEEP_HOST",

@@ -2712,6 +2712,63 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn discarding_a_processs_memory_from_outside_needs_its_own_opt_in() {
+    use std::io::{BufRead as _, Write as _};
+    let f = fixture();
+    for (round, opt_in) in [false, true].into_iter().enumerate() {
+        let dir =
+            std::env::temp_dir().join(format!("expseg-discard-{}-{round}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = Command::new(f.dir.join("prog"));
+        one_shared_gpu(&mut s, &dir);
+        s.arg("sleeper")
+            .env("LD_PRELOAD", &f.shim)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        if opt_in {
+            s.env("EXPSEG_ALLOW_REMOTE_DISCARD", "1");
+        }
+        let mut sleeper = s.spawn().unwrap();
+        let pid = sleeper.id().to_string();
+        let mut line = String::new();
+        std::io::BufReader::new(sleeper.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready=1");
+        let cli = |args: &[&str]| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+            one_shared_gpu(&mut c, &dir);
+            c.args(args).output().unwrap()
+        };
+        let o = cli(&["pause", "--discard", &pid]);
+        let paused = cli(&["paused", &pid]);
+        let paused = String::from_utf8_lossy(&paused.stdout).trim().to_string();
+        if opt_in {
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            assert_eq!(paused, format!("pid {pid}: {} bytes paused", 64u64 << 20));
+            assert!(cli(&["resume", &pid]).status.success());
+        } else {
+            // Refused, saying how to allow it; nothing paused, nothing lost.
+            assert!(!o.status.success());
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("EXPSEG_ALLOW_REMOTE_DISCARD=1")
+                    && err.contains("(0 bytes paused before the failure"),
+                "{err}"
+            );
+            assert_eq!(paused, format!("pid {pid}: 0 bytes paused"));
+            // An offloading pause is served as before.
+            assert!(cli(&["pause", &pid]).status.success());
+            assert!(cli(&["resume", &pid]).status.success());
+        }
+        let _ = sleeper.stdin.take().unwrap().write_all(b"");
+        assert!(sleeper.wait().unwrap().success());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// `tests/c/extent.py` under the shim with python3 (skipped without it): the mirror of another
 /// allocator's run, with a stand-in PyTorch whose live block ends 5 MiB in, or without one.
 fn extent_run(torch: &str, env: &[(&str, &str)]) -> Option<Run> {

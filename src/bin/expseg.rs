@@ -402,7 +402,8 @@ usage:
   expseg glibc FILE    the highest GLIBC_ version FILE requires
   expseg pause PID... [--discard] [--tag NAME]
                        pause the GPU memory of running expseg processes of yours: their
-                       bytes go to host memory (--discard: dropped), the GPU memory goes
+                       bytes go to host memory (--discard: dropped, only where the process
+                       runs with EXPSEG_ALLOW_REMOTE_DISCARD=1), the GPU memory goes
                        back to the driver, addresses stay; the program must not run GPU
                        work on it until resumed (pause between steps)
   expseg resume PID... [--tag NAME]
@@ -574,8 +575,9 @@ fn control(cmd: &str, args: &[String]) -> ExitCode {
 /// Why a pause, resume or query was refused, and what was done before it.
 fn refused(c: expseg::ipc::control::Control, r: expseg::ipc::Refusal, done: u64) -> String {
     use expseg::ipc::control::Control;
-    use expseg::ipc::Refusal::NoMemory;
+    use expseg::ipc::Refusal::{Forbidden, NoMemory};
     let why = match (c, r) {
+        (Control::Pause { discard: true, .. }, Forbidden) => "that process does not let its memory be discarded from outside: start it with EXPSEG_ALLOW_REMOTE_DISCARD=1, or pause without --discard (its bytes then go to host memory)".to_string(),
         (Control::Resume { .. }, NoMemory) => "not enough free GPU memory to resume all of it; what is still paused stays paused with its bytes: resume again when memory is free".to_string(),
         (Control::Pause { .. }, NoMemory) => "not enough host memory for the paused bytes (its MemAvailable or cgroup limit, less 1 GiB kept for the system): the rest stays on the GPU; free host memory or pause with --discard".to_string(),
         _ => format!("refused ({r:?}): see that process's [expseg] log lines"),

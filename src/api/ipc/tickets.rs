@@ -5,6 +5,7 @@
 use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
+use crate::ipc::control::Control;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
@@ -186,6 +187,10 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
         return Err(Refusal::Forbidden.into());
     }
     if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
+        if matches!(c, Control::Pause { discard: true, .. }) && !config().allow_remote_discard {
+            log::warn!("IPC: refused a pause with discard from outside: this process's paused memory is discarded only with EXPSEG_ALLOW_REMOTE_DISCARD=1 in its environment");
+            return Err(Refusal::Forbidden.into());
+        }
         return control(c);
     }
     if id == crate::ipc::reclaim::RECLAIM_ID {
@@ -211,8 +216,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
 /// chunks whose size is the bytes paused or resumed, or a refusal (`NoMemory`: a resume or a
 /// pause that found no memory; else `Failed`) with the bytes done anyway (what paused or
 /// resumed before the failure stays so).
-fn control(c: crate::ipc::control::Control) -> Reply {
-    use crate::ipc::control::Control;
+fn control(c: Control) -> Reply {
     let done = match c {
         Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard, false),
         Control::Resume { tag } => crate::api::sleep::resume(tag),
