@@ -87,6 +87,10 @@ pub struct Config {
     pub pause_keep_host: bool,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
+    /// `EXPSEG_PIDFD_RESCUE`: a `pidfd_getfd` the kernel denies (`EPERM`) is asked of the
+    /// producer's expseg over its socket. `0`: the kernel's answer stands, no socket is made
+    /// for it (a sandbox whose seccomp filter kills on `socket()`).
+    pub pidfd_rescue: bool,
     /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
     /// segments: callers of the runtime's driver entry points in `libc10_cuda`), `all` (every
     /// caller of those entry points), `off`.
@@ -168,6 +172,7 @@ impl Default for Config {
             // trained model's 7 parameters, H100, 2026-11-24, shim-tests/ipc_reach.py).
             ipc_extent_torch: true,
             ipc_allow_uids: Vec::new(),
+            pidfd_rescue: true,
             coalesce: Coalesce::Torch,
             driver_api: true,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
@@ -391,6 +396,11 @@ const VARS: &[Var] = &[
                 .collect::<Vec<_>>()
                 .join(",")
         },
+    },
+    Var {
+        name: "EXPSEG_PIDFD_RESCUE",
+        set: |c, v| parse_bool(v).map(|b| c.pidfd_rescue = b),
+        show: |c| c.pidfd_rescue.to_string(),
     },
     Var {
         name: "EXPSEG_REPORT",
