@@ -2066,6 +2066,21 @@ fn torch_multiprocessing_descriptors_reach_consumers_whose_pidfd_getfd_is_denied
     assert_eq!(off.get("getfd_ok"), "0");
     assert_eq!(off.get("getfd_errno"), libc::EPERM.to_string());
 
+    // Turned off: the kernel's refusal stands, nothing is asked.
+    let no_rescue = pages_unprivileged(
+        "share_fd_nodump",
+        &[("EXPSEG_PIDFD_RESCUE", "0"), ("EXPSEG_LOG", "expseg=debug")],
+    )
+    .unwrap()
+    .ok();
+    assert_eq!(no_rescue.get("getfd_ok"), "0", "{}", no_rescue.stderr());
+    assert_eq!(no_rescue.get("getfd_errno"), libc::EPERM.to_string());
+    assert!(
+        !no_rescue.stderr().contains("its expseg"),
+        "{}",
+        no_rescue.stderr()
+    );
+
     // Where the kernel allows it, its answer stands and the socket is not asked.
     let open = pages_unprivileged("share_fd", &[("EXPSEG_LOG", "expseg=debug")])
         .unwrap()
