@@ -1651,19 +1651,28 @@ fn socket_dir_name(uid: u32) -> String {
 }
 
 #[test]
-fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
+fn a_socket_directory_name_another_user_took_is_skipped_and_all_taken_turn_tickets_off_loudly() {
     // SAFETY: geteuid cannot fail.
     if unsafe { libc_geteuid() } != 0 {
         eprintln!("not root: cannot give a directory to another user; skipping");
         return;
     }
     let f = fixture();
-    let run_with = |peers: Option<&str>| {
-        let base = f.dir.join(format!("sockets-squatted-{}", peers.is_some()));
+    // The usual name and `taken - 1` fallback names (`.1` ...) made by another user first.
+    let run_with = |taken: usize, peers: Option<&str>| {
+        let base = f
+            .dir
+            .join(format!("sockets-squatted-{taken}-{}", peers.is_some()));
         let _ = std::fs::remove_dir_all(&base);
-        let squatted = base.join(socket_dir_name(0));
-        std::fs::create_dir_all(&squatted).unwrap();
-        std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
+        for n in 0..taken {
+            let name = match n {
+                0 => socket_dir_name(0),
+                n => format!("{}.{n}", socket_dir_name(0)),
+            };
+            let squatted = base.join(name);
+            std::fs::create_dir_all(&squatted).unwrap();
+            std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
+        }
         let mut env = vec![("EXPSEG_IPC_DIR", base.to_str().unwrap().to_string())];
         if let Some(p) = peers {
             env.push(("EXPSEG_IPC_PEERS", p.to_string()));
@@ -1677,8 +1686,21 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
         )
         .ok()
     };
-    // Every consumer is promised the memory itself: no silent mirror, a loud failure.
-    let r = run_with(Some("expseg"));
+    // The usual name taken: the next one serves, and consumers find it there; one warning
+    // says which name was skipped and where the socket is.
+    let r = run_with(1, Some("expseg"));
+    assert_eq!(r.get("get_rc"), "0", "{}", r.stderr());
+    assert_eq!(nth(&r, "consumer_sees", 0), "1", "{}", r.stderr());
+    assert_eq!(r.get("producer_sees_write"), "1", "the memory itself");
+    assert!(
+        r.stderr().contains("this process's socket is in")
+            && r.stderr().contains(&format!("{}.1", socket_dir_name(0))),
+        "{}",
+        r.stderr()
+    );
+    // Every name taken. Every consumer is promised the memory itself: no silent mirror, a
+    // loud failure.
+    let r = run_with(1 + 8, Some("expseg")); // the usual name and its 8 fallbacks
     assert_eq!(r.get("get_rc"), "801", "{}", r.stderr());
     assert!(
         r.stderr().contains("EXPSEG_IPC_PEERS=expseg needs tickets")
@@ -1687,7 +1709,7 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
         r.stderr()
     );
     // Otherwise a mirror, and a warning that tickets are off and why.
-    let r = run_with(None);
+    let r = run_with(1 + 8, None);
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "0".into()));
     assert_eq!(nth(&r, "consumer_sees", 0), "1");
     assert!(

@@ -12,7 +12,7 @@
 
 use super::sockdir;
 use super::transport::{self, AskError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The request id of a reclaim (ticket ids stay below it; `u32::MAX` is `pidfd_getfd`'s).
@@ -29,30 +29,44 @@ pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
 }
 
 /// The pids of the other processes of `uid` that serve an expseg socket (a socket of a dead
-/// process is listed too; asking it fails at once). Nothing when the directory is not
-/// private to `uid`.
+/// process is listed too; asking it fails at once), in every socket directory of the user's
+/// (`sockdir::socket_dirs`).
 pub fn peers(uid: u32, me: u32) -> Vec<u32> {
-    match sockdir::socket_dir(uid) {
-        Ok(dir) => peers_in(&dir, uid, me),
-        Err(_) => Vec::new(),
-    }
+    peer_sockets(uid, me)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect()
 }
 
-fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
-    if sockdir::dir_trusted(dir, uid).is_err() {
-        return Vec::new();
+fn peer_sockets(uid: u32, me: u32) -> Vec<(u32, PathBuf)> {
+    sockets_in(&sockdir::socket_dirs(uid), uid, me)
+}
+
+/// The sockets in `dirs` but `me`'s, by pid (one per pid: the first directory's, as a
+/// consumer looks), skipping directories that are not private to `uid`.
+fn sockets_in(dirs: &[PathBuf], uid: u32, me: u32) -> Vec<(u32, PathBuf)> {
+    let mut out: Vec<(u32, PathBuf)> = Vec::new();
+    for dir in dirs {
+        if sockdir::dir_trusted(dir, uid).is_err() {
+            continue;
+        }
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".sock"))
+                .and_then(|p| p.parse::<u32>().ok());
+            match pid {
+                Some(pid) if pid != me && !out.iter().any(|(p, _)| *p == pid) => {
+                    out.push((pid, e.path()))
+                }
+                _ => {}
+            }
+        }
     }
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<u32> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            name.strip_suffix(".sock")?.parse::<u32>().ok()
-        })
-        .filter(|pid| *pid != me)
-        .collect();
     out.sort_unstable();
     out
 }
@@ -78,19 +92,14 @@ pub struct Answer {
 /// Ask every other expseg process of `uid` at once (one thread each, each bounded by
 /// `timeout`): their answers, in pid order.
 pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    match sockdir::socket_dir(uid) {
-        Ok(dir) => ask_peers_in(&dir, uid, me, key, timeout),
-        Err(_) => Vec::new(),
-    }
+    ask_all(peer_sockets(uid, me), uid, key, timeout)
 }
 
-fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    let pids = peers_in(dir, uid, me);
+fn ask_all(peers: Vec<(u32, PathBuf)>, uid: u32, key: u64, timeout: Duration) -> Vec<Answer> {
     std::thread::scope(|scope| {
-        let asks: Vec<_> = pids
-            .iter()
-            .map(|&pid| {
-                let path = dir.join(format!("{pid}.sock"));
+        let asks: Vec<_> = peers
+            .into_iter()
+            .map(|(pid, path)| {
                 (
                     pid,
                     scope.spawn(move || ask_at(&path, uid, pid, key, timeout)),
@@ -129,6 +138,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         dir
+    }
+
+    fn pids(sockets: &[(u32, PathBuf)]) -> Vec<u32> {
+        sockets.iter().map(|(p, _)| *p).collect()
     }
 
     fn sock(dir: &Path, pid: u32) -> PathBuf {
@@ -185,8 +198,16 @@ mod tests {
         );
         assert_eq!(seen.load(Ordering::SeqCst), 2);
         // Asked as another process would (`me` = 1): the holder gives, the dead one fails.
-        assert_eq!(peers_in(&dir, uid, 1), vec![me, me + 1]);
-        let answers = ask_peers_in(&dir, uid, 1, key, PEER_TIMEOUT);
+        assert_eq!(
+            pids(&sockets_in(std::slice::from_ref(&dir), uid, 1)),
+            vec![me, me + 1]
+        );
+        let answers = ask_all(
+            sockets_in(std::slice::from_ref(&dir), uid, 1),
+            uid,
+            key,
+            PEER_TIMEOUT,
+        );
         assert_eq!(
             answers[0].result.as_ref().ok(),
             Some(&(3 << 30)),
@@ -194,7 +215,10 @@ mod tests {
         );
         assert!(matches!(answers[1].result, Err(AskError::Unreachable(_))));
         // A process's own socket is never asked.
-        assert_eq!(peers_in(&dir, uid, me), vec![me + 1]);
+        assert_eq!(
+            pids(&sockets_in(std::slice::from_ref(&dir), uid, me)),
+            vec![me + 1]
+        );
         // A socket whose name says another pid than the process serving it: untrusted,
         // nothing sent.
         std::fs::rename(sock(&dir, me), sock(&dir, me + 3)).unwrap();
@@ -205,7 +229,7 @@ mod tests {
         assert_eq!(seen.load(Ordering::SeqCst), 3);
         // A directory others can write: no peers at all.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(peers_in(&dir, uid, 1).is_empty());
+        assert!(sockets_in(std::slice::from_ref(&dir), uid, 1).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -217,7 +241,12 @@ mod tests {
         // A listener of this process that accepts nothing and answers nothing.
         let silent = UnixListener::bind(sock(&dir, me)).unwrap();
         let t = std::time::Instant::now();
-        let answers = ask_peers_in(&dir, uid, 1, 1, Duration::from_millis(200));
+        let answers = ask_all(
+            sockets_in(std::slice::from_ref(&dir), uid, 1),
+            uid,
+            1,
+            Duration::from_millis(200),
+        );
         let took = t.elapsed();
         assert_eq!(answers.len(), 1);
         assert!(

@@ -250,7 +250,7 @@ pub fn serve(
 /// dead process that had this pid) is removed; a live socket is never touched: another process
 /// serves there (of another pid namespace whose directory name is the same), and this one
 /// serves nothing rather than take its socket away.
-fn clear_stale(path: &Path) -> Result<(), String> {
+pub fn clear_stale(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let Ok(found) = std::fs::symlink_metadata(path) else {
         return Ok(()); // nothing there

@@ -136,7 +136,15 @@ fn start_server() -> Result<(), String> {
         .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
     let uid = sockdir::current_uid();
     let others = !config().ipc_allow_uids.is_empty();
-    let path = sockdir::prepare_dir(uid, others)?.join(format!("{}.sock", std::process::id()));
+    let dir = sockdir::prepare_dir(uid, others)?;
+    let name = format!("{}.sock", std::process::id());
+    // A dead process's socket with this pid where consumers look first would hide this one.
+    for earlier in sockdir::places(uid)?.iter().take_while(|p| p.dir != dir) {
+        if sockdir::dir_trusted(&earlier.dir, uid).is_ok() {
+            let _ = transport::clear_stale(&earlier.dir.join(&name));
+        }
+    }
+    let path = dir.join(name);
     transport::serve(&path, others, admitted, decide)?;
     let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
