@@ -2463,6 +2463,44 @@ fn one_shared_gpu(c: &mut Command, dir: &Path) {
         .env("EXPSEG_IPC_DIR", dir);
 }
 
+#[test]
+fn an_allocation_on_an_unknown_device_asks_each_peer_once_not_once_per_gpu() {
+    // A peer that never answers (a listener of this process, named by its pid, accepting
+    // nothing) and a process on four GPUs whose allocation in its own context finds no memory.
+    let f = fixture();
+    let dir = f.dir.join("unknown-device");
+    let _ = std::fs::remove_dir_all(&dir);
+    // SAFETY: geteuid cannot fail.
+    let sockets = dir.join(socket_dir_name(unsafe { libc_geteuid() }));
+    std::fs::create_dir_all(&sockets).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&sockets, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let _silent = std::os::unix::net::UnixListener::bind(
+        sockets.join(format!("{}.sock", std::process::id())),
+    )
+    .unwrap();
+    let report = dir.join("r.txt");
+    let t = std::time::Instant::now();
+    let r = run_in(
+        &f.dir,
+        "drv",
+        &["own_ctx_oom"],
+        &[
+            ("FAKE_DEVICES", "4"),
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+            ("EXPSEG_REPORT", report.to_str().unwrap()),
+        ],
+    )
+    .ok();
+    let took = t.elapsed();
+    assert_eq!(r.get("own_ctx_oom_rc"), "2", "{}", r.stderr());
+    let json = std::fs::read_to_string(dir.join("r.txt.json")).unwrap();
+    // Before: one request per GPU, one after another (four, 500 ms each).
+    assert!(json.contains("\"reclaim_asks\":1,"), "{json}");
+    assert!(took < std::time::Duration::from_millis(1800), "{took:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Two processes on one fake GPU (FAKE_SHARED_USED: one memory counter, 96 MiB): one takes
 /// and frees 64 MiB and holds on, then another asks for 48 MiB at once. Returns the second's
 /// `need_rc` and both reports' JSON.

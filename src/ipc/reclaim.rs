@@ -8,7 +8,9 @@
 //! tickets hold both ways: the asker only talks to a socket in its own private directory
 //! served by the process its name says, of its own uid; the server serves it only to its own
 //! uid (not to `EXPSEG_IPC_ALLOW_UIDS`, which may map shared memory, not trim this process).
-//! A peer that does not answer within the bound is skipped.
+//! A peer that does not answer within the bound is skipped; at most [`ASKERS`] are asked at
+//! once, and none after four bounds have gone by; a socket nobody listens on any more (its
+//! process was killed) is removed.
 
 use super::sockdir;
 use super::transport::{self, AskError};
@@ -21,11 +23,21 @@ pub const RECLAIM_ID: u32 = u32::MAX - 1;
 /// How long one peer may take to connect, give back and answer.
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// The key of a GPU in requests: its 16-byte UUID folded to 64 bits.
+/// Most peers asked at once (the asking thread and up to three more).
+pub const ASKERS: usize = 4;
+
+/// The key that asks for every GPU: an allocation whose device is not known (a context of
+/// the program's own) asks each peer once for all, rather than once per GPU.
+pub const EVERY_GPU: u64 = u64::MAX;
+
+/// The key of a GPU in requests: its 16-byte UUID folded to 64 bits (never [`EVERY_GPU`]).
 pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
     let lo = u64::from_le_bytes(uuid[0..8].try_into().unwrap());
     let hi = u64::from_le_bytes(uuid[8..16].try_into().unwrap());
-    lo ^ hi.rotate_left(17)
+    match lo ^ hi.rotate_left(17) {
+        EVERY_GPU => EVERY_GPU - 1,
+        k => k,
+    }
 }
 
 /// The pids of the other processes of `uid` that serve an expseg socket (a socket of a dead
@@ -89,32 +101,92 @@ pub struct Answer {
     pub result: Result<u64, AskError>,
 }
 
-/// Ask every other expseg process of `uid` at once (one thread each, each bounded by
-/// `timeout`): their answers, in pid order.
+/// Ask every other expseg process of `uid`, each bounded by `timeout`, [`ASKERS`] at once
+/// (fewer where threads cannot be started: the calling thread asks in any case), none after
+/// four times `timeout`: their answers, in pid order.
 pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
     ask_all(peer_sockets(uid, me), uid, key, timeout)
 }
 
 fn ask_all(peers: Vec<(u32, PathBuf)>, uid: u32, key: u64, timeout: Duration) -> Vec<Answer> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let started = std::time::Instant::now();
+    let next = AtomicUsize::new(0);
+    let results: Vec<Mutex<Option<Result<u64, AskError>>>> =
+        peers.iter().map(|_| Mutex::new(None)).collect();
+    // Each asker takes the next peer until none is left.
+    let asker = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some((pid, path)) = peers.get(i) else {
+            break;
+        };
+        let result = if started.elapsed() >= 4 * timeout {
+            Err(AskError::Unreachable(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "not asked: the other peers took the time",
+            )))
+        } else {
+            std::panic::catch_unwind(|| ask_peer(path, uid, *pid, key, timeout))
+                .unwrap_or(Err(AskError::Protocol("asking it panicked")))
+        };
+        *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+    };
     std::thread::scope(|scope| {
-        let asks: Vec<_> = peers
-            .into_iter()
-            .map(|(pid, path)| {
-                (
-                    pid,
-                    scope.spawn(move || ask_at(&path, uid, pid, key, timeout)),
-                )
-            })
-            .collect();
-        asks.into_iter()
-            .map(|(pid, h)| Answer {
-                pid,
-                result: h
-                    .join()
-                    .unwrap_or(Err(AskError::Protocol("the asking thread panicked"))),
-            })
-            .collect()
-    })
+        for _ in 1..ASKERS.min(peers.len()) {
+            if start_asker(scope, &asker).is_err() {
+                break; // out of threads: fewer askers
+            }
+        }
+        asker();
+    });
+    peers
+        .iter()
+        .zip(results)
+        .map(|((pid, _), r)| Answer {
+            pid: *pid,
+            result: r
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or(Err(AskError::Protocol("not asked"))),
+        })
+        .collect()
+}
+
+/// Start one more asker on `scope` (`Err` where no thread can be made).
+fn start_asker<'scope, 'env, F>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    asker: &'env F,
+) -> std::io::Result<()>
+where
+    F: Fn() + Sync,
+{
+    #[cfg(test)]
+    if NO_THREADS.with(|n| n.get()) {
+        return Err(std::io::Error::other("no threads (test)"));
+    }
+    std::thread::Builder::new()
+        .name("expseg-reclaim".into())
+        .spawn_scoped(scope, asker)
+        .map(drop)
+}
+
+/// Ask the peer at `path`; a socket nobody listens on any more (its process was killed) is
+/// removed, so that it is not asked again.
+fn ask_peer(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
+    let r = ask_at(path, uid, pid, key, timeout);
+    if let Err(AskError::Unreachable(e)) = &r {
+        if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            let _ = transport::clear_stale(path);
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Makes starting an asker fail on this thread, as when the process is out of threads.
+    static NO_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]
@@ -214,7 +286,14 @@ mod tests {
             "{answers:?}"
         );
         assert!(matches!(answers[1].result, Err(AskError::Unreachable(_))));
+        // The dead one's socket refused the connection: it is gone, the live one stays.
+        assert!(
+            !sock(&dir, me + 1).exists(),
+            "a killed process's socket is removed"
+        );
+        assert!(sock(&dir, me).exists());
         // A process's own socket is never asked.
+        drop(UnixListener::bind(sock(&dir, me + 1)).unwrap());
         assert_eq!(
             pids(&sockets_in(std::slice::from_ref(&dir), uid, me)),
             vec![me + 1]
@@ -262,6 +341,68 @@ mod tests {
     }
 
     #[test]
+    fn at_most_four_peers_are_asked_at_once_and_none_after_four_bounds() {
+        let dir = private_dir("bounded");
+        let uid = current_uid();
+        let me = std::process::id();
+        // Silent peers: listeners of this process (so the pid check passes) that accept
+        // nothing; each ask waits out its bound.
+        let silent = |n: usize| -> (Vec<UnixListener>, Vec<(u32, PathBuf)>) {
+            (0..n)
+                .map(|i| {
+                    let path = dir.join(format!("silent-{n}-{i}.sock"));
+                    (UnixListener::bind(&path).unwrap(), (me, path))
+                })
+                .unzip()
+        };
+        // 10 peers, 200 ms each, 4 at a time: three rounds, not one.
+        let (_held, peers) = silent(10);
+        let t = std::time::Instant::now();
+        let answers = ask_all(peers, uid, 1, Duration::from_millis(200));
+        let took = t.elapsed();
+        assert_eq!(answers.len(), 10);
+        assert!(answers.iter().all(|a| a.result.is_err()));
+        assert!(
+            took >= Duration::from_millis(550) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+        // 40 peers, 100 ms each: none asked after 400 ms, the rest skipped.
+        let (_held, peers) = silent(40);
+        let t = std::time::Instant::now();
+        let answers = ask_all(peers, uid, 1, Duration::from_millis(100));
+        let took = t.elapsed();
+        let skipped = answers
+            .iter()
+            .filter(|a| matches!(&a.result, Err(AskError::Unreachable(e)) if e.to_string().contains("not asked")))
+            .count();
+        assert!((12..=36).contains(&skipped), "{skipped} skipped");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn without_threads_to_spare_the_calling_thread_asks_alone() {
+        let dir = private_dir("nothreads");
+        let uid = current_uid();
+        let me = std::process::id();
+        let key = gpu_key(&[9; 16]);
+        let _seen = holding_peer(&sock(&dir, me), key, 5 << 20);
+        drop(UnixListener::bind(sock(&dir, me + 1)).unwrap());
+        let peers = vec![
+            (me, sock(&dir, me)),
+            (me + 1, sock(&dir, me + 1)),
+            (me, sock(&dir, me)),
+        ];
+        NO_THREADS.with(|n| n.set(true));
+        let answers = ask_all(peers, uid, key, PEER_TIMEOUT);
+        NO_THREADS.with(|n| n.set(false));
+        assert_eq!(answers[0].result.as_ref().ok(), Some(&(5 << 20)));
+        assert!(answers[1].result.is_err());
+        assert_eq!(answers[2].result.as_ref().ok(), Some(&(5 << 20)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn a_peer_of_another_uid_is_never_asked_and_refuses_to_give() {
         let dir = private_dir("uid");
         let uid = current_uid();
@@ -297,6 +438,14 @@ mod tests {
     #[test]
     fn gpu_keys_differ_by_uuid() {
         assert_ne!(gpu_key(&[1; 16]), gpu_key(&[2; 16]));
+        // No GPU's key asks for every GPU.
+        let mut all_ones = [0xff; 16];
+        all_ones[8..].fill(0);
+        assert_eq!(
+            u64::from_le_bytes(all_ones[..8].try_into().unwrap()),
+            EVERY_GPU
+        );
+        assert_ne!(gpu_key(&all_ones), EVERY_GPU);
         let mut a = [0u8; 16];
         a[15] = 1;
         assert_ne!(gpu_key(&a), gpu_key(&[0; 16]));
