@@ -159,22 +159,79 @@ pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
     })
 }
 
-/// Most requests served at once; a connection beyond them waits for a slot up to
-/// [`SLOT_WAIT`] (a burst of consumers opening one producer's handles at once), then is
-/// closed unanswered.
+/// Connections whose request is being read at once. Each has [`FIRST_BYTE`] to start its
+/// request and [`REQUEST_WITHIN`] to send all 16 bytes, so peers that send nothing, or a byte
+/// at a time, hold a place briefly; a connection beyond them waits for one up to
+/// [`SLOT_WAIT`], then is closed unread.
+pub const MAX_READING: usize = 32;
+
+/// Requests answered at once (a burst of consumers opening one producer's handles); a request
+/// beyond them waits for one to end up to [`SLOT_WAIT`] (well within the asker's 10 s), then
+/// is closed unanswered.
 pub const MAX_IN_FLIGHT: usize = 32;
 
-/// How long a connection beyond [`MAX_IN_FLIGHT`] waits for a request to end (well within
-/// the asker's 10 s).
+/// Answers beyond [`MAX_IN_FLIGHT`] that only the server's own user's control requests
+/// (pause, resume, query, reclaim: ids from [`FIRST_REQUEST_ID`] below `u32::MAX`) may take, so
+/// slow tickets cannot keep `expseg pause` or a reclaim waiting.
+pub const RESERVED: usize = 8;
+
+/// How long a connection may wait before the first byte of its request.
+const FIRST_BYTE: Duration = Duration::from_millis(200);
+
+/// How long a connection may take to send its whole request.
+const REQUEST_WITHIN: Duration = Duration::from_secs(1);
+
+/// How long a connection waits for a place to be read or answered.
 const SLOT_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether request `id` of a peer of uid `peer` may take a [`RESERVED`] place.
+fn reserved_for(id: u32, peer: u32) -> bool {
+    (FIRST_REQUEST_ID..u32::MAX).contains(&id) && peer == super::sockdir::current_uid()
+}
+
+/// Places counted against limits: one is taken while a connection is read or answered.
+struct Places(std::sync::atomic::AtomicUsize);
+
+/// A place taken, given back when dropped (a panic included).
+struct Place(std::sync::Arc<Places>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        (self.0).0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+impl Places {
+    fn new() -> std::sync::Arc<Places> {
+        std::sync::Arc::new(Places(std::sync::atomic::AtomicUsize::new(0)))
+    }
+
+    /// Take a place while fewer than `limit` are taken, waiting at most [`SLOT_WAIT`].
+    fn take(self: &std::sync::Arc<Self>, limit: usize) -> Option<Place> {
+        use std::sync::atomic::Ordering::AcqRel;
+        let waited = std::time::Instant::now();
+        loop {
+            if self.0.fetch_add(1, AcqRel) < limit {
+                return Some(Place(self.clone()));
+            }
+            self.0.fetch_sub(1, AcqRel);
+            if waited.elapsed() >= SLOT_WAIT {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
 
 /// Listen at `path` on a thread of its own. Each connection's peer is checked with
 /// `SO_PEERCRED` before a byte is read: a process of another pid namespace is closed at once,
 /// whatever its uid (it could not be told from a process of this one with the same pid, and
 /// a container must not reach into another that shares its `/tmp`), and so is one that
-/// `admit(uid)` refuses. `Err` where this process's pid namespace is unknown. Then
-/// each admitted request is answered on a thread of its own, so an idle or slow peer delays
-/// nobody else; `decide(id, nonce, peer_uid)` answers it.
+/// `admit(uid)` refuses. `Err` where this process's pid namespace is unknown. Then each
+/// admitted connection is read and answered on a thread of its own, so an idle or slow peer
+/// delays nobody else: at most [`MAX_READING`] read at once, within [`FIRST_BYTE`] and
+/// [`REQUEST_WITHIN`]; at most [`MAX_IN_FLIGHT`] answered at once, plus [`RESERVED`] for the
+/// own user's control requests; `decide(id, nonce, peer_uid)` answers.
 pub fn serve(
     path: &Path,
     others: bool,
@@ -190,7 +247,7 @@ pub fn serve(
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let decide = std::sync::Arc::new(decide);
-    let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (reading, answering) = (Places::new(), Places::new());
     std::thread::Builder::new()
         .name("expseg-ipc".into())
         .spawn(move || {
@@ -213,33 +270,18 @@ pub fn serve(
                 let Ok(Some(uid)) = admitted else {
                     continue; // closed unread
                 };
-                use std::sync::atomic::Ordering::AcqRel;
-                let waited = std::time::Instant::now();
-                let slot = loop {
-                    if in_flight.fetch_add(1, AcqRel) < MAX_IN_FLIGHT {
-                        break true;
-                    }
-                    in_flight.fetch_sub(1, AcqRel);
-                    if waited.elapsed() >= SLOT_WAIT {
-                        break false;
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
+                let Some(read_place) = reading.take(MAX_READING) else {
+                    continue; // closed unread
                 };
-                if !slot {
-                    continue; // closed unanswered
-                }
-                let (decide, mine) = (decide.clone(), in_flight.clone());
-                let spawned = std::thread::Builder::new()
+                let (decide, answering) = (decide.clone(), answering.clone());
+                let _ = std::thread::Builder::new()
                     .name("expseg-ipc-req".into())
                     .spawn(move || {
                         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            answer(s, uid, &*decide)
+                            answer(s, uid, read_place, &answering, &*decide)
                         }));
-                        mine.fetch_sub(1, AcqRel);
                     });
-                if spawned.is_err() {
-                    in_flight.fetch_sub(1, AcqRel);
-                }
+                // A thread that could not start drops the connection and its place.
             }
         })
         .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
@@ -343,17 +385,56 @@ pub(crate) fn connect_within(path: &Path, timeout: Duration) -> std::io::Result<
     Ok(UnixStream::from(owned))
 }
 
-/// Read one request from an admitted peer and answer it.
-fn answer(mut s: UnixStream, uid: u32, decide: &dyn Fn(u32, u64, u32) -> Reply) {
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-    let mut req = [0u8; 16];
-    if s.read_exact(&mut req).is_err() {
-        return;
-    }
+/// Read one request from an admitted peer (holding `read_place` meanwhile) and answer it once
+/// a place among `answering` is free.
+fn answer(
+    mut s: UnixStream,
+    uid: u32,
+    read_place: Place,
+    answering: &std::sync::Arc<Places>,
+    decide: &dyn Fn(u32, u64, u32) -> Reply,
+) {
+    let req = read_request(&mut s);
+    drop(read_place);
+    let Some(req) = req else {
+        return; // closed unanswered
+    };
     let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
     let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
+    let limit = match reserved_for(id, uid) {
+        true => MAX_IN_FLIGHT + RESERVED,
+        false => MAX_IN_FLIGHT,
+    };
+    let Some(_answering) = answering.take(limit) else {
+        return; // closed unanswered
+    };
+    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
     let _ = reply(&mut s, decide(id, nonce, uid));
+}
+
+/// The 16 bytes of a request: the first within [`FIRST_BYTE`], all within
+/// [`REQUEST_WITHIN`]; `None` for a peer that is slower, or closes first.
+fn read_request(s: &mut UnixStream) -> Option<[u8; 16]> {
+    let started = std::time::Instant::now();
+    let mut req = [0u8; 16];
+    let mut got = 0;
+    while got < req.len() {
+        let bound = match got {
+            0 => FIRST_BYTE,
+            _ => REQUEST_WITHIN,
+        };
+        let left = bound
+            .checked_sub(started.elapsed())
+            .filter(|d| !d.is_zero())?;
+        s.set_read_timeout(Some(left)).ok()?;
+        match s.read(&mut req[got..]) {
+            Ok(0) => return None,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    Some(req)
 }
 
 fn reply(s: &mut UnixStream, decision: Reply) -> std::io::Result<()> {
@@ -823,6 +904,130 @@ mod tests {
         let (g, _) = ask(&path, me.0, me.1, 7, 1).expect("answered once a slot was free");
         assert_eq!(g.chunks.len(), 1);
         closer.join().unwrap();
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// A private directory of this test's and a server in it whose `decide` is the test's.
+    fn server_with(
+        name: &str,
+        decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
+    ) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("expseg-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let path = dir.join("p.sock");
+        serve(&path, false, |_| true, decide).unwrap();
+        path
+    }
+
+    /// A grant of no chunks whose size is `size` (a control request's answer).
+    fn plain(size: u64) -> Reply {
+        Ok((
+            Grant {
+                size,
+                chunks: vec![],
+            },
+            fds_of(vec![]),
+        ))
+    }
+
+    #[test]
+    fn forty_silent_peers_do_not_keep_the_owners_request_waiting() {
+        let path = server_with("silent40", |_, _, _| plain(42));
+        // More connections than places to read them, none sending a byte.
+        let silent: Vec<UnixStream> = (0..40)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        let me = (current_uid(), std::process::id());
+        let t = std::time::Instant::now();
+        let asked = ask_plain(
+            &path,
+            me.0,
+            me.1,
+            FIRST_REQUEST_ID,
+            0,
+            Duration::from_secs(5),
+        );
+        assert_eq!(asked.unwrap(), 42);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "answered in {:?}",
+            t.elapsed()
+        );
+        // The silent ones were closed unanswered.
+        for mut s in silent {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            assert_eq!(s.read(&mut [0u8; 16]).unwrap_or(0), 0);
+        }
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn slow_tickets_leave_places_for_the_owners_control_requests() {
+        // Every ticket takes 1.5 s to answer; control requests are answered at once.
+        let path = server_with("reserved", |id, _, _| {
+            if id < FIRST_REQUEST_ID {
+                std::thread::sleep(Duration::from_millis(1500));
+                return Err(Refusal::Unknown.into());
+            }
+            plain(7)
+        });
+        let me = (current_uid(), std::process::id());
+        let tickets: Vec<_> = (0..MAX_IN_FLIGHT)
+            .map(|i| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    ask_plain(&path, me.0, me.1, i as u32 + 1, 0, Duration::from_secs(10))
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        let asked = ask_plain(&path, me.0, me.1, u32::MAX - 2, 0, Duration::from_secs(5));
+        assert_eq!(asked.unwrap(), 7);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "answered in {:?}",
+            t.elapsed()
+        );
+        for t in tickets {
+            assert!(matches!(
+                t.join().unwrap(),
+                Err(AskError::Refused(Refusal::Unknown, 0))
+            ));
+        }
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_request_sent_a_byte_at_a_time_is_closed_after_a_second() {
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = seen.clone();
+        let path = server_with("drip", move |_, _, _| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            plain(1)
+        });
+        let mut s = UnixStream::connect(&path).unwrap();
+        let t = std::time::Instant::now();
+        let mut sent = 0;
+        while sent < 16 && s.write_all(&[0u8]).is_ok() {
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        assert_eq!(s.read(&mut [0u8; 16]).unwrap_or(0), 0, "closed unanswered");
+        assert!(
+            t.elapsed() < Duration::from_millis(2000),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            seen.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "never decided"
+        );
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
