@@ -152,6 +152,7 @@ fn fixture() -> &'static Fixture {
             &["-O1", "-o", "pages_main", &s("pages_main.c"), "-ldl"],
             &dir,
         );
+        cc(&["-O1", "-o", "sockpoke", &s("sockpoke.c")], &dir);
         // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
         // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
         let exe = std::env::current_exe().unwrap();
@@ -2785,6 +2786,156 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     drop(stdin);
     assert!(sleeper.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `prog sleeper` (64 MiB, its socket serving) with its socket directory under `dir` and
+/// `env`: the process, once it is ready.
+fn sleeper_in(dir: &Path, env: &[(&str, &str)]) -> std::process::Child {
+    use std::io::BufRead as _;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut s = Command::new(fixture().dir.join("prog"));
+    one_shared_gpu(&mut s, dir);
+    s.arg("sleeper")
+        .env("LD_PRELOAD", &fixture().shim)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in env {
+        s.env(k, v);
+    }
+    let mut sleeper = s.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(sleeper.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready=1");
+    sleeper
+}
+
+#[test]
+fn who_may_do_what_on_a_live_process_is_the_contracts_table_row_by_row() {
+    let f = fixture();
+    // SAFETY: geteuid cannot fail.
+    let uid = unsafe { libc_geteuid() };
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/contract.md"))
+            .unwrap();
+    let table: Vec<Vec<String>> = doc[doc.find("### Who may do what").unwrap()..]
+        .lines()
+        .skip_while(|l| !l.starts_with("| peer |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            l.trim_matches('|')
+                .split('|')
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
+        .collect();
+    assert_eq!(table.len(), 5);
+    // One process as started by default, one that allows uid 65534 and remote discard.
+    let base = std::env::temp_dir().join(format!("expseg-rows-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (plain_dir, open_dir) = (base.join("plain"), base.join("open"));
+    let mut plain = sleeper_in(&plain_dir, &[]);
+    let mut open = sleeper_in(
+        &open_dir,
+        &[
+            ("EXPSEG_IPC_ALLOW_UIDS", "65534"),
+            ("EXPSEG_ALLOW_REMOTE_DISCARD", "1"),
+        ],
+    );
+    let socket = |dir: &Path, p: &std::process::Child| {
+        dir.join(socket_dir_name(uid))
+            .join(format!("{}.sock", p.id()))
+    };
+    let (plain_sock, open_sock) = (socket(&plain_dir, &plain), socket(&open_dir, &open));
+    // One request per column: a ticket nobody issued, a descriptor nobody exported, the bytes
+    // paused, a discarding pause of a tag nothing carries (it drops nothing).
+    let requests = [
+        (1u32, 12345u64),
+        (u32::MAX, 3),
+        (u32::MAX - 4, 0),
+        (u32::MAX - 2, (1 << 32) | 77),
+    ];
+    // How a row's peer is made: (run as another uid, in another pid namespace).
+    let peer_of = |row: &str| -> (Option<u32>, bool) {
+        let other_ns = row.ends_with("other pid namespace");
+        match row {
+            r if r.starts_with("same uid") => (None, other_ns),
+            r if r.starts_with("uid in EXPSEG_IPC_ALLOW_UIDS") => (Some(65534), other_ns),
+            "other uid" => (Some(65533), false),
+            r => panic!("a row the test does not know: {r}"),
+        }
+    };
+    let poke = |sock: &Path, (as_uid, other_ns): (Option<u32>, bool), (id, nonce): (u32, u64)| {
+        let mut argv: Vec<String> = Vec::new();
+        if other_ns {
+            argv.extend(["unshare", "--pid", "--fork", "--kill-child"].map(String::from));
+        }
+        if let Some(u) = as_uid {
+            argv.push("setpriv".into());
+            argv.push(format!("--reuid={u}"));
+            argv.push(format!("--regid={u}"));
+            argv.push("--clear-groups".into());
+        }
+        argv.push(f.dir.join("sockpoke").to_str().unwrap().into());
+        argv.push(sock.to_str().unwrap().into());
+        argv.push(id.to_string());
+        argv.push(nonce.to_string());
+        let out = Command::new(&argv[0]).args(&argv[1..]).output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.split_whitespace()
+            .find_map(|t| t.strip_prefix("poke="))
+            .map(str::to_string)
+    };
+    let mut checked = 0;
+    for row in &table {
+        let peer = peer_of(&row[0]);
+        if peer.0.is_some() && uid != 0 {
+            eprintln!("{}: skipped (not root: cannot be another uid)", row[0]);
+            continue;
+        }
+        let sock = match peer.0 {
+            Some(_) => &open_sock,
+            None => &plain_sock,
+        };
+        for (cell, request) in row[1..].iter().zip(requests) {
+            let Some(got) = poke(sock, peer, request) else {
+                eprintln!(
+                    "{}: skipped (unshare --pid --fork is not allowed here)",
+                    row[0]
+                );
+                break;
+            };
+            let ok = match cell.as_str() {
+                "yes" => got == "status:0" || got == "status:1",
+                "refused" => got == "status:3",
+                "closed unread" => got == "closed" || got == "unreachable",
+                "only with EXPSEG_ALLOW_REMOTE_DISCARD=1" => {
+                    got == "status:3"
+                        && poke(&open_sock, peer, request).as_deref() == Some("status:0")
+                }
+                c => panic!("a cell the test does not know: {c}"),
+            };
+            assert!(
+                ok,
+                "row {:?}, request {request:?}: {cell:?} in the table, {got:?} from the process",
+                row[0]
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "the first row at least");
+    // The other uid could not even reach the default process's socket.
+    if uid == 0 {
+        let got = poke(&plain_sock, (Some(65533), false), requests[2]);
+        assert_eq!(got.as_deref(), Some("unreachable"));
+    }
+    for p in [&mut plain, &mut open] {
+        drop(p.stdin.take());
+        assert!(p.wait().unwrap().success());
+    }
+    let _ = std::fs::remove_dir_all(&base);
 }
 
 #[test]
