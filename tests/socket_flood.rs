@@ -1,5 +1,6 @@
 //! The per-user socket's server under a flood of bad requests: 10,000 connections, each
-//! malformed, truncated, oversized, slow, silent, or a grant left unread, thrown at a server
+//! malformed, truncated, oversized, slow, silent (alone, or 40 at once for 1.5 s), or a grant
+//! left unread, thrown at a server
 //! on a temporary directory by 8 threads, while the owner's own control request is asked every
 //! 20 ms. No panic, no descriptor left open, and every one of the owner's requests answered
 //! within 1 s. Seeded (`EXPSEG_TEST_SEED`), the seed printed, so a failure can be replayed.
@@ -139,7 +140,15 @@ fn attack(path: &Path, rng: &mut Rng, me: (u32, u32)) {
         // Connected and closed at once.
         980..=989 => {}
         // Silent for up to 400 ms.
-        990..=994 => std::thread::sleep(Duration::from_millis(rng.below(400))),
+        990..=993 => std::thread::sleep(Duration::from_millis(rng.below(400))),
+        // A burst of 40 more that say nothing for 1.5 s: more than the server reads at once.
+        994..=995 => {
+            let burst: Vec<_> = (0..40)
+                .filter_map(|_| UnixStream::connect(path).ok())
+                .collect();
+            std::thread::sleep(Duration::from_millis(1500));
+            drop(burst);
+        }
         // Slow: a byte at a time, some fast enough to finish within the server's 1 s.
         _ => {
             let gap = Duration::from_millis(20 + rng.below(100));
