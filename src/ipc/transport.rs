@@ -869,7 +869,7 @@ mod tests {
     #[test]
     fn idle_peers_do_not_delay_a_request() {
         let (path, _) = counting_server("idle", |_| true);
-        // Three connections that never send a byte: each holds a server thread 5 s.
+        // Three connections that never send a byte: each holds a place to be read 200 ms.
         let idle: Vec<UnixStream> = (0..3)
             .map(|_| UnixStream::connect(&path).unwrap())
             .collect();
@@ -889,21 +889,30 @@ mod tests {
 
     #[test]
     fn a_burst_beyond_the_requests_served_at_once_waits_for_a_slot() {
-        // MAX_IN_FLIGHT peers hold every slot for 0.5 s (idle connections: the server thread
-        // waits for their request); a request meanwhile waits and is answered.
-        let (path, _) = counting_server("burst", |_| true);
-        let idle: Vec<UnixStream> = (0..MAX_IN_FLIGHT)
-            .map(|_| UnixStream::connect(&path).unwrap())
-            .collect();
-        std::thread::sleep(Duration::from_millis(100));
-        let closer = std::thread::spawn(move || {
+        // MAX_IN_FLIGHT tickets each answered in 0.4 s take every place; one more meanwhile
+        // waits for a place and is answered.
+        let path = server_with("burst", |id, _, _| {
             std::thread::sleep(Duration::from_millis(400));
-            drop(idle);
+            if id == 7 {
+                return plain(1);
+            }
+            Err(Refusal::Unknown.into())
         });
         let me = (current_uid(), std::process::id());
-        let (g, _) = ask(&path, me.0, me.1, 7, 1).expect("answered once a slot was free");
-        assert_eq!(g.chunks.len(), 1);
-        closer.join().unwrap();
+        let burst: Vec<_> = (0..MAX_IN_FLIGHT)
+            .map(|_| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    ask_plain(&path, me.0, me.1, 5, 0, Duration::from_secs(10))
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let asked = ask_plain(&path, me.0, me.1, 7, 1, Duration::from_secs(10));
+        assert_eq!(asked.expect("answered once a place was free"), 1);
+        for b in burst {
+            assert!(b.join().unwrap().is_err());
+        }
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
