@@ -78,12 +78,19 @@ pub struct Config {
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
+    /// `EXPSEG_ALLOW_REMOTE_DISCARD`: opt-in: `expseg pause --discard` from outside may drop
+    /// this process's paused bytes (without it, only an offloading pause is served).
+    pub allow_remote_discard: bool,
     /// `EXPSEG_PAUSE_KEEP_HOST`: opt-in: the page-locked host buffers of a pause are kept
     /// after the resume for the next pause (page-locking is what a first pause waits for);
     /// `expseg.trim()` frees them.
     pub pause_keep_host: bool,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
+    /// `EXPSEG_PIDFD_RESCUE`: a `pidfd_getfd` the kernel denies (`EPERM`) is asked of the
+    /// producer's expseg over its socket. `0`: the kernel's answer stands, no socket is made
+    /// for it (a sandbox whose seccomp filter kills on `socket()`).
+    pub pidfd_rescue: bool,
     /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
     /// segments: callers of the runtime's driver entry points in `libc10_cuda`), `all` (every
     /// caller of those entry points), `off`.
@@ -167,6 +174,8 @@ impl Default for Config {
             // (scripts/vmm-cost/fence_peer.cu decides whether it can wait on device 0's).
             peer_hold: PeerHold::Off,
             control: true,
+            // Discarding loses the program's data: only the program's own environment says yes.
+            allow_remote_discard: false,
             pause_keep_host: false,
             ipc_peers_expseg: false,
             // A tensor ends inside its PyTorch block; the run of mappings after its page is
@@ -174,6 +183,7 @@ impl Default for Config {
             // trained model's 7 parameters, H100, 2026-11-24, shim-tests/ipc_reach.py).
             ipc_extent_torch: true,
             ipc_allow_uids: Vec::new(),
+            pidfd_rescue: true,
             coalesce: Coalesce::Torch,
             driver_api: true,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
@@ -364,6 +374,11 @@ const VARS: &[Var] = &[
         show: |c| c.control.to_string(),
     },
     Var {
+        name: "EXPSEG_ALLOW_REMOTE_DISCARD",
+        set: |c, v| parse_bool(v).map(|b| c.allow_remote_discard = b),
+        show: |c| c.allow_remote_discard.to_string(),
+    },
+    Var {
         name: "EXPSEG_PAUSE_KEEP_HOST",
         set: |c, v| set_switch(&mut c.pause_keep_host, v),
         show: |c| c.pause_keep_host.to_string(),
@@ -402,6 +417,11 @@ const VARS: &[Var] = &[
                 .collect::<Vec<_>>()
                 .join(",")
         },
+    },
+    Var {
+        name: "EXPSEG_PIDFD_RESCUE",
+        set: |c, v| parse_bool(v).map(|b| c.pidfd_rescue = b),
+        show: |c| c.pidfd_rescue.to_string(),
     },
     Var {
         name: "EXPSEG_REPORT",

@@ -152,6 +152,7 @@ fn fixture() -> &'static Fixture {
             &["-O1", "-o", "pages_main", &s("pages_main.c"), "-ldl"],
             &dir,
         );
+        cc(&["-O1", "-o", "sockpoke", &s("sockpoke.c")], &dir);
         // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
         // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
         let exe = std::env::current_exe().unwrap();
@@ -1743,19 +1744,28 @@ fn socket_dir_name(uid: u32) -> String {
 }
 
 #[test]
-fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
+fn a_socket_directory_name_another_user_took_is_skipped_and_all_taken_turn_tickets_off_loudly() {
     // SAFETY: geteuid cannot fail.
     if unsafe { libc_geteuid() } != 0 {
         eprintln!("not root: cannot give a directory to another user; skipping");
         return;
     }
     let f = fixture();
-    let run_with = |peers: Option<&str>| {
-        let base = f.dir.join(format!("sockets-squatted-{}", peers.is_some()));
+    // The usual name and `taken - 1` fallback names (`.1` ...) made by another user first.
+    let run_with = |taken: usize, peers: Option<&str>| {
+        let base = f
+            .dir
+            .join(format!("sockets-squatted-{taken}-{}", peers.is_some()));
         let _ = std::fs::remove_dir_all(&base);
-        let squatted = base.join(socket_dir_name(0));
-        std::fs::create_dir_all(&squatted).unwrap();
-        std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
+        for n in 0..taken {
+            let name = match n {
+                0 => socket_dir_name(0),
+                n => format!("{}.{n}", socket_dir_name(0)),
+            };
+            let squatted = base.join(name);
+            std::fs::create_dir_all(&squatted).unwrap();
+            std::os::unix::fs::chown(&squatted, Some(65534), Some(65534)).unwrap();
+        }
         let mut env = vec![("EXPSEG_IPC_DIR", base.to_str().unwrap().to_string())];
         if let Some(p) = peers {
             env.push(("EXPSEG_IPC_PEERS", p.to_string()));
@@ -1769,8 +1779,21 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
         )
         .ok()
     };
-    // Every consumer is promised the memory itself: no silent mirror, a loud failure.
-    let r = run_with(Some("expseg"));
+    // The usual name taken: the next one serves, and consumers find it there; one warning
+    // says which name was skipped and where the socket is.
+    let r = run_with(1, Some("expseg"));
+    assert_eq!(r.get("get_rc"), "0", "{}", r.stderr());
+    assert_eq!(nth(&r, "consumer_sees", 0), "1", "{}", r.stderr());
+    assert_eq!(r.get("producer_sees_write"), "1", "the memory itself");
+    assert!(
+        r.stderr().contains("this process's socket is in")
+            && r.stderr().contains(&format!("{}.1", socket_dir_name(0))),
+        "{}",
+        r.stderr()
+    );
+    // Every name taken. Every consumer is promised the memory itself: no silent mirror, a
+    // loud failure.
+    let r = run_with(1 + 8, Some("expseg")); // the usual name and its 8 fallbacks
     assert_eq!(r.get("get_rc"), "801", "{}", r.stderr());
     assert!(
         r.stderr().contains("EXPSEG_IPC_PEERS=expseg needs tickets")
@@ -1779,7 +1802,7 @@ fn a_socket_directory_of_another_user_turns_tickets_off_loudly() {
         r.stderr()
     );
     // Otherwise a mirror, and a warning that tickets are off and why.
-    let r = run_with(None);
+    let r = run_with(1 + 8, None);
     assert_eq!((r.get("get_rc"), r.get("ticket")), ("0".into(), "0".into()));
     assert_eq!(nth(&r, "consumer_sees", 0), "1");
     assert!(
@@ -2168,6 +2191,21 @@ fn torch_multiprocessing_descriptors_reach_consumers_whose_pidfd_getfd_is_denied
     assert_eq!(off.get("getfd_ok"), "0");
     assert_eq!(off.get("getfd_errno"), libc::EPERM.to_string());
 
+    // Turned off: the kernel's refusal stands, nothing is asked.
+    let no_rescue = pages_unprivileged(
+        "share_fd_nodump",
+        &[("EXPSEG_PIDFD_RESCUE", "0"), ("EXPSEG_LOG", "expseg=debug")],
+    )
+    .unwrap()
+    .ok();
+    assert_eq!(no_rescue.get("getfd_ok"), "0", "{}", no_rescue.stderr());
+    assert_eq!(no_rescue.get("getfd_errno"), libc::EPERM.to_string());
+    assert!(
+        !no_rescue.stderr().contains("its expseg"),
+        "{}",
+        no_rescue.stderr()
+    );
+
     // Where the kernel allows it, its answer stands and the socket is not asked.
     let open = pages_unprivileged("share_fd", &[("EXPSEG_LOG", "expseg=debug")])
         .unwrap()
@@ -2528,6 +2566,44 @@ fn one_shared_gpu(c: &mut Command, dir: &Path) {
         .env("EXPSEG_IPC_DIR", dir);
 }
 
+#[test]
+fn an_allocation_on_an_unknown_device_asks_each_peer_once_not_once_per_gpu() {
+    // A peer that never answers (a listener of this process, named by its pid, accepting
+    // nothing) and a process on four GPUs whose allocation in its own context finds no memory.
+    let f = fixture();
+    let dir = f.dir.join("unknown-device");
+    let _ = std::fs::remove_dir_all(&dir);
+    // SAFETY: geteuid cannot fail.
+    let sockets = dir.join(socket_dir_name(unsafe { libc_geteuid() }));
+    std::fs::create_dir_all(&sockets).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&sockets, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let _silent = std::os::unix::net::UnixListener::bind(
+        sockets.join(format!("{}.sock", std::process::id())),
+    )
+    .unwrap();
+    let report = dir.join("r.txt");
+    let t = std::time::Instant::now();
+    let r = run_in(
+        &f.dir,
+        "drv",
+        &["own_ctx_oom"],
+        &[
+            ("FAKE_DEVICES", "4"),
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+            ("EXPSEG_REPORT", report.to_str().unwrap()),
+        ],
+    )
+    .ok();
+    let took = t.elapsed();
+    assert_eq!(r.get("own_ctx_oom_rc"), "2", "{}", r.stderr());
+    let json = std::fs::read_to_string(dir.join("r.txt.json")).unwrap();
+    // Before: one request per GPU, one after another (four, 500 ms each).
+    assert!(json.contains("\"reclaim_asks\":1,"), "{json}");
+    assert!(took < std::time::Duration::from_millis(1800), "{took:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Two processes on one fake GPU (FAKE_SHARED_USED: one memory counter, 96 MiB): one takes
 /// and frees 64 MiB and holds on, then another asks for 48 MiB at once. Returns the second's
 /// `need_rc` and both reports' JSON.
@@ -2825,6 +2901,213 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     drop(stdin);
     assert!(sleeper.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `prog sleeper` (64 MiB, its socket serving) with its socket directory under `dir` and
+/// `env`: the process, once it is ready.
+fn sleeper_in(dir: &Path, env: &[(&str, &str)]) -> std::process::Child {
+    use std::io::BufRead as _;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut s = Command::new(fixture().dir.join("prog"));
+    one_shared_gpu(&mut s, dir);
+    s.arg("sleeper")
+        .env("LD_PRELOAD", &fixture().shim)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in env {
+        s.env(k, v);
+    }
+    let mut sleeper = s.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(sleeper.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready=1");
+    sleeper
+}
+
+#[test]
+fn who_may_do_what_on_a_live_process_is_the_contracts_table_row_by_row() {
+    let f = fixture();
+    // SAFETY: geteuid cannot fail.
+    let uid = unsafe { libc_geteuid() };
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/contract.md"))
+            .unwrap();
+    let table: Vec<Vec<String>> = doc[doc.find("### Who may do what").unwrap()..]
+        .lines()
+        .skip_while(|l| !l.starts_with("| peer |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            l.trim_matches('|')
+                .split('|')
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
+        .collect();
+    assert_eq!(table.len(), 5);
+    // One process as started by default, one that allows uid 65534 and remote discard.
+    let base = std::env::temp_dir().join(format!("expseg-rows-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (plain_dir, open_dir) = (base.join("plain"), base.join("open"));
+    let mut plain = sleeper_in(&plain_dir, &[]);
+    let mut open = sleeper_in(
+        &open_dir,
+        &[
+            ("EXPSEG_IPC_ALLOW_UIDS", "65534"),
+            ("EXPSEG_ALLOW_REMOTE_DISCARD", "1"),
+        ],
+    );
+    let socket = |dir: &Path, p: &std::process::Child| {
+        dir.join(socket_dir_name(uid))
+            .join(format!("{}.sock", p.id()))
+    };
+    let (plain_sock, open_sock) = (socket(&plain_dir, &plain), socket(&open_dir, &open));
+    // One request per column: a ticket nobody issued, a descriptor nobody exported, the bytes
+    // paused, a discarding pause of a tag nothing carries (it drops nothing).
+    let requests = [
+        (1u32, 12345u64),
+        (u32::MAX, 3),
+        (u32::MAX - 4, 0),
+        (u32::MAX - 2, (1 << 32) | 77),
+    ];
+    // How a row's peer is made: (run as another uid, in another pid namespace).
+    let peer_of = |row: &str| -> (Option<u32>, bool) {
+        let other_ns = row.ends_with("other pid namespace");
+        match row {
+            r if r.starts_with("same uid") => (None, other_ns),
+            r if r.starts_with("uid in EXPSEG_IPC_ALLOW_UIDS") => (Some(65534), other_ns),
+            "other uid" => (Some(65533), false),
+            r => panic!("a row the test does not know: {r}"),
+        }
+    };
+    let poke = |sock: &Path, (as_uid, other_ns): (Option<u32>, bool), (id, nonce): (u32, u64)| {
+        let mut argv: Vec<String> = Vec::new();
+        if other_ns {
+            argv.extend(["unshare", "--pid", "--fork", "--kill-child"].map(String::from));
+        }
+        if let Some(u) = as_uid {
+            argv.push("setpriv".into());
+            argv.push(format!("--reuid={u}"));
+            argv.push(format!("--regid={u}"));
+            argv.push("--clear-groups".into());
+        }
+        argv.push(f.dir.join("sockpoke").to_str().unwrap().into());
+        argv.push(sock.to_str().unwrap().into());
+        argv.push(id.to_string());
+        argv.push(nonce.to_string());
+        let out = Command::new(&argv[0]).args(&argv[1..]).output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.split_whitespace()
+            .find_map(|t| t.strip_prefix("poke="))
+            .map(str::to_string)
+    };
+    let mut checked = 0;
+    for row in &table {
+        let peer = peer_of(&row[0]);
+        if peer.0.is_some() && uid != 0 {
+            eprintln!("{}: skipped (not root: cannot be another uid)", row[0]);
+            continue;
+        }
+        let sock = match peer.0 {
+            Some(_) => &open_sock,
+            None => &plain_sock,
+        };
+        for (cell, request) in row[1..].iter().zip(requests) {
+            let Some(got) = poke(sock, peer, request) else {
+                eprintln!(
+                    "{}: skipped (unshare --pid --fork is not allowed here)",
+                    row[0]
+                );
+                break;
+            };
+            let ok = match cell.as_str() {
+                "yes" => got == "status:0" || got == "status:1",
+                "refused" => got == "status:3",
+                "closed unread" => got == "closed" || got == "unreachable",
+                "only with EXPSEG_ALLOW_REMOTE_DISCARD=1" => {
+                    got == "status:3"
+                        && poke(&open_sock, peer, request).as_deref() == Some("status:0")
+                }
+                c => panic!("a cell the test does not know: {c}"),
+            };
+            assert!(
+                ok,
+                "row {:?}, request {request:?}: {cell:?} in the table, {got:?} from the process",
+                row[0]
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "the first row at least");
+    // The other uid could not even reach the default process's socket.
+    if uid == 0 {
+        let got = poke(&plain_sock, (Some(65533), false), requests[2]);
+        assert_eq!(got.as_deref(), Some("unreachable"));
+    }
+    for p in [&mut plain, &mut open] {
+        drop(p.stdin.take());
+        assert!(p.wait().unwrap().success());
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+#[test]
+fn discarding_a_processs_memory_from_outside_needs_its_own_opt_in() {
+    use std::io::{BufRead as _, Write as _};
+    let f = fixture();
+    for (round, opt_in) in [false, true].into_iter().enumerate() {
+        let dir =
+            std::env::temp_dir().join(format!("expseg-discard-{}-{round}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = Command::new(f.dir.join("prog"));
+        one_shared_gpu(&mut s, &dir);
+        s.arg("sleeper")
+            .env("LD_PRELOAD", &f.shim)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        if opt_in {
+            s.env("EXPSEG_ALLOW_REMOTE_DISCARD", "1");
+        }
+        let mut sleeper = s.spawn().unwrap();
+        let pid = sleeper.id().to_string();
+        let mut line = String::new();
+        std::io::BufReader::new(sleeper.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready=1");
+        let cli = |args: &[&str]| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+            one_shared_gpu(&mut c, &dir);
+            c.args(args).output().unwrap()
+        };
+        let o = cli(&["pause", "--discard", &pid]);
+        let paused = cli(&["paused", &pid]);
+        let paused = String::from_utf8_lossy(&paused.stdout).trim().to_string();
+        if opt_in {
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            assert_eq!(paused, format!("pid {pid}: {} bytes paused", 64u64 << 20));
+            assert!(cli(&["resume", &pid]).status.success());
+        } else {
+            // Refused, saying how to allow it; nothing paused, nothing lost.
+            assert!(!o.status.success());
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("EXPSEG_ALLOW_REMOTE_DISCARD=1")
+                    && err.contains("(0 bytes paused before the failure"),
+                "{err}"
+            );
+            assert_eq!(paused, format!("pid {pid}: 0 bytes paused"));
+            // An offloading pause is served as before.
+            assert!(cli(&["pause", &pid]).status.success());
+            assert!(cli(&["resume", &pid]).status.success());
+        }
+        let _ = sleeper.stdin.take().unwrap().write_all(b"");
+        assert!(sleeper.wait().unwrap().success());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// `tests/c/extent.py` under the shim with python3 (skipped without it): the mirror of another

@@ -126,12 +126,15 @@ pub fn trim_all() -> u64 {
     trim_devices(|_| true, Asker::Program)
 }
 
-/// Another expseg process found no memory on the GPU of `key`: what this process holds beyond
-/// live memory there goes back, as far as it can without moving a live page (this runs on the
-/// socket thread, while the program's threads may be launching work); the rest at the
-/// program's next call.
+/// Another expseg process found no memory on the GPU of `key` (`reclaim::EVERY_GPU`: on a
+/// device it could not name): what this process holds beyond live memory there goes back, as
+/// far as it can without moving a live page (this runs on the socket thread, while the
+/// program's threads may be launching work); the rest at the program's next call.
 pub fn trim_gpu(key: u64) -> u64 {
-    let freed = trim_devices(|d| key_of(d) == key, Asker::Outside);
+    let freed = trim_devices(
+        |d| key == reclaim::EVERY_GPU || key_of(d) == key,
+        Asker::Outside,
+    );
     if freed > 0 {
         log::info!("gave back {freed} bytes another expseg process asked for");
     }
@@ -150,35 +153,28 @@ pub fn make_room(dev: Option<i32>) -> bool {
 }
 
 /// Ask the other expseg processes of the user to give back what they hold on `dev`'s GPU
-/// (every GPU of this process when `dev` is unknown): the bytes they gave.
+/// (on every GPU when `dev` is unknown: one request each, not one per GPU): the bytes they
+/// gave.
 fn reclaim_from_peers(dev: Option<i32>) -> u64 {
     // Off (`EXPSEG_DISABLE=1`: pure pass-through) or a forked child: nobody is asked.
     if state::bypass() {
         return 0;
     }
-    let keys: Vec<u64> = match dev {
-        Some(d) => vec![key_of(d)],
-        None => match real::driver().map(|t| cuda::device_count(t).unwrap_or(0)) {
-            Ok(n) => (0..n).map(key_of).collect(),
-            Err(_) => Vec::new(),
-        },
-    };
+    let key = dev.map_or(reclaim::EVERY_GPU, key_of);
     let (uid, me) = (sockdir::current_uid(), std::process::id());
     let mut freed = 0;
-    for key in keys {
-        for a in reclaim::ask_peers(uid, me, key, reclaim::PEER_TIMEOUT) {
-            GLOBAL.reclaim_asks.add(1);
-            match a.result {
-                Ok(0) => {}
-                Ok(n) => {
-                    log::info!(
-                        "expseg process {} gave back {n} bytes for an allocation here",
-                        a.pid
-                    );
-                    freed += n;
-                }
-                Err(e) => log::debug!("asking expseg process {} to give memory back: {e:?}", a.pid),
+    for a in reclaim::ask_peers(uid, me, key, reclaim::PEER_TIMEOUT) {
+        GLOBAL.reclaim_asks.add(1);
+        match a.result {
+            Ok(0) => {}
+            Ok(n) => {
+                log::info!(
+                    "expseg process {} gave back {n} bytes for an allocation here",
+                    a.pid
+                );
+                freed += n;
             }
+            Err(e) => log::debug!("asking expseg process {} to give memory back: {e:?}", a.pid),
         }
     }
     GLOBAL.reclaimed_bytes.add(freed);

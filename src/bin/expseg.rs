@@ -463,7 +463,8 @@ so another process can take it. Addresses stay reserved: tensors, pointers and C
 stay valid. The program must run no GPU work on paused memory until it is resumed (pause
 between steps). Memory shared with other processes by IPC is left alone.
 
-  --discard       drop the bytes instead of copying them (they come back undefined)
+  --discard       drop the bytes instead of copying them (they come back undefined); only
+                  where the process runs with EXPSEG_ALLOW_REMOTE_DISCARD=1
   --tag NAME      only memory allocated under expseg.tag(NAME)
 ";
 
@@ -801,8 +802,9 @@ fn refused(
     json: bool,
 ) -> String {
     use expseg::ipc::control::Control;
-    use expseg::ipc::Refusal::NoMemory;
+    use expseg::ipc::Refusal::{Forbidden, NoMemory};
     let why = match (c, r) {
+        (Control::Pause { discard: true, .. }, Forbidden) => "that process does not let its memory be discarded from outside: start it with EXPSEG_ALLOW_REMOTE_DISCARD=1, or pause without --discard (its bytes then go to host memory)".to_string(),
         (Control::Resume { .. }, NoMemory) => "not enough free GPU memory to resume all of it; what is still paused stays paused with its bytes: resume again when memory is free".to_string(),
         (Control::Pause { .. }, NoMemory) => "not enough host memory for the paused bytes (its MemAvailable or cgroup limit, less 1 GiB kept for the system): the rest stays on the GPU; free host memory or pause with --discard".to_string(),
         _ => format!("refused ({r:?}): see that process's [expseg] log lines"),

@@ -70,14 +70,8 @@ impl Control {
 /// Send `c` to process `pid` of `uid`: the bytes it paused, resumed, or holds paused.
 pub fn ask(uid: u32, pid: u32, c: Control, timeout: Duration) -> Result<u64, AskError> {
     let (id, nonce) = c.encode();
-    transport::ask_plain(
-        &sockdir::socket_path(uid, pid),
-        uid,
-        pid,
-        id,
-        nonce,
-        timeout,
-    )
+    let path = sockdir::socket_path(uid, pid).map_err(AskError::Untrusted)?;
+    transport::ask_plain(&path, uid, pid, id, nonce, timeout)
 }
 
 #[cfg(test)]

@@ -8,11 +8,13 @@
 //! producer and consumer then share it both ways, as with native IPC.
 //!
 //! Security: the socket lives in a directory only the user can enter (0700, checked), the
-//! producer checks the peer's uid (`SO_PEERCRED`; same user, or `EXPSEG_IPC_ALLOW_UIDS`), and
+//! producer checks the peer's pid namespace (its own only: `ns`) and uid (`SO_PEERCRED`; same
+//! user, or `EXPSEG_IPC_ALLOW_UIDS`), and
 //! every ticket carries a random nonce the producer checks. A forged, stale (freed) or foreign
 //! ticket gets an error, never memory.
 
 pub mod control;
+pub mod ns;
 pub mod reclaim;
 pub mod sockdir;
 mod ticket;

@@ -8,11 +8,13 @@
 //! tickets hold both ways: the asker only talks to a socket in its own private directory
 //! served by the process its name says, of its own uid; the server serves it only to its own
 //! uid (not to `EXPSEG_IPC_ALLOW_UIDS`, which may map shared memory, not trim this process).
-//! A peer that does not answer within the bound is skipped.
+//! A peer that does not answer within the bound is skipped; at most [`ASKERS`] are asked at
+//! once, and none after four bounds have gone by; a socket nobody listens on any more (its
+//! process was killed) is removed.
 
 use super::sockdir;
 use super::transport::{self, AskError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The request id of a reclaim (ticket ids stay below it; `u32::MAX` is `pidfd_getfd`'s).
@@ -21,35 +23,62 @@ pub const RECLAIM_ID: u32 = u32::MAX - 1;
 /// How long one peer may take to connect, give back and answer.
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// The key of a GPU in requests: its 16-byte UUID folded to 64 bits.
+/// Most peers asked at once (the asking thread and up to three more).
+pub const ASKERS: usize = 4;
+
+/// The key that asks for every GPU: an allocation whose device is not known (a context of
+/// the program's own) asks each peer once for all, rather than once per GPU.
+pub const EVERY_GPU: u64 = u64::MAX;
+
+/// The key of a GPU in requests: its 16-byte UUID folded to 64 bits (never [`EVERY_GPU`]).
 pub fn gpu_key(uuid: &[u8; 16]) -> u64 {
     let lo = u64::from_le_bytes(uuid[0..8].try_into().unwrap());
     let hi = u64::from_le_bytes(uuid[8..16].try_into().unwrap());
-    lo ^ hi.rotate_left(17)
+    match lo ^ hi.rotate_left(17) {
+        EVERY_GPU => EVERY_GPU - 1,
+        k => k,
+    }
 }
 
 /// The pids of the other processes of `uid` that serve an expseg socket (a socket of a dead
-/// process is listed too; asking it fails at once). Nothing when the directory is not
-/// private to `uid`.
+/// process is listed too; asking it fails at once), in every socket directory of the user's
+/// (`sockdir::socket_dirs`).
 pub fn peers(uid: u32, me: u32) -> Vec<u32> {
-    peers_in(&sockdir::socket_dir(uid), uid, me)
+    peer_sockets(uid, me)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .collect()
 }
 
-fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
-    if sockdir::dir_trusted(dir, uid).is_err() {
-        return Vec::new();
+fn peer_sockets(uid: u32, me: u32) -> Vec<(u32, PathBuf)> {
+    sockets_in(&sockdir::socket_dirs(uid), uid, me)
+}
+
+/// The sockets in `dirs` but `me`'s, by pid (one per pid: the first directory's, as a
+/// consumer looks), skipping directories that are not private to `uid`.
+fn sockets_in(dirs: &[PathBuf], uid: u32, me: u32) -> Vec<(u32, PathBuf)> {
+    let mut out: Vec<(u32, PathBuf)> = Vec::new();
+    for dir in dirs {
+        if sockdir::dir_trusted(dir, uid).is_err() {
+            continue;
+        }
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_suffix(".sock"))
+                .and_then(|p| p.parse::<u32>().ok());
+            match pid {
+                Some(pid) if pid != me && !out.iter().any(|(p, _)| *p == pid) => {
+                    out.push((pid, e.path()))
+                }
+                _ => {}
+            }
+        }
     }
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<u32> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            name.strip_suffix(".sock")?.parse::<u32>().ok()
-        })
-        .filter(|pid| *pid != me)
-        .collect();
     out.sort_unstable();
     out
 }
@@ -57,7 +86,8 @@ fn peers_in(dir: &Path, uid: u32, me: u32) -> Vec<u32> {
 /// Ask process `pid` of `uid` to give back what it holds beyond live memory on the GPU of
 /// `key`: the bytes it gave back.
 pub fn ask_one(uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
-    ask_at(&sockdir::socket_path(uid, pid), uid, pid, key, timeout)
+    let path = sockdir::socket_path(uid, pid).map_err(AskError::Untrusted)?;
+    ask_at(&path, uid, pid, key, timeout)
 }
 
 fn ask_at(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
@@ -71,34 +101,92 @@ pub struct Answer {
     pub result: Result<u64, AskError>,
 }
 
-/// Ask every other expseg process of `uid` at once (one thread each, each bounded by
-/// `timeout`): their answers, in pid order.
+/// Ask every other expseg process of `uid`, each bounded by `timeout`, [`ASKERS`] at once
+/// (fewer where threads cannot be started: the calling thread asks in any case), none after
+/// four times `timeout`: their answers, in pid order.
 pub fn ask_peers(uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    ask_peers_in(&sockdir::socket_dir(uid), uid, me, key, timeout)
+    ask_all(peer_sockets(uid, me), uid, key, timeout)
 }
 
-fn ask_peers_in(dir: &Path, uid: u32, me: u32, key: u64, timeout: Duration) -> Vec<Answer> {
-    let pids = peers_in(dir, uid, me);
+fn ask_all(peers: Vec<(u32, PathBuf)>, uid: u32, key: u64, timeout: Duration) -> Vec<Answer> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let started = std::time::Instant::now();
+    let next = AtomicUsize::new(0);
+    let results: Vec<Mutex<Option<Result<u64, AskError>>>> =
+        peers.iter().map(|_| Mutex::new(None)).collect();
+    // Each asker takes the next peer until none is left.
+    let asker = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some((pid, path)) = peers.get(i) else {
+            break;
+        };
+        let result = if started.elapsed() >= 4 * timeout {
+            Err(AskError::Unreachable(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "not asked: the other peers took the time",
+            )))
+        } else {
+            std::panic::catch_unwind(|| ask_peer(path, uid, *pid, key, timeout))
+                .unwrap_or(Err(AskError::Protocol("asking it panicked")))
+        };
+        *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+    };
     std::thread::scope(|scope| {
-        let asks: Vec<_> = pids
-            .iter()
-            .map(|&pid| {
-                let path = dir.join(format!("{pid}.sock"));
-                (
-                    pid,
-                    scope.spawn(move || ask_at(&path, uid, pid, key, timeout)),
-                )
-            })
-            .collect();
-        asks.into_iter()
-            .map(|(pid, h)| Answer {
-                pid,
-                result: h
-                    .join()
-                    .unwrap_or(Err(AskError::Protocol("the asking thread panicked"))),
-            })
-            .collect()
-    })
+        for _ in 1..ASKERS.min(peers.len()) {
+            if start_asker(scope, &asker).is_err() {
+                break; // out of threads: fewer askers
+            }
+        }
+        asker();
+    });
+    peers
+        .iter()
+        .zip(results)
+        .map(|((pid, _), r)| Answer {
+            pid: *pid,
+            result: r
+                .into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or(Err(AskError::Protocol("not asked"))),
+        })
+        .collect()
+}
+
+/// Start one more asker on `scope` (`Err` where no thread can be made).
+fn start_asker<'scope, 'env, F>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    asker: &'env F,
+) -> std::io::Result<()>
+where
+    F: Fn() + Sync,
+{
+    #[cfg(test)]
+    if NO_THREADS.with(|n| n.get()) {
+        return Err(std::io::Error::other("no threads (test)"));
+    }
+    std::thread::Builder::new()
+        .name("expseg-reclaim".into())
+        .spawn_scoped(scope, asker)
+        .map(drop)
+}
+
+/// Ask the peer at `path`; a socket nobody listens on any more (its process was killed) is
+/// removed, so that it is not asked again.
+fn ask_peer(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Result<u64, AskError> {
+    let r = ask_at(path, uid, pid, key, timeout);
+    if let Err(AskError::Unreachable(e)) = &r {
+        if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            let _ = transport::clear_stale(path);
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Makes starting an asker fail on this thread, as when the process is out of threads.
+    static NO_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(test)]
@@ -122,6 +210,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         dir
+    }
+
+    fn pids(sockets: &[(u32, PathBuf)]) -> Vec<u32> {
+        sockets.iter().map(|(p, _)| *p).collect()
     }
 
     fn sock(dir: &Path, pid: u32) -> PathBuf {
@@ -178,16 +270,34 @@ mod tests {
         );
         assert_eq!(seen.load(Ordering::SeqCst), 2);
         // Asked as another process would (`me` = 1): the holder gives, the dead one fails.
-        assert_eq!(peers_in(&dir, uid, 1), vec![me, me + 1]);
-        let answers = ask_peers_in(&dir, uid, 1, key, PEER_TIMEOUT);
+        assert_eq!(
+            pids(&sockets_in(std::slice::from_ref(&dir), uid, 1)),
+            vec![me, me + 1]
+        );
+        let answers = ask_all(
+            sockets_in(std::slice::from_ref(&dir), uid, 1),
+            uid,
+            key,
+            PEER_TIMEOUT,
+        );
         assert_eq!(
             answers[0].result.as_ref().ok(),
             Some(&(3 << 30)),
             "{answers:?}"
         );
         assert!(matches!(answers[1].result, Err(AskError::Unreachable(_))));
+        // The dead one's socket refused the connection: it is gone, the live one stays.
+        assert!(
+            !sock(&dir, me + 1).exists(),
+            "a killed process's socket is removed"
+        );
+        assert!(sock(&dir, me).exists());
         // A process's own socket is never asked.
-        assert_eq!(peers_in(&dir, uid, me), vec![me + 1]);
+        drop(UnixListener::bind(sock(&dir, me + 1)).unwrap());
+        assert_eq!(
+            pids(&sockets_in(std::slice::from_ref(&dir), uid, me)),
+            vec![me + 1]
+        );
         // A socket whose name says another pid than the process serving it: untrusted,
         // nothing sent.
         std::fs::rename(sock(&dir, me), sock(&dir, me + 3)).unwrap();
@@ -198,7 +308,7 @@ mod tests {
         assert_eq!(seen.load(Ordering::SeqCst), 3);
         // A directory others can write: no peers at all.
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(peers_in(&dir, uid, 1).is_empty());
+        assert!(sockets_in(std::slice::from_ref(&dir), uid, 1).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -210,7 +320,12 @@ mod tests {
         // A listener of this process that accepts nothing and answers nothing.
         let silent = UnixListener::bind(sock(&dir, me)).unwrap();
         let t = std::time::Instant::now();
-        let answers = ask_peers_in(&dir, uid, 1, 1, Duration::from_millis(200));
+        let answers = ask_all(
+            sockets_in(std::slice::from_ref(&dir), uid, 1),
+            uid,
+            1,
+            Duration::from_millis(200),
+        );
         let took = t.elapsed();
         assert_eq!(answers.len(), 1);
         assert!(
@@ -222,6 +337,68 @@ mod tests {
             "{took:?}"
         );
         drop(silent);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn at_most_four_peers_are_asked_at_once_and_none_after_four_bounds() {
+        let dir = private_dir("bounded");
+        let uid = current_uid();
+        let me = std::process::id();
+        // Silent peers: listeners of this process (so the pid check passes) that accept
+        // nothing; each ask waits out its bound.
+        let silent = |n: usize| -> (Vec<UnixListener>, Vec<(u32, PathBuf)>) {
+            (0..n)
+                .map(|i| {
+                    let path = dir.join(format!("silent-{n}-{i}.sock"));
+                    (UnixListener::bind(&path).unwrap(), (me, path))
+                })
+                .unzip()
+        };
+        // 10 peers, 200 ms each, 4 at a time: three rounds, not one.
+        let (_held, peers) = silent(10);
+        let t = std::time::Instant::now();
+        let answers = ask_all(peers, uid, 1, Duration::from_millis(200));
+        let took = t.elapsed();
+        assert_eq!(answers.len(), 10);
+        assert!(answers.iter().all(|a| a.result.is_err()));
+        assert!(
+            took >= Duration::from_millis(550) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+        // 40 peers, 100 ms each: none asked after 400 ms, the rest skipped.
+        let (_held, peers) = silent(40);
+        let t = std::time::Instant::now();
+        let answers = ask_all(peers, uid, 1, Duration::from_millis(100));
+        let took = t.elapsed();
+        let skipped = answers
+            .iter()
+            .filter(|a| matches!(&a.result, Err(AskError::Unreachable(e)) if e.to_string().contains("not asked")))
+            .count();
+        assert!((12..=36).contains(&skipped), "{skipped} skipped");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn without_threads_to_spare_the_calling_thread_asks_alone() {
+        let dir = private_dir("nothreads");
+        let uid = current_uid();
+        let me = std::process::id();
+        let key = gpu_key(&[9; 16]);
+        let _seen = holding_peer(&sock(&dir, me), key, 5 << 20);
+        drop(UnixListener::bind(sock(&dir, me + 1)).unwrap());
+        let peers = vec![
+            (me, sock(&dir, me)),
+            (me + 1, sock(&dir, me + 1)),
+            (me, sock(&dir, me)),
+        ];
+        NO_THREADS.with(|n| n.set(true));
+        let answers = ask_all(peers, uid, key, PEER_TIMEOUT);
+        NO_THREADS.with(|n| n.set(false));
+        assert_eq!(answers[0].result.as_ref().ok(), Some(&(5 << 20)));
+        assert!(answers[1].result.is_err());
+        assert_eq!(answers[2].result.as_ref().ok(), Some(&(5 << 20)));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -261,6 +438,14 @@ mod tests {
     #[test]
     fn gpu_keys_differ_by_uuid() {
         assert_ne!(gpu_key(&[1; 16]), gpu_key(&[2; 16]));
+        // No GPU's key asks for every GPU.
+        let mut all_ones = [0xff; 16];
+        all_ones[8..].fill(0);
+        assert_eq!(
+            u64::from_le_bytes(all_ones[..8].try_into().unwrap()),
+            EVERY_GPU
+        );
+        assert_ne!(gpu_key(&all_ones), EVERY_GPU);
         let mut a = [0u8; 16];
         a[15] = 1;
         assert_ne!(gpu_key(&a), gpu_key(&[0; 16]));

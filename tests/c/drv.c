@@ -102,6 +102,17 @@ static int exercise(AllocFn A, FreeFn F, InfoFn I, PitchFn P) {
   return 0;
 }
 
+/* "own_ctx_oom": an allocation that finds no memory while a context of the program's own is
+ * current (its device unknown to expseg, which then asks the other expseg processes). */
+static int own_ctx_oom(void) {
+  CUcontext c, mine;
+  CHECK(cuInit(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0 && cuCtxSetCurrent(c) == 0);
+  CHECK(cuCtxCreate_v2(&mine, 0, 0) == 0);
+  uint64_t o = 0;
+  printf("own_ctx_oom_rc=%d\n", cuMemAlloc_v2(&o, (size_t)1 << 48));
+  return 0;
+}
+
 static void* drvsym(const char* name) {
   void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   CHECK(l);
@@ -252,6 +263,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "peer")) return peer();
   if (!strcmp(s, "reset")) return reset();
   if (!strcmp(s, "ranges")) return ranges();
+  if (!strcmp(s, "own_ctx_oom")) return own_ctx_oom();
   if (!strcmp(s, "direct")) return exercise(cuMemAlloc_v2, cuMemFree_v2, cuMemGetInfo_v2, cuMemAllocPitch_v2);
   if (!strcmp(s, "dlsym")) return by_dlsym();
   if (!strcmp(s, "getproc")) return by_getproc();

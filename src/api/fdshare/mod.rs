@@ -21,6 +21,7 @@ pub mod record;
 
 pub use record::released;
 
+use super::state::config;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, AskError};
 use record::{identity, EXPORTED, GETFD_ID, KEPT_MAX};
@@ -28,8 +29,11 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 
 /// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
-/// remember it, and make sure the socket serves.
+/// remember it, and make sure the socket serves (nothing with `EXPSEG_PIDFD_RESCUE=0`).
 pub fn exported(fd: i32, handle: u64) {
+    if !config().pidfd_rescue {
+        return;
+    }
     let Some(id) = identity(fd) else { return };
     {
         let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -46,11 +50,21 @@ pub fn exported(fd: i32, handle: u64) {
 
 /// The consumer's side: the kernel refused `pidfd_getfd` for descriptor `fd` of the process
 /// behind `pidfd`; ask that process's expseg for it. `None`: no answer (the caller keeps the
-/// kernel's refusal).
+/// kernel's refusal). With `EXPSEG_PIDFD_RESCUE=0` nothing is asked (no socket is made: a
+/// seccomp filter may kill on `socket()`).
 pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
+    if !config().pidfd_rescue {
+        return None;
+    }
     let pid = pid_of_pidfd(pidfd)?;
     let uid = sockdir::current_uid();
-    let path = sockdir::socket_path(uid, pid);
+    let path = match sockdir::socket_path(uid, pid) {
+        Ok(path) => path,
+        Err(why) => {
+            log::warn!("pidfd_getfd of descriptor {fd} of process {pid} was denied, and its expseg cannot be asked: {why}");
+            return None;
+        }
+    };
     if std::fs::symlink_metadata(&path).is_err() {
         return None; // the producer does not run expseg (or shared nothing through it)
     }

@@ -39,8 +39,9 @@ pub fn released(handle: u64) {
     }
 }
 
-/// The producer's answer to a request for descriptor `fd` (on a socket thread; the peer's uid
-/// was admitted).
+/// The producer's answer to a request for descriptor `fd` (on a socket thread; the peer is a
+/// process of this pid namespace and of this process's own user: `ipc::transport` and
+/// `tickets::may`).
 pub fn serve(fd: u64) -> Decision {
     let Ok(fd) = i32::try_from(fd) else {
         return Err(Refusal::Unknown);

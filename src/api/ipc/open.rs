@@ -37,9 +37,11 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             return Answer::Done(Ok(va));
         }
     }
-    let path = sockdir::socket_path(t.uid, t.pid);
     let started = std::time::Instant::now();
-    let (grant, mut incoming) = match transport::ask(&path, t.uid, t.pid, t.id, t.nonce) {
+    let asked = sockdir::socket_path(t.uid, t.pid)
+        .map_err(AskError::Untrusted)
+        .and_then(|path| transport::ask(&path, t.uid, t.pid, t.id, t.nonce));
+    let (grant, mut incoming) = match asked {
         Ok(g) => g,
         Err(AskError::Untrusted(why)) => {
             log::error!("IPC: not asking for the ticket of process {}: {why}", t.pid);

@@ -5,6 +5,7 @@
 use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
+use crate::ipc::control::Control;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
@@ -126,20 +127,31 @@ fn server_ready(st: &mut State) -> bool {
     st.ipc.server == Some(true)
 }
 
+/// The pid that serves and its socket, removed when that process exits.
+static SERVED: OnceCell<(u32, std::path::PathBuf)> = OnceCell::new();
+
 fn start_server() -> Result<(), String> {
     // Nonces are what keeps other processes of the user from guessing tickets.
     crate::ipc::random_u64()
         .ok_or("no random source (getrandom, /dev/urandom) for ticket nonces")?;
     let uid = sockdir::current_uid();
     let others = !config().ipc_allow_uids.is_empty();
-    sockdir::prepare_dir(uid, others)?;
-    let path = sockdir::socket_path(uid, std::process::id());
+    let dir = sockdir::prepare_dir(uid, others)?;
+    let name = format!("{}.sock", std::process::id());
+    // A dead process's socket with this pid where consumers look first would hide this one.
+    for earlier in sockdir::places(uid)?.iter().take_while(|p| p.dir != dir) {
+        if sockdir::dir_trusted(&earlier.dir, uid).is_ok() {
+            let _ = transport::clear_stale(&earlier.dir.join(&name));
+        }
+    }
+    let path = dir.join(name);
     transport::serve(&path, others, admitted, decide)?;
+    let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
-        let _ = std::fs::remove_file(sockdir::socket_path(
-            sockdir::current_uid(),
-            std::process::id(),
-        ));
+        // A forked child exits with this handler too: the socket stays its parent's.
+        if let Some((_, path)) = SERVED.get().filter(|s| s.0 == std::process::id()) {
+            let _ = std::fs::remove_file(path);
+        }
     }
     #[allow(unsafe_code)]
     // SAFETY: registers a plain extern "C" function that removes one file.
@@ -149,10 +161,70 @@ fn start_server() -> Result<(), String> {
     Ok(())
 }
 
-/// Whether a process of `uid` may ask for tickets at all (checked before its request is
-/// read; the first refusal is logged).
+/// Who asks, as the socket tells (a process of another pid namespace never gets this far: the
+/// transport closes it unread).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Who {
+    /// This process's own user.
+    Own,
+    /// A user of `EXPSEG_IPC_ALLOW_UIDS`.
+    Allowed,
+    /// Anyone else: closed before a byte is read.
+    Other,
+}
+
+impl Who {
+    fn of(peer: u32, own: u32, allowed: &[u32]) -> Who {
+        match peer {
+            p if p == own => Who::Own,
+            p if allowed.contains(&p) => Who::Allowed,
+            _ => Who::Other,
+        }
+    }
+}
+
+/// What is asked: the columns of docs/contract.md's "Who may do what".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum What {
+    /// A ticket's memory (`cudaIpcOpenMemHandle`).
+    Ticket,
+    /// A descriptor PyTorch exported (`pidfd_getfd`).
+    Descriptor,
+    /// Pause (offloading), resume, the bytes paused, a reclaim.
+    Control,
+    /// A pause that discards.
+    Discard,
+}
+
+impl What {
+    fn of(id: u32, nonce: u64) -> What {
+        match Control::of(id, nonce) {
+            Some(Control::Pause { discard: true, .. }) => What::Discard,
+            Some(_) => What::Control,
+            None if id == crate::ipc::reclaim::RECLAIM_ID => What::Control,
+            None if id == crate::api::fdshare::record::GETFD_ID => What::Descriptor,
+            None => What::Ticket,
+        }
+    }
+}
+
+/// Who may ask what, of a process of the same pid namespace: docs/contract.md's table. Other
+/// users may map memory shared with them, not stop or trim this process's work, nor take
+/// descriptors no ticket names; discarding from outside loses the program's data, and needs
+/// its own opt-in (`remote_discard`, EXPSEG_ALLOW_REMOTE_DISCARD).
+fn may(who: Who, what: What, remote_discard: bool) -> bool {
+    match (who, what) {
+        (Who::Own, What::Discard) => remote_discard,
+        (Who::Own, _) => true,
+        (Who::Allowed, What::Ticket) => true,
+        (Who::Allowed | Who::Other, _) => false,
+    }
+}
+
+/// Whether a process of `uid` is read at all (checked before its request is read; the first
+/// refusal is logged).
 fn admitted(uid: u32) -> bool {
-    let ok = uid == sockdir::current_uid() || config().ipc_allow_uids.contains(&uid);
+    let ok = Who::of(uid, sockdir::current_uid(), &config().ipc_allow_uids) != Who::Other;
     if !ok {
         static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -162,27 +234,22 @@ fn admitted(uid: u32) -> bool {
     ok
 }
 
-/// Whether a process of `peer` may ask request `id` of a process of `own`: a ticket, the own
-/// user or one of `allowed` (EXPSEG_IPC_ALLOW_UIDS); a request that is not a ticket (pause,
-/// resume, query, reclaim, a descriptor for pidfd_getfd), the own user only: other users may
-/// map memory shared with them, not stop or trim this process's work, nor take descriptors no
-/// ticket names.
-fn may_ask(id: u32, peer: u32, own: u32, allowed: &[u32]) -> bool {
-    peer == own || (id < transport::FIRST_REQUEST_ID && allowed.contains(&peer))
-}
-
 /// The producer's answer to a ticket: runs on a thread of the socket server. A reclaim
 /// (another expseg process of the user found no memory on the GPU the nonce names) is no
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
 fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
-    if !may_ask(id, peer, sockdir::current_uid(), &config().ipc_allow_uids) {
-        if id >= transport::FIRST_REQUEST_ID {
-            log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)");
+    let who = Who::of(peer, sockdir::current_uid(), &config().ipc_allow_uids);
+    let what = What::of(id, nonce);
+    if !may(who, what, config().allow_remote_discard) {
+        match (who, what) {
+            (Who::Own, What::Discard) => log::warn!("IPC: refused a pause with discard from outside: this process's paused memory is discarded only with EXPSEG_ALLOW_REMOTE_DISCARD=1 in its environment"),
+            (_, What::Ticket) => {}
+            _ => log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)"),
         }
         return Err(Refusal::Forbidden.into());
     }
-    if let Some(c) = crate::ipc::control::Control::of(id, nonce) {
+    if let Some(c) = Control::of(id, nonce) {
         return control(c);
     }
     if id == crate::ipc::reclaim::RECLAIM_ID {
@@ -208,8 +275,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
 /// chunks whose size is the bytes paused or resumed, or a refusal (`NoMemory`: a resume or a
 /// pause that found no memory; else `Failed`) with the bytes done anyway (what paused or
 /// resumed before the failure stays so).
-fn control(c: crate::ipc::control::Control) -> Reply {
-    use crate::ipc::control::Control;
+fn control(c: Control) -> Reply {
     let done = match c {
         Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard, false),
         Control::Resume { tag } => crate::api::sleep::resume(tag),
@@ -332,32 +398,92 @@ pub(super) const NOT_SUPPORTED: i32 = 801;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ipc::control::{PAUSE_ID, QUERY_ID, RESUME_ID};
+
+    /// The rows of docs/contract.md's "Who may do what": the peer, then one cell per column.
+    fn contract_table() -> Vec<(String, Vec<String>)> {
+        let doc = include_str!("../../../docs/contract.md");
+        let start = doc
+            .find("### Who may do what")
+            .expect("the table's heading");
+        doc[start..]
+            .lines()
+            .skip_while(|l| !l.starts_with("| peer |"))
+            .skip(2) // the header and its rule
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let cells: Vec<String> = l
+                    .trim_matches('|')
+                    .split('|')
+                    .map(|c| c.trim().to_string())
+                    .collect();
+                (cells[0].clone(), cells[1..].to_vec())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn who_may_do_what_is_the_contracts_table_row_by_row() {
+        let rows = contract_table();
+        assert_eq!(rows.len(), 5, "{rows:?}");
+        let columns = [What::Ticket, What::Descriptor, What::Control, What::Discard];
+        let (own, allowed_uid, stranger) = (1000, 1001, 1002);
+        let allowed = [allowed_uid];
+        for (peer, cells) in &rows {
+            assert_eq!(cells.len(), columns.len(), "{peer}");
+            let uid = match peer.as_str() {
+                p if p.starts_with("same uid") => own,
+                p if p.starts_with("uid in EXPSEG_IPC_ALLOW_UIDS") => allowed_uid,
+                "other uid" => stranger,
+                p => panic!("a row the test does not know: {p}"),
+            };
+            // Another pid namespace: the transport closes it before anything else
+            // (`ipc::transport`'s two-namespace test shows it does).
+            let other_namespace = peer.ends_with("other pid namespace");
+            let who = Who::of(uid, own, &allowed);
+            for (what, cell) in columns.iter().zip(cells) {
+                let read = !other_namespace && who != Who::Other;
+                let (without, with) = match read {
+                    false => ("closed unread", "closed unread"),
+                    true => {
+                        let say = |ok| if ok { "yes" } else { "refused" };
+                        (say(may(who, *what, false)), say(may(who, *what, true)))
+                    }
+                };
+                let expected = match (without, with) {
+                    (a, b) if a == b => a.to_string(),
+                    ("refused", "yes") => "only with EXPSEG_ALLOW_REMOTE_DISCARD=1".to_string(),
+                    other => panic!("{other:?}"),
+                };
+                assert_eq!(cell, &expected, "row {peer:?}, column {what:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn requests_are_told_apart_by_id_and_the_discard_bit() {
+        use crate::api::fdshare::record::GETFD_ID;
+        use crate::ipc::reclaim::RECLAIM_ID;
+        let discard = crate::ipc::control::Control::Pause {
+            tag: Some(3),
+            discard: true,
+        }
+        .encode();
+        assert_eq!(What::of(discard.0, discard.1), What::Discard);
+        for id in [PAUSE_ID, RESUME_ID, QUERY_ID, RECLAIM_ID] {
+            assert_eq!(What::of(id, 5), What::Control, "{id:#x}");
+        }
+        assert_eq!(What::of(GETFD_ID, 3), What::Descriptor);
+        for ticket in [1, transport::FIRST_REQUEST_ID - 1] {
+            assert_eq!(What::of(ticket, 1 << 32), What::Ticket);
+        }
+        assert_eq!(Who::of(7, 7, &[8]), Who::Own);
+        assert_eq!(Who::of(8, 7, &[8]), Who::Allowed);
+        assert_eq!(Who::of(9, 7, &[8]), Who::Other);
+    }
 
     #[test]
     fn requests_that_are_not_tickets_come_only_from_the_processs_own_user() {
-        let (me, other, stranger) = (1000, 1001, 1002);
-        let allowed = [other];
-        for id in [
-            crate::api::fdshare::record::GETFD_ID,
-            crate::ipc::reclaim::RECLAIM_ID,
-            crate::ipc::control::QUERY_ID,
-            crate::ipc::control::RESUME_ID,
-            crate::ipc::control::PAUSE_ID,
-        ] {
-            assert!(may_ask(id, me, me, &allowed), "{id:#x} from the own user");
-            assert!(
-                !may_ask(id, other, me, &allowed),
-                "{id:#x} from an allowed user"
-            );
-        }
-        for ticket in [1, transport::FIRST_REQUEST_ID - 1] {
-            assert!(may_ask(ticket, me, me, &allowed));
-            assert!(
-                may_ask(ticket, other, me, &allowed),
-                "tickets: allowed users too"
-            );
-            assert!(!may_ask(ticket, stranger, me, &allowed));
-        }
         // Through decide: a descriptor asked by another user is refused before anything is
         // looked up; from the own user one nobody exported is unknown.
         let own = sockdir::current_uid();
@@ -374,6 +500,20 @@ mod tests {
             Err(Denial {
                 why: Refusal::Unknown,
                 ..
+            })
+        ));
+        // A discarding pause from outside, without the process's opt-in: refused, nothing
+        // done.
+        let (id, nonce) = Control::Pause {
+            tag: Some(77),
+            discard: true,
+        }
+        .encode();
+        assert!(matches!(
+            decide(id, nonce, own),
+            Err(Denial {
+                why: Refusal::Forbidden,
+                done: 0
             })
         ));
     }
