@@ -152,13 +152,14 @@ fn fixture() -> &'static Fixture {
             &["-O1", "-o", "pages_main", &s("pages_main.c"), "-ldl"],
             &dir,
         );
-        // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
+        // `cargo test` builds the crate as an rlib only: build the cdylib of this very source,
+        // with the test switches (EXPSEG_TEST_*), which builds without the feature ignore.
         // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().unwrap().parent().unwrap();
         let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
         build
-            .args(["build", "--lib", "--quiet"])
+            .args(["build", "--lib", "--quiet", "--features", "test-switches"])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
         if profile_dir.file_name().is_some_and(|n| n == "release") {
             build.arg("--release");
