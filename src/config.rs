@@ -123,8 +123,10 @@ pub struct Config {
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
-    /// panics become error codes). Like every `EXPSEG_TEST_*` switch, read only in builds with
-    /// the cargo feature `test-switches` ([`TEST_SWITCHES`]).
+    /// panics become error codes; `name:N`: at its Nth call only), or `pool`/`coalescer`: a
+    /// panic inside that lock, right after an allocation was booked. Like every
+    /// `EXPSEG_TEST_*` switch, read only in builds with the cargo feature `test-switches`
+    /// ([`TEST_SWITCHES`]).
     pub test_panic: Option<String>,
     /// `EXPSEG_TEST_SLOW_CHECK`: for tests only, milliseconds the one-time ticket check waits
     /// (a hanging helper).
@@ -447,9 +449,19 @@ impl Config {
         self.cache_max > 0 || self.release_delay_ms > 0
     }
 
-    /// Whether the hook `name` must panic (tests of the panic boundary).
+    /// Whether the hook `name` must panic now (tests of the panic boundary):
+    /// `EXPSEG_TEST_PANIC=name` at every call, `name:N` at the Nth call only, after earlier
+    /// calls have done their work.
     pub fn test_panic(&self, name: &str) -> bool {
-        self.test_panic.as_deref() == Some(name)
+        static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        match self.test_panic.as_deref().map(|v| v.split_once(':')) {
+            Some(None) => self.test_panic.as_deref() == Some(name),
+            Some(Some((n, nth))) if n == name => {
+                let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                nth.parse() == Ok(call)
+            }
+            _ => false,
+        }
     }
 
     /// Build from a lookup function (`Err`: the value is not UTF-8, shown lossily); each invalid
@@ -791,6 +803,22 @@ mod tests {
             // Set but empty: nothing to say.
             assert!(with(&[("EXPSEG_TEST_PANIC", "")]).1.is_empty());
         }
+    }
+
+    #[test]
+    fn a_test_panic_with_a_count_fires_at_that_call_only() {
+        let c = Config {
+            test_panic: Some("pool:2".into()),
+            ..Config::default()
+        };
+        assert!(!c.test_panic("cudaMalloc"));
+        let calls: Vec<bool> = (0..4).map(|_| c.test_panic("pool")).collect();
+        assert_eq!(calls, [false, true, false, false]);
+        let every = Config {
+            test_panic: Some("cudaFree".into()),
+            ..Config::default()
+        };
+        assert!(every.test_panic("cudaFree") && every.test_panic("cudaFree"));
     }
 
     #[test]

@@ -495,6 +495,84 @@ fn a_panic_becomes_an_error_code_not_a_crash() {
     assert_eq!(r.get("free_rc"), "999");
 }
 
+/// The one line a process gets once a panic poisoned a lock of expseg's books.
+const BOOKS_UNSURE: &str = "[expseg ERROR] a panic inside expseg may have left the books of";
+
+#[test]
+fn after_a_panic_inside_the_pools_lock_allocations_pass_through_and_old_frees_release_nothing() {
+    let r = run("poisoned", &[("EXPSEG_TEST_PANIC", "pool:2")]).ok();
+    assert_eq!(
+        r.get("panic_rc"),
+        "999",
+        "the panic's own call: cudaErrorUnknown"
+    );
+    assert_eq!(
+        (
+            r.get("after_rc"),
+            r.get("after_to_runtime"),
+            r.get("after_pool")
+        ),
+        ("0".into(), "1".into(), "0".into()),
+        "the next allocation is the runtime's: the pool's books are not trusted again"
+    );
+    assert_eq!(
+        (r.get("old_free_rc"), r.get("old_data_kept")),
+        ("0".into(), "1".into()),
+        "a pointer the pool handed out before is freed as far as the program can tell; its memory stays"
+    );
+    assert_eq!(
+        r.get("old_again_rc"),
+        "1",
+        "freeing it again is the runtime's answer to a bad pointer, as a double free"
+    );
+    assert_eq!(r.get("new_free_rc"), "0");
+    assert_eq!(
+        (r.get("released"), r.get("unmapped")),
+        ("0".into(), "0".into()),
+        "nothing released or unmapped on half-made books"
+    );
+    assert_eq!(
+        r.stderr().matches(BOOKS_UNSURE).count(),
+        1,
+        "one line:\n{}",
+        r.stderr()
+    );
+    assert!(r.stderr().contains("the pools"), "{}", r.stderr());
+}
+
+#[test]
+fn after_a_panic_inside_the_coalescers_lock_pages_are_the_drivers_and_old_ones_stay() {
+    let r = pages(
+        "libc10_cuda.so",
+        "poisoned",
+        &[("EXPSEG_TEST_PANIC", "coalescer:9")],
+    )
+    .ok();
+    for (k, v) in [
+        ("grow_rc", "0"),
+        ("panic_rc", "999"),
+        ("after_grow_rc", "0"),
+        // One driver create per page: not coalesced any more.
+        ("after_creates", "4"),
+        ("intact", "1"),
+        // Given up, answered, and left as they are: no handle goes back on unsure books.
+        ("old_shrink_rc", "0"),
+        ("old_released", "0"),
+        ("old_still_there", "1"),
+        // The driver's own pages go back as natively.
+        ("new_shrink_rc", "0"),
+        ("new_released", "4"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\nstderr:\n{}", r.stderr());
+    }
+    assert_eq!(
+        r.stderr().matches(BOOKS_UNSURE).count(),
+        1,
+        "{}",
+        r.stderr()
+    );
+}
+
 #[test]
 fn a_bad_variable_gets_one_line_and_the_default() {
     let r = run("simple", &[("EXPSEG_CACHE_MAX", "lots")]).ok();

@@ -44,6 +44,8 @@ struct Fence {
 }
 
 impl Fence {
+    /// The state, even after a panic poisoned its lock (here and in the waits below): it is
+    /// one byte, always written whole, so a poisoned lock never guards a half-made state.
     fn lock(&self) -> std::sync::MutexGuard<'_, u8> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

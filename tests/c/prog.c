@@ -492,6 +492,29 @@ static int slow_check(void) {
   return 0;
 }
 
+/* EXPSEG_TEST_PANIC=pool:2: the second pool allocation panics inside the pools' lock, right
+ * after the pool booked it. Then new allocations are the runtime's, and a pointer the pool
+ * handed out before is freed once (answered, its memory left in place), never released. */
+static int poisoned(void) {
+  void *a = 0, *b = 0, *c = 0;
+  CHECK(cudaMalloc(&a, 4 * MIB) == 0 && fakecu_access((uint64_t)a) >= 0);
+  fill(a, 4 * MIB, 0x21);
+  long rt = fakert_count("cudaMalloc"), rel = fakecu_count("cuMemRelease"), unm = fakecu_count("cuMemUnmap");
+  printf("panic_rc=%d\n", cudaMalloc(&b, 4 * MIB));
+  int rc = cudaMalloc(&c, 4 * MIB);
+  printf("after_rc=%d after_to_runtime=%ld after_pool=%d\n", rc, fakert_count("cudaMalloc") - rt,
+         fakecu_access((uint64_t)c) >= 0);
+  fill(c, 4 * MIB, 0x43);
+  rc = cudaFree(a);
+  printf("old_free_rc=%d", rc);
+  printf(" old_data_kept=%d", holds(a, 4 * MIB, 0x21));
+  rc = cudaFree(a);
+  printf(" old_again_rc=%d old_again_lasterr=%d\n", rc, cudaGetLastError());
+  printf("new_free_rc=%d\n", cudaFree(c));
+  printf("released=%ld unmapped=%ld\n", fakecu_count("cuMemRelease") - rel, fakecu_count("cuMemUnmap") - unm);
+  return 0;
+}
+
 /* A thread keeps writing to a 4 MiB pool allocation while the main thread asks for its IPC
  * handle again and again. */
 static volatile int writer_stop;
@@ -822,6 +845,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "refresh_wait")) return refresh_wait();
   if (!strcmp(s, "foreign_unmap")) return foreign_unmap();
   if (!strcmp(s, "slow_check")) return slow_check();
+  if (!strcmp(s, "poisoned")) return poisoned();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();
