@@ -1889,6 +1889,43 @@ fn the_one_time_ticket_check_does_not_hold_up_other_threads() {
 }
 
 #[test]
+fn a_handle_request_beside_the_running_ticket_check_never_waits_for_it_under_the_lock() {
+    // The first request waits for the check (a hanging helper); a second thread's request
+    // that needs no ticket (a move allowed by EXPSEG_IPC_MOVE_MAX, falling back to a mirror)
+    // takes the pools' lock meanwhile: before, it waited there for the check, and a third
+    // thread's cudaMalloc with it.
+    let f = fixture();
+    let dir = f.dir.join("sockets-slow-check-move");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = run(
+        "slow_check_beside_a_move",
+        &[
+            ("EXPSEG_TEST_SLOW_CHECK", "1500"),
+            ("EXPSEG_IPC_MOVE_MAX", "20M"),
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+        ],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("get_rc"), r.get("second_rc")),
+        ("0".into(), "0".into())
+    );
+    let ms = |k: &str| -> f64 { r.get(k).parse().unwrap() };
+    assert!(ms("get_ms") >= 1400.0, "the check ran: {} ms", ms("get_ms"));
+    assert!(
+        ms("second_ms") < 500.0,
+        "the second request waited {} ms for the check",
+        ms("second_ms")
+    );
+    assert!(
+        ms("worst_other_ms") < 500.0,
+        "another thread's cudaMalloc waited {} ms",
+        ms("worst_other_ms")
+    );
+}
+
+#[test]
 fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
     // Before: the default moved allocations up to 20 MiB in place, unmapping them for a
     // moment; a thread writing to one crashed. Moves are opt-in now: mirror (and ticket).

@@ -492,6 +492,31 @@ static int slow_check(void) {
   return 0;
 }
 
+/* The same while a second thread asks for the handle of a 4 MiB allocation, which
+ * EXPSEG_IPC_MOVE_MAX lets it move (the fake's cudaMalloc never lands on the address, so the
+ * move falls back to a mirror): neither that request nor the other thread's allocations wait
+ * for the check. */
+struct second_ipc { void* p; int rc; double ms; };
+static void* second_ipc(void* arg) {
+  struct second_ipc* s = arg; unsigned char h[64];
+  usleep(100 * 1000);
+  double t0 = now_ms(); s->rc = cudaIpcGetMemHandle(h, s->p); s->ms = now_ms() - t0;
+  return 0;
+}
+static int slow_check_beside_a_move(void) {
+  void *p = 0, *s = 0; CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&s, 4 * MIB) == 0);
+  double worst = 0; pthread_t t, u; pthread_create(&t, 0, slow_allocator, &worst);
+  usleep(100 * 1000);
+  struct second_ipc second = {s, -1, 0}; pthread_create(&u, 0, second_ipc, &second);
+  unsigned char h[64]; double t0 = now_ms();
+  int rc = cudaIpcGetMemHandle(h, p);
+  double took = now_ms() - t0;
+  pthread_join(u, 0);
+  usleep(100 * 1000); slow_stop = 1; pthread_join(t, 0);
+  printf("get_rc=%d get_ms=%.0f second_rc=%d second_ms=%.0f worst_other_ms=%.0f\n", rc, took, second.rc, second.ms, worst);
+  return 0;
+}
+
 /* EXPSEG_TEST_PANIC=pool:2: the second pool allocation panics inside the pools' lock, right
  * after the pool booked it. Then new allocations are the runtime's, and a pointer the pool
  * handed out before is freed once (answered, its memory left in place), never released. */
@@ -846,6 +871,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "foreign_unmap")) return foreign_unmap();
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "poisoned")) return poisoned();
+  if (!strcmp(s, "slow_check_beside_a_move")) return slow_check_beside_a_move();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();
