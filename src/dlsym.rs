@@ -47,6 +47,12 @@ extern "C" fn expseg_dlsym_redirect(
     name: *const c_char,
     caller: usize,
 ) -> *mut c_void {
+    // A panic (none is expected) asks the real dlsym, as for any name expseg does not serve.
+    std::panic::catch_unwind(|| redirect(handle, name, caller)).unwrap_or(std::ptr::null_mut())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn redirect(handle: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
     if real_ptr().is_null() {
         return std::ptr::null_mut();
     }

@@ -56,7 +56,7 @@ extern "C" fn expseg_syscall_first(
     a5: c_long,
     a6: c_long,
 ) -> c_long {
-    match real() {
+    match catch_unwind(real).ok().flatten() {
         // SAFETY: the caller's own arguments, passed on unchanged.
         Some(f) => unsafe { f(n, a1, a2, a3, a4, a5, a6) },
         None => {
@@ -83,13 +83,18 @@ extern "C" fn expseg_pidfd_getfd(
     }
     // SAFETY: the calling thread's errno.
     let e = unsafe { *libc::__errno_location() };
-    if e != libc::EPERM || flags != 0 || crate::api::config().disabled {
+    if e != libc::EPERM || flags != 0 {
         return r;
     }
     let (Ok(pidfd), Ok(fd)) = (i32::try_from(pidfd), i32::try_from(fd)) else {
         return r;
     };
-    match catch_unwind(AssertUnwindSafe(|| crate::api::fdshare::ask(pidfd, fd))) {
+    let asked = catch_unwind(AssertUnwindSafe(|| {
+        (!crate::api::config().disabled)
+            .then(|| crate::api::fdshare::ask(pidfd, fd))
+            .flatten()
+    }));
+    match asked {
         Ok(Some(f)) => {
             use std::os::fd::IntoRawFd;
             f.into_raw_fd() as c_long
@@ -130,7 +135,7 @@ pub unsafe extern "C" fn syscall(n: c_long) -> c_long {
 /// Load time: find glibc's `syscall` now, so that no later first call (from a signal handler,
 /// a vfork child) has to run `dlvsym`.
 extern "C" fn resolve_at_load() {
-    let _ = real();
+    let _ = catch_unwind(real);
 }
 
 #[used]

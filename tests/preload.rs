@@ -1942,21 +1942,18 @@ fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
     }
 }
 
-#[test]
-fn a_report_is_written_when_the_job_is_terminated() {
+/// `prog wait` under `env` (besides the preload), terminated with SIGTERM once it has asked
+/// for its allocation: how it ended.
+fn terminated(env: &[(&str, &str)]) -> std::process::ExitStatus {
     use std::io::BufRead;
-    use std::os::unix::process::ExitStatusExt;
     let f = fixture();
-    let report = f.dir.join("term-report.txt");
-    let _ = std::fs::remove_file(&report);
-    let _ = std::fs::remove_file(f.dir.join("term-report.txt.json"));
     let mut child = Command::new(f.dir.join("prog"))
         .arg("wait")
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("LD_LIBRARY_PATH", &f.dir)
         .env("LD_PRELOAD", &f.shim)
-        .env("EXPSEG_REPORT", &report)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -1969,10 +1966,74 @@ fn a_report_is_written_when_the_job_is_terminated() {
     unsafe {
         libc_kill(child.id() as i32, 15);
     }
-    let status = child.wait().unwrap();
+    child.wait().unwrap()
+}
+
+#[test]
+fn a_report_is_written_when_the_job_is_terminated() {
+    use std::os::unix::process::ExitStatusExt;
+    let f = fixture();
+    let report = f.dir.join("term-report.txt");
+    let _ = std::fs::remove_file(&report);
+    let _ = std::fs::remove_file(f.dir.join("term-report.txt.json"));
+    let status = terminated(&[("EXPSEG_REPORT", report.to_str().unwrap())]);
     assert_eq!(status.signal(), Some(15), "still ends by SIGTERM");
     let json = std::fs::read_to_string(f.dir.join("term-report.txt.json")).expect("report written");
     assert!(json.contains("\"allocs\":1"), "{json}");
+}
+
+#[test]
+fn a_panic_reading_the_configuration_never_unwinds_into_c() {
+    // Every later read of the configuration panics too: each path from C must catch it (a
+    // panic leaving an `extern "C"` function aborts the process).
+    use std::os::unix::process::ExitStatusExt;
+    let f = fixture();
+    let report = f.dir.join("config-panic-report.txt");
+    let panics = [
+        ("EXPSEG_TEST_PANIC", "config"),
+        ("EXPSEG_REPORT", report.to_str().unwrap()),
+    ];
+    // The lookups (PyTorch's VMM functions through the entry point API): the driver's own
+    // functions are handed out, and the program runs on them.
+    let r = pages("libc10_cuda.so", "oom", &panics).ok();
+    assert_ne!(r.get("pages_before_oom"), "0", "{}", r.stderr());
+    assert!(
+        r.stderr().contains("internal error caught"),
+        "{}",
+        r.stderr()
+    );
+    // The hooks, and the report at exit.
+    let r = run("simple", &panics).ok();
+    assert_eq!(r.get("malloc_rc"), "999");
+    // The report on SIGTERM: still death by SIGTERM, not an abort.
+    let status = terminated(&[("ANY_RC", "1"), panics[0], panics[1]]);
+    assert_eq!(status.signal(), Some(15), "{status:?}");
+    // A pidfd_getfd the kernel refuses: its refusal, not an abort.
+    if let Some(r) = pages_unprivileged("share_fd_nodump", &panics[..1]) {
+        let r = r.ok();
+        assert_eq!(r.get("consumer_exit"), "0", "{}", r.stderr());
+        assert_eq!(r.get("getfd_errno"), libc::EPERM.to_string());
+    }
+}
+
+#[test]
+fn a_panic_in_the_thread_that_gives_kept_handles_back_is_caught_and_said() {
+    let r = pages(
+        "libc10_cuda.so",
+        "oom",
+        &[
+            ("EXPSEG_TEST_PANIC", "releaser"),
+            ("EXPSEG_RELEASE_DELAY", "5"),
+        ],
+    )
+    .ok();
+    assert!(
+        r.stderr().contains(
+            "expseg-release: internal error caught; kept handles are no longer given back"
+        ),
+        "{}",
+        r.stderr()
+    );
 }
 
 extern "C" {

@@ -26,7 +26,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
     crate::gpu::fence::set_move_fence(c.move_fence);
     if c.report.is_some() {
         extern "C" fn at_exit() {
-            write_exit_report();
+            let _ = std::panic::catch_unwind(write_exit_report);
         }
         OWNER_PID.store(std::process::id(), Ordering::Relaxed);
         #[allow(unsafe_code)]
@@ -35,6 +35,11 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
             libc::atexit(at_exit);
         }
         report_on_sigterm();
+    }
+    if c.test_panic("config") {
+        // Every later `config()` panics too (the cell stays empty): what every path from C
+        // must survive.
+        panic!("EXPSEG_TEST_PANIC=config: the configuration cannot be read");
     }
     c
 });
@@ -47,7 +52,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
 /// SIGKILL, which is what the job would get without a report anyway.
 fn report_on_sigterm() {
     extern "C" fn on_sigterm(_: libc::c_int) {
-        write_exit_report();
+        let _ = std::panic::catch_unwind(write_exit_report);
         #[allow(unsafe_code)]
         // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
         // the signal would have.
@@ -620,19 +625,35 @@ pub(super) mod coalescers {
         if delay.is_zero() {
             return false;
         }
+        // One pass: whether any handle is still kept.
+        let pass = move || {
+            if config().test_panic("releaser") {
+                panic!("EXPSEG_TEST_PANIC=releaser");
+            }
+            let mut any = false;
+            for c in lock().all() {
+                if c.kept_bytes() > 0 && c.idle_for() >= delay {
+                    in_context(c, |c| c.release_kept());
+                }
+                any |= c.kept_bytes() > 0;
+            }
+            any
+        };
         let spawned = std::thread::Builder::new()
             .name("expseg-release".into())
             .spawn(move || loop {
                 if crate::api::state::forked() {
                     return;
                 }
-                let mut any = false;
-                for c in lock().all() {
-                    if c.kept_bytes() > 0 && c.idle_for() >= delay {
-                        in_context(c, |c| c.release_kept());
+                let any = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&pass)) {
+                    Ok(any) => any,
+                    // Kept handles then go back at the program's next call that makes room.
+                    Err(_) => {
+                        crate::stats::GLOBAL.panics_caught.add(1);
+                        log::error!("expseg-release: internal error caught; kept handles are no longer given back after the delay");
+                        return;
                     }
-                    any |= c.kept_bytes() > 0;
-                }
+                };
                 match any {
                     true => std::thread::sleep(Duration::from_millis(1)),
                     // A wake-up given meanwhile makes park return at once.

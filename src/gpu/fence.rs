@@ -99,17 +99,21 @@ unsafe extern "C" fn fence_runs(p: *mut c_void) {
     // SAFETY: `p` is the `Arc::into_raw` reference `copy_and_hold` put in the graph it
     // launched once; this one run takes it back.
     let f = unsafe { std::sync::Arc::from_raw(p as *const Fence) };
-    let mut s = f.lock();
-    if *s == 0 {
-        *s = 1;
-        f.changed.notify_all();
-    }
-    while *s != 2 {
-        s = match f.changed.wait(s) {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-    }
+    // Nothing here is expected to panic; if it did, the stream goes on rather than the
+    // driver's thread unwinding into C.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut s = f.lock();
+        if *s == 0 {
+            *s = 1;
+            f.changed.notify_all();
+        }
+        while *s != 2 {
+            s = match f.changed.wait(s) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }));
 }
 
 /// The fence held for a move; dropped, the stream goes on.

@@ -644,7 +644,9 @@ static int refresh_wait(void) {
 
 /* Allocate, say so, and wait to be terminated. */
 static int wait_for_term(void) {
-  void* p = 0; CHECK(cudaMalloc(&p, 4 * MIB) == 0);
+  void* p = 0; int rc = cudaMalloc(&p, 4 * MIB);
+  /* ANY_RC: the allocation may fail (the process is there to be terminated). */
+  CHECK(rc == 0 || getenv("ANY_RC"));
   printf("ready=1\n"); fflush(stdout);
   sleep(20);
   return 0;

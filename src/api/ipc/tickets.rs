@@ -136,10 +136,12 @@ fn start_server() -> Result<(), String> {
     let path = sockdir::socket_path(uid, std::process::id());
     transport::serve(&path, others, admitted, decide)?;
     extern "C" fn remove_socket() {
-        let _ = std::fs::remove_file(sockdir::socket_path(
-            sockdir::current_uid(),
-            std::process::id(),
-        ));
+        let _ = std::panic::catch_unwind(|| {
+            std::fs::remove_file(sockdir::socket_path(
+                sockdir::current_uid(),
+                std::process::id(),
+            ))
+        });
     }
     #[allow(unsafe_code)]
     // SAFETY: registers a plain extern "C" function that removes one file.
