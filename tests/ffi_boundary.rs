@@ -19,6 +19,7 @@ const MARKERS: &[&str] = &[
 const EXEMPT: &[(&str, &str, &str)] = &[
     ("dlsym.rs", "dlsym", "a naked trampoline (assembly only); the Rust it calls, expseg_dlsym_redirect, is checked"),
     ("syscall_hook.rs", "syscall", "a naked trampoline (assembly only); the Rust it calls, expseg_syscall_first and expseg_pidfd_getfd, is checked"),
+    ("syscall_hook.rs", "expseg_raw_syscall", "the system call instruction and an errno store"),
     ("api/state.rs", "child_after_fork", "one atomic store"),
     ("pyapi.rs", "expseg_version", "returns a static string"),
     ("hooks/mod.rs", "cudaMemGetInfo", "expseg's part runs in mem_get_info(), which catches around it; the runtime's call is made in any case"),
