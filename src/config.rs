@@ -134,7 +134,10 @@ pub struct Config {
     /// `EXPSEG_REPORT`: where to write the exit report (`%p` pid, `%r` rank); none if empty.
     pub report: Option<String>,
     /// `EXPSEG_TEST_PANIC`: for tests only, the hook that panics on purpose (to check that
-    /// panics become error codes).
+    /// panics become error codes; `name:N`: at its Nth call only), or `pool`/`coalescer`: a
+    /// panic inside that lock, right after an allocation was booked. Like every
+    /// `EXPSEG_TEST_*` switch, read only in builds with the cargo feature `test-switches`
+    /// ([`TEST_SWITCHES`]).
     pub test_panic: Option<String>,
     /// `EXPSEG_TEST_SLOW_CHECK`: for tests only, milliseconds the one-time ticket check waits
     /// (a hanging helper).
@@ -474,9 +477,19 @@ impl Config {
         self.cache_max > 0 || self.release_delay_ms > 0
     }
 
-    /// Whether the hook `name` must panic (tests of the panic boundary).
+    /// Whether the hook `name` must panic now (tests of the panic boundary):
+    /// `EXPSEG_TEST_PANIC=name` at every call, `name:N` at the Nth call only, after earlier
+    /// calls have done their work.
     pub fn test_panic(&self, name: &str) -> bool {
-        self.test_panic.as_deref() == Some(name)
+        static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        match self.test_panic.as_deref().map(|v| v.split_once(':')) {
+            Some(None) => self.test_panic.as_deref() == Some(name),
+            Some(Some((n, nth))) if n == name => {
+                let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                nth.parse() == Ok(call)
+            }
+            _ => false,
+        }
     }
 
     /// Build from a lookup function (`Err`: the value is not UTF-8, shown lossily); each invalid
@@ -488,6 +501,15 @@ impl Config {
         let mut c = Config::default();
         for v in VARS {
             if let Some(val) = get(v.name) {
+                if v.name.starts_with(TEST_SWITCH) && !TEST_SWITCHES {
+                    if !matches!(&val, Ok(s) if s.trim().is_empty()) {
+                        bad(format!(
+                            "expseg: {} is ignored: this build has no test switches (they need the cargo feature test-switches)",
+                            v.name
+                        ));
+                    }
+                    continue;
+                }
                 let val = match val {
                     Ok(val) => val,
                     Err(lossy) => {
@@ -643,6 +665,14 @@ fn check_log_filter(v: &str) -> Result<(), &'static str> {
     }
     Ok(())
 }
+
+/// The prefix of the test switches: variables that make expseg fail or wait on purpose, for
+/// tests of those paths.
+const TEST_SWITCH: &str = "EXPSEG_TEST_";
+
+/// Whether this build reads the test switches (cargo feature `test-switches`; the preload
+/// tests build the library with it). Without it they are ignored, with one line each.
+pub const TEST_SWITCHES: bool = cfg!(feature = "test-switches");
 
 /// A test knob's milliseconds.
 fn test_ms(v: &str) -> Result<u64, &'static str> {
@@ -831,6 +861,51 @@ mod tests {
         assert_eq!(c.cache_max, 0);
         assert_eq!(bad.len(), 1);
         assert!(bad[0].contains("EXPSEG_CACHE_MAX") && bad[0].contains("not UTF-8"));
+    }
+
+    #[test]
+    fn test_switches_are_read_only_in_builds_with_the_feature() {
+        let set = [
+            ("EXPSEG_TEST_PANIC", "cudaMalloc"),
+            ("EXPSEG_TEST_SLOW_CHECK", "1500"),
+            ("EXPSEG_TEST_SLOW_EXPORT", "300"),
+            ("EXPSEG_TEST_FAIL_MOVE", "copy"),
+        ];
+        let (c, bad) = with(&set);
+        if TEST_SWITCHES {
+            assert!(bad.is_empty(), "{bad:?}");
+            assert!(c.test_panic("cudaMalloc"));
+            assert_eq!(c.test_slow_check_ms, Some(1500));
+            assert_eq!(c.test_slow_export_ms, Some(300));
+            assert_eq!(c.test_fail_move.as_deref(), Some("copy"));
+        } else {
+            assert_eq!(c, Config::default(), "a release build ignores them");
+            assert_eq!(bad.len(), set.len(), "one line each: {bad:?}");
+            for ((name, _), line) in set.iter().zip(&bad) {
+                assert!(
+                    line.contains(name) && line.contains("test-switches"),
+                    "{line}"
+                );
+            }
+            // Set but empty: nothing to say.
+            assert!(with(&[("EXPSEG_TEST_PANIC", "")]).1.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_test_panic_with_a_count_fires_at_that_call_only() {
+        let c = Config {
+            test_panic: Some("pool:2".into()),
+            ..Config::default()
+        };
+        assert!(!c.test_panic("cudaMalloc"));
+        let calls: Vec<bool> = (0..4).map(|_| c.test_panic("pool")).collect();
+        assert_eq!(calls, [false, true, false, false]);
+        let every = Config {
+            test_panic: Some("cudaFree".into()),
+            ..Config::default()
+        };
+        assert!(every.test_panic("cudaFree") && every.test_panic("cudaFree"));
     }
 
     #[test]

@@ -47,6 +47,12 @@ extern "C" fn expseg_dlsym_redirect(
     name: *const c_char,
     caller: usize,
 ) -> *mut c_void {
+    // A panic (none is expected) asks the real dlsym, as for any name expseg does not serve.
+    std::panic::catch_unwind(|| redirect(handle, name, caller)).unwrap_or(std::ptr::null_mut())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn redirect(handle: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
     if real_ptr().is_null() {
         return std::ptr::null_mut();
     }
@@ -119,8 +125,55 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
         "ret",
         "2:",
         "mov rax, qword ptr [rip + {real}@GOTPCREL]",
-        "jmp qword ptr [rax]",
+        "mov rax, qword ptr [rax]",
+        // glibc's dlsym not found: null, never a jump to address 0.
+        "test rax, rax",
+        "jz 3f",
+        "jmp rax",
+        "3:",
+        "ret",
         redirect = sym expseg_dlsym_redirect,
         real = sym EXPSEG_REAL_DLSYM,
     )
+}
+
+/// Load time: find glibc's `dlsym` now (and say so if it cannot be found), so that no later
+/// first lookup has to.
+#[cfg(target_arch = "x86_64")]
+extern "C" fn resolve_dlsym_at_load() {
+    let _ = std::panic::catch_unwind(real_ptr);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[used]
+#[link_section = ".init_array"]
+static RESOLVE_DLSYM_AT_LOAD: extern "C" fn() = resolve_dlsym_at_load;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_glibcs_dlsym_lookups_answer_null_and_never_jump_to_zero() {
+        // SAFETY: fork; the child only stores atomics, looks a name up and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            crate::real::lookup::forget_real_dlsym();
+            // SAFETY: RTLD_DEFAULT and a NUL-terminated name, as for dlsym(3).
+            let p = unsafe { dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()) };
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(if p.is_null() { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the lookup ended the child ({status:#x}): a jump to address 0?"
+        );
+        // Here, glibc's is found and answers.
+        // SAFETY: as above.
+        assert!(!unsafe { dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()) }.is_null());
+    }
 }

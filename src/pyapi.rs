@@ -149,10 +149,10 @@ pub extern "C" fn expseg_paused_bytes() -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn expseg_set_tag(tag: *const c_char) -> c_int {
     match tag_arg(tag) {
-        Ok(t) => {
-            api::sleep::set_tag(t);
-            0
-        }
+        Ok(t) => match catch_unwind(|| api::sleep::set_tag(t)) {
+            Ok(_) => 0,
+            Err(_) => UNKNOWN,
+        },
         Err(()) => INVALID_VALUE,
     }
 }

@@ -394,9 +394,11 @@ extern "C" {
     fn backtrace(buffer: *mut *mut c_void, size: c_int) -> c_int;
 }
 
-/// The address of the first caller outside expseg on this thread's stack.
+/// The address of the first caller outside expseg on this thread's stack, looking deep enough
+/// for expseg's own frames above a lookup hook in a debug build (about 17: the redirection runs
+/// inside the panic boundary).
 pub(crate) fn caller_pc() -> Option<usize> {
-    let mut frames = [std::ptr::null_mut::<c_void>(); 12];
+    let mut frames = [std::ptr::null_mut::<c_void>(); 32];
     // SAFETY: `frames` has room for the count given.
     let n = unsafe { backtrace(frames.as_mut_ptr(), frames.len() as c_int) };
     frames

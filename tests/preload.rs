@@ -153,13 +153,14 @@ fn fixture() -> &'static Fixture {
             &dir,
         );
         cc(&["-O1", "-o", "sockpoke", &s("sockpoke.c")], &dir);
-        // `cargo test` builds the crate as an rlib only: build the cdylib of this very source.
+        // `cargo test` builds the crate as an rlib only: build the cdylib of this very source,
+        // with the test switches (EXPSEG_TEST_*), which builds without the feature ignore.
         // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().unwrap().parent().unwrap();
         let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
         build
-            .args(["build", "--lib", "--quiet"])
+            .args(["build", "--lib", "--quiet", "--features", "test-switches"])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
         if profile_dir.file_name().is_some_and(|n| n == "release") {
             build.arg("--release");
@@ -527,6 +528,84 @@ fn a_panic_becomes_an_error_code_not_a_crash() {
     );
     let r = run("simple", &[("EXPSEG_TEST_PANIC", "cudaFree")]).ok();
     assert_eq!(r.get("free_rc"), "999");
+}
+
+/// The one line a process gets once a panic poisoned a lock of expseg's books.
+const BOOKS_UNSURE: &str = "[expseg ERROR] a panic inside expseg may have left the books of";
+
+#[test]
+fn after_a_panic_inside_the_pools_lock_allocations_pass_through_and_old_frees_release_nothing() {
+    let r = run("poisoned", &[("EXPSEG_TEST_PANIC", "pool:2")]).ok();
+    assert_eq!(
+        r.get("panic_rc"),
+        "999",
+        "the panic's own call: cudaErrorUnknown"
+    );
+    assert_eq!(
+        (
+            r.get("after_rc"),
+            r.get("after_to_runtime"),
+            r.get("after_pool")
+        ),
+        ("0".into(), "1".into(), "0".into()),
+        "the next allocation is the runtime's: the pool's books are not trusted again"
+    );
+    assert_eq!(
+        (r.get("old_free_rc"), r.get("old_data_kept")),
+        ("0".into(), "1".into()),
+        "a pointer the pool handed out before is freed as far as the program can tell; its memory stays"
+    );
+    assert_eq!(
+        r.get("old_again_rc"),
+        "1",
+        "freeing it again is the runtime's answer to a bad pointer, as a double free"
+    );
+    assert_eq!(r.get("new_free_rc"), "0");
+    assert_eq!(
+        (r.get("released"), r.get("unmapped")),
+        ("0".into(), "0".into()),
+        "nothing released or unmapped on half-made books"
+    );
+    assert_eq!(
+        r.stderr().matches(BOOKS_UNSURE).count(),
+        1,
+        "one line:\n{}",
+        r.stderr()
+    );
+    assert!(r.stderr().contains("the pools"), "{}", r.stderr());
+}
+
+#[test]
+fn after_a_panic_inside_the_coalescers_lock_pages_are_the_drivers_and_old_ones_stay() {
+    let r = pages(
+        "libc10_cuda.so",
+        "poisoned",
+        &[("EXPSEG_TEST_PANIC", "coalescer:9")],
+    )
+    .ok();
+    for (k, v) in [
+        ("grow_rc", "0"),
+        ("panic_rc", "999"),
+        ("after_grow_rc", "0"),
+        // One driver create per page: not coalesced any more.
+        ("after_creates", "4"),
+        ("intact", "1"),
+        // Given up, answered, and left as they are: no handle goes back on unsure books.
+        ("old_shrink_rc", "0"),
+        ("old_released", "0"),
+        ("old_still_there", "1"),
+        // The driver's own pages go back as natively.
+        ("new_shrink_rc", "0"),
+        ("new_released", "4"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\nstderr:\n{}", r.stderr());
+    }
+    assert_eq!(
+        r.stderr().matches(BOOKS_UNSURE).count(),
+        1,
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
@@ -1909,6 +1988,43 @@ fn the_one_time_ticket_check_does_not_hold_up_other_threads() {
 }
 
 #[test]
+fn a_handle_request_beside_the_running_ticket_check_never_waits_for_it_under_the_lock() {
+    // The first request waits for the check (a hanging helper); a second thread's request
+    // that needs no ticket (a move allowed by EXPSEG_IPC_MOVE_MAX, falling back to a mirror)
+    // takes the pools' lock meanwhile: before, it waited there for the check, and a third
+    // thread's cudaMalloc with it.
+    let f = fixture();
+    let dir = f.dir.join("sockets-slow-check-move");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = run(
+        "slow_check_beside_a_move",
+        &[
+            ("EXPSEG_TEST_SLOW_CHECK", "1500"),
+            ("EXPSEG_IPC_MOVE_MAX", "20M"),
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+        ],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("get_rc"), r.get("second_rc")),
+        ("0".into(), "0".into())
+    );
+    let ms = |k: &str| -> f64 { r.get(k).parse().unwrap() };
+    assert!(ms("get_ms") >= 1400.0, "the check ran: {} ms", ms("get_ms"));
+    assert!(
+        ms("second_ms") < 500.0,
+        "the second request waited {} ms for the check",
+        ms("second_ms")
+    );
+    assert!(
+        ms("worst_other_ms") < 500.0,
+        "another thread's cudaMalloc waited {} ms",
+        ms("worst_other_ms")
+    );
+}
+
+#[test]
 fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
     // Before: the default moved allocations up to 20 MiB in place, unmapping them for a
     // moment; a thread writing to one crashed. Moves are opt-in now: mirror (and ticket).
@@ -1925,21 +2041,18 @@ fn a_writer_thread_beside_a_handle_request_is_never_cut_off() {
     }
 }
 
-#[test]
-fn a_report_is_written_when_the_job_is_terminated() {
+/// `prog wait` under `env` (besides the preload), terminated with SIGTERM once it has asked
+/// for its allocation: how it ended.
+fn terminated(env: &[(&str, &str)]) -> std::process::ExitStatus {
     use std::io::BufRead;
-    use std::os::unix::process::ExitStatusExt;
     let f = fixture();
-    let report = f.dir.join("term-report.txt");
-    let _ = std::fs::remove_file(&report);
-    let _ = std::fs::remove_file(f.dir.join("term-report.txt.json"));
     let mut child = Command::new(f.dir.join("prog"))
         .arg("wait")
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("LD_LIBRARY_PATH", &f.dir)
         .env("LD_PRELOAD", &f.shim)
-        .env("EXPSEG_REPORT", &report)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -1952,10 +2065,74 @@ fn a_report_is_written_when_the_job_is_terminated() {
     unsafe {
         libc_kill(child.id() as i32, 15);
     }
-    let status = child.wait().unwrap();
+    child.wait().unwrap()
+}
+
+#[test]
+fn a_report_is_written_when_the_job_is_terminated() {
+    use std::os::unix::process::ExitStatusExt;
+    let f = fixture();
+    let report = f.dir.join("term-report.txt");
+    let _ = std::fs::remove_file(&report);
+    let _ = std::fs::remove_file(f.dir.join("term-report.txt.json"));
+    let status = terminated(&[("EXPSEG_REPORT", report.to_str().unwrap())]);
     assert_eq!(status.signal(), Some(15), "still ends by SIGTERM");
     let json = std::fs::read_to_string(f.dir.join("term-report.txt.json")).expect("report written");
     assert!(json.contains("\"allocs\":1"), "{json}");
+}
+
+#[test]
+fn a_panic_reading_the_configuration_never_unwinds_into_c() {
+    // Every later read of the configuration panics too: each path from C must catch it (a
+    // panic leaving an `extern "C"` function aborts the process).
+    use std::os::unix::process::ExitStatusExt;
+    let f = fixture();
+    let report = f.dir.join("config-panic-report.txt");
+    let panics = [
+        ("EXPSEG_TEST_PANIC", "config"),
+        ("EXPSEG_REPORT", report.to_str().unwrap()),
+    ];
+    // The lookups (PyTorch's VMM functions through the entry point API): the driver's own
+    // functions are handed out, and the program runs on them.
+    let r = pages("libc10_cuda.so", "oom", &panics).ok();
+    assert_ne!(r.get("pages_before_oom"), "0", "{}", r.stderr());
+    assert!(
+        r.stderr().contains("internal error caught"),
+        "{}",
+        r.stderr()
+    );
+    // The hooks, and the report at exit.
+    let r = run("simple", &panics).ok();
+    assert_eq!(r.get("malloc_rc"), "999");
+    // The report on SIGTERM: still death by SIGTERM, not an abort.
+    let status = terminated(&[("ANY_RC", "1"), panics[0], panics[1]]);
+    assert_eq!(status.signal(), Some(15), "{status:?}");
+    // A pidfd_getfd the kernel refuses: its refusal, not an abort.
+    if let Some(r) = pages_unprivileged("share_fd_nodump", &panics[..1]) {
+        let r = r.ok();
+        assert_eq!(r.get("consumer_exit"), "0", "{}", r.stderr());
+        assert_eq!(r.get("getfd_errno"), libc::EPERM.to_string());
+    }
+}
+
+#[test]
+fn a_panic_in_the_thread_that_gives_kept_handles_back_is_caught_and_said() {
+    let r = pages(
+        "libc10_cuda.so",
+        "oom",
+        &[
+            ("EXPSEG_TEST_PANIC", "releaser"),
+            ("EXPSEG_RELEASE_DELAY", "5"),
+        ],
+    )
+    .ok();
+    assert!(
+        r.stderr().contains(
+            "expseg-release: internal error caught; kept handles are no longer given back"
+        ),
+        "{}",
+        r.stderr()
+    );
 }
 
 extern "C" {
@@ -3088,7 +3265,7 @@ fn discarding_a_processs_memory_from_outside_needs_its_own_opt_in() {
         let paused = String::from_utf8_lossy(&paused.stdout).trim().to_string();
         if opt_in {
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-            assert_eq!(paused, format!("pid {pid}: {} bytes paused", 64u64 << 20));
+            assert_eq!(paused, format!("pid {pid}: 64.0 MiB paused"));
             assert!(cli(&["resume", &pid]).status.success());
         } else {
             // Refused, saying how to allow it; nothing paused, nothing lost.
@@ -3096,10 +3273,10 @@ fn discarding_a_processs_memory_from_outside_needs_its_own_opt_in() {
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(
                 err.contains("EXPSEG_ALLOW_REMOTE_DISCARD=1")
-                    && err.contains("(0 bytes paused before the failure"),
+                    && err.contains("(0 B paused before the failure"),
                 "{err}"
             );
-            assert_eq!(paused, format!("pid {pid}: 0 bytes paused"));
+            assert_eq!(paused, format!("pid {pid}: 0 B paused"));
             // An offloading pause is served as before.
             assert!(cli(&["pause", &pid]).status.success());
             assert!(cli(&["resume", &pid]).status.success());

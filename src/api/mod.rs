@@ -146,6 +146,9 @@ fn serve(dev: i32, size: usize) -> Served {
     };
     pool.tag = sleep::current_tag();
     match pool.alloc(size as u64) {
+        Ok(_) if config().test_panic("pool") => {
+            panic!("EXPSEG_TEST_PANIC=pool: an allocation booked, the lock poisoned")
+        }
         Ok(p) => Served::Ptr(p),
         Err(AllocError::OutOfMemory) => {
             drop(st);
@@ -406,8 +409,7 @@ fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
         return Answer::PassThrough;
     }
     let Some(dev) = lock().owner(ptr) else {
-        GLOBAL.passthrough_frees.add(1);
-        return Answer::PassThrough;
+        return free_frozen_or_pass(ptr, sync);
     };
     let e = sync(dev);
     if e != 0 {
@@ -432,6 +434,26 @@ fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
         }
         // Freed by another thread meanwhile: let the runtime answer the double free.
         _ => Answer::PassThrough,
+    }
+}
+
+/// A free of a pointer no open pool has: where a frozen pool's books call it live (a panic
+/// left them unsure, `state::books_unsure`), the device is waited for as for any free and the
+/// free is answered, its memory left where it is until exit; anything else is the runtime's.
+fn free_frozen_or_pass(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
+    let frozen = lock().frozen_owner(ptr);
+    let Some(dev) = frozen else {
+        GLOBAL.passthrough_frees.add(1);
+        return Answer::PassThrough;
+    };
+    let e = sync(dev);
+    if e != 0 {
+        return Answer::Done(e);
+    }
+    match lock().free_frozen(ptr) {
+        true => Answer::Done(0),
+        // Freed by another thread meanwhile: the runtime answers the double free.
+        false => Answer::PassThrough,
     }
 }
 

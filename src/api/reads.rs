@@ -13,6 +13,9 @@ static DONE: Condvar = Condvar::new();
 /// How many reads are registered: the check on every unmap is one atomic load.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 
+/// The registry, even after a panic poisoned its lock: every change to it is one `push` or one
+/// `swap_remove`, which no panic can cut in half (unlike the pools' and coalescers' books,
+/// `state::books_unsure`), so what a poisoned lock guards is whole.
 fn ranges() -> std::sync::MutexGuard<'static, Vec<(u64, u64, bool)>> {
     RANGES.lock().unwrap_or_else(|e| e.into_inner())
 }

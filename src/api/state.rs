@@ -26,7 +26,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
     crate::gpu::fence::set_move_fence(c.move_fence);
     if c.report.is_some() {
         extern "C" fn at_exit() {
-            write_exit_report();
+            let _ = std::panic::catch_unwind(write_exit_report);
         }
         OWNER_PID.store(std::process::id(), Ordering::Relaxed);
         #[allow(unsafe_code)]
@@ -35,6 +35,11 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
             libc::atexit(at_exit);
         }
         report_on_sigterm();
+    }
+    if c.test_panic("config") {
+        // Every later `config()` panics too (the cell stays empty): what every path from C
+        // must survive.
+        panic!("EXPSEG_TEST_PANIC=config: the configuration cannot be read");
     }
     c
 });
@@ -47,7 +52,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
 /// SIGKILL, which is what the job would get without a report anyway.
 fn report_on_sigterm() {
     extern "C" fn on_sigterm(_: libc::c_int) {
-        write_exit_report();
+        let _ = std::panic::catch_unwind(write_exit_report);
         #[allow(unsafe_code)]
         // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
         // the signal would have.
@@ -96,6 +101,11 @@ enum Slot {
     Open(Box<Pool<CudaDriver>>),
     /// VMM cannot serve this device (why); its calls pass through.
     Off(String),
+    /// A pool whose books a panic may have left half-made ([`books_unsure`]): kept as it is
+    /// until exit. Its memory stays mapped (the program's pointers keep working), nothing is
+    /// handed out from it or given back, and its calls pass through, except the free of a
+    /// pointer its books call live, which is answered and leaked ([`State::free_frozen`]).
+    Frozen(Box<Pool<CudaDriver>>),
 }
 
 pub(super) struct State {
@@ -108,6 +118,9 @@ pub(super) struct State {
     /// Per device, the id of its primary context when a driver-API call last served there
     /// (`api::notice_reset`: a new id is a reset no hook saw).
     pub(super) primary_ids: std::collections::HashMap<i32, u64>,
+    /// Pointers of frozen pools whose free was answered (a second free of one is the
+    /// runtime's to answer, as a double free).
+    frozen_freed: std::collections::HashSet<u64>,
 }
 
 pub(super) static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::start()));
@@ -129,6 +142,7 @@ impl State {
                     grants: vec![Vec::new(); n.max(0) as usize],
                     ipc: Default::default(),
                     primary_ids: Default::default(),
+                    frozen_freed: Default::default(),
                 }
             }
             Err(why) => {
@@ -141,6 +155,7 @@ impl State {
                     grants: Vec::new(),
                     ipc: Default::default(),
                     primary_ids: Default::default(),
+                    frozen_freed: Default::default(),
                 }
             }
         }
@@ -210,10 +225,79 @@ impl State {
             .find(|(_, p)| p.live_size(ptr).is_some())
             .map(|(d, _)| d)
     }
+
+    /// The books may be half-made ([`books_unsure`]): every pool is frozen as it is and no
+    /// pool opens any more, so every call that would hand memory out, give it back or share
+    /// it finds no pool and passes through.
+    fn freeze(&mut self) {
+        for slot in &mut self.pools {
+            *slot = match std::mem::replace(slot, Slot::Unopened) {
+                Slot::Open(p) | Slot::Frozen(p) => Slot::Frozen(p),
+                Slot::Off(why) => Slot::Off(why),
+                Slot::Unopened => Slot::Off("a panic left expseg's books unsure".into()),
+            };
+        }
+    }
+
+    /// The device of the frozen pool whose books call `ptr` a live allocation not freed yet
+    /// (read only: an answer, never a release).
+    pub(super) fn frozen_owner(&self, ptr: u64) -> Option<i32> {
+        if self.frozen_freed.contains(&ptr) {
+            return None;
+        }
+        self.pools.iter().enumerate().find_map(|(d, s)| match s {
+            Slot::Frozen(p) if p.live_size(ptr).is_some() => Some(d as i32),
+            _ => None,
+        })
+    }
+
+    /// The program frees `ptr` of a frozen pool: answered, and its memory stays where it is
+    /// until exit (leaked: half-made books are never trusted to give memory back). False if
+    /// it is not such a pointer or was freed already.
+    pub(super) fn free_frozen(&mut self, ptr: u64) -> bool {
+        self.frozen_owner(ptr).is_some() && self.frozen_freed.insert(ptr)
+    }
 }
 
+/// Set for good once a panic poisoned the lock of the pools or of the coalescers: the panic
+/// may have cut an update of their books short (a block booked but not returned, a chunk
+/// released but still listed), so they are never trusted again to hand memory out or give it
+/// back. From then on new allocations pass through to the runtime and the driver, every pool
+/// and coalescer is frozen as it is (`State::freeze`, `coalescers::Vmm::freeze`), and frees
+/// of their memory are answered and leaked.
+static BOOKS_UNSURE: AtomicBool = AtomicBool::new(false);
+
+/// Whether a panic may have left the books half-made ([`BOOKS_UNSURE`]).
+pub(crate) fn books_unsure() -> bool {
+    BOOKS_UNSURE.load(Ordering::Acquire)
+}
+
+/// The lock of `whose` books was found poisoned: from now on the books are unsure (one
+/// `[expseg ERROR]` line for the process); the guard, for the caller to freeze them.
+fn books_poisoned<T>(p: std::sync::PoisonError<T>, whose: &str) -> T {
+    if !BOOKS_UNSURE.swap(true, Ordering::AcqRel) {
+        log::error!(
+            "a panic inside expseg may have left the books of {whose} half-made: from now on new allocations pass through to CUDA, and the memory expseg handed out stays where it is until exit (its frees are answered; none of it is reused or given back)"
+        );
+    }
+    p.into_inner()
+}
+
+/// The pools' lock. The first holder after a panic poisoned it (or the coalescers' lock)
+/// freezes the pools.
 pub(super) fn lock() -> MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
+    frozen_if_unsure(
+        STATE
+            .lock()
+            .unwrap_or_else(|p| books_poisoned(p, "the pools")),
+    )
+}
+
+fn frozen_if_unsure(mut st: MutexGuard<'static, State>) -> MutexGuard<'static, State> {
+    if books_unsure() {
+        st.freeze();
+    }
+    st
 }
 
 /// Whether this is a forked child (CUDA state is not inherited).
@@ -276,6 +360,9 @@ pub(super) fn status(st: &State) -> String {
     if config().disabled {
         return "disabled by EXPSEG_DISABLE".into();
     }
+    if books_unsure() {
+        return "pass-through for new allocations: a panic left expseg's books unsure (the memory it handed out stays until exit)".into();
+    }
     if let Err(why) = &st.driver {
         return format!("pass-through: {why}");
     }
@@ -298,10 +385,15 @@ pub(super) fn pass_through_before_start() -> Option<String> {
         .map(|why| format!("pass-through: {why}"))
 }
 
-/// Counters of every open pool.
+/// Counters of every pool that opened (frozen ones too: what they hold stays held).
 pub(super) fn pool_stats(st: &mut State) -> Vec<(i32, PoolStats)> {
-    st.open_pools()
-        .map(|(d, p)| (d, p.stats().clone()))
+    st.pools
+        .iter()
+        .enumerate()
+        .filter_map(|(d, s)| match s {
+            Slot::Open(p) | Slot::Frozen(p) => Some((d as i32, p.stats().clone())),
+            _ => None,
+        })
         .collect()
 }
 
@@ -327,7 +419,7 @@ pub fn write_exit_report() {
                 break;
             }
             Err(std::sync::TryLockError::Poisoned(p)) => {
-                guard = Some(p.into_inner());
+                guard = Some(frozen_if_unsure(books_poisoned(p, "the pools")));
                 break;
             }
             Err(std::sync::TryLockError::WouldBlock) => {
@@ -388,6 +480,11 @@ pub(super) mod coalescers {
 
     pub(crate) struct Vmm {
         pub(crate) devs: Vec<Option<Coalescer<CudaDriver>>>,
+        /// Coalescers whose books a panic may have left half-made
+        /// ([`crate::api::state::books_unsure`]): taken out of `devs`, so no call finds them
+        /// (new pages are the driver's), and kept as they are until exit: their pages stay
+        /// mapped, nothing of theirs is moved, reused or given back.
+        frozen: Vec<Coalescer<CudaDriver>>,
     }
 
     pub(crate) static VMM: Lazy<Mutex<Vmm>> = Lazy::new(|| {
@@ -429,7 +526,10 @@ pub(super) mod coalescers {
             Err(_) => Vec::new(),
         };
         STARTED.store(true, Ordering::Release);
-        Mutex::new(Vmm { devs })
+        Mutex::new(Vmm {
+            devs,
+            frozen: Vec::new(),
+        })
     });
 
     /// Set once the coalescers exist (before that no handle or address can be theirs).
@@ -438,8 +538,24 @@ pub(super) mod coalescers {
     /// The coalescers, once no IPC mirror refresh is reading memory (any call may unmap pages it
     /// moves: `super::reads`). A refresh registers under this lock, so none starts meanwhile.
     pub(crate) fn lock() -> MutexGuard<'static, Vmm> {
-        let g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+        let g = books();
         crate::api::reads::wait_none();
+        g
+    }
+
+    /// The coalescers' lock alone (not waiting for reads). The first holder after a panic
+    /// poisoned it (or the pools' lock) freezes the coalescers.
+    pub(crate) fn books() -> MutexGuard<'static, Vmm> {
+        let g = VMM
+            .lock()
+            .unwrap_or_else(|p| crate::api::state::books_poisoned(p, "PyTorch's coalesced pages"));
+        frozen_if_unsure(g)
+    }
+
+    fn frozen_if_unsure(mut g: MutexGuard<'static, Vmm>) -> MutexGuard<'static, Vmm> {
+        if crate::api::state::books_unsure() {
+            g.freeze();
+        }
         g
     }
 
@@ -457,6 +573,23 @@ pub(super) mod coalescers {
 
         pub(crate) fn owner(&mut self, vh: u64) -> Option<&mut Coalescer<CudaDriver>> {
             self.all().find(|c| c.owns(vh))
+        }
+
+        /// The books may be half-made: every coalescer is frozen as it is.
+        fn freeze(&mut self) {
+            for c in self.devs.iter_mut().filter_map(Option::take) {
+                self.frozen.push(c);
+            }
+        }
+
+        /// Whether the page `vh` is a frozen coalescer's (read only).
+        pub(crate) fn frozen_owns(&self, vh: u64) -> bool {
+            self.frozen.iter().any(|c| c.owns(vh))
+        }
+
+        /// Whether a frozen coalescer maps memory in `[va, va+size)` (read only).
+        pub(crate) fn frozen_maps_in(&self, va: u64, size: u64) -> bool {
+            self.frozen.iter().any(|c| c.maps_in(va, size))
         }
     }
 
@@ -512,19 +645,35 @@ pub(super) mod coalescers {
         if delay.is_zero() {
             return false;
         }
+        // One pass: whether any handle is still kept.
+        let pass = move || {
+            if config().test_panic("releaser") {
+                panic!("EXPSEG_TEST_PANIC=releaser");
+            }
+            let mut any = false;
+            for c in lock().all() {
+                if c.kept_bytes() > 0 && c.idle_for() >= delay {
+                    in_context(c, |c| c.release_kept());
+                }
+                any |= c.kept_bytes() > 0;
+            }
+            any
+        };
         let spawned = std::thread::Builder::new()
             .name("expseg-release".into())
             .spawn(move || loop {
                 if crate::api::state::forked() {
                     return;
                 }
-                let mut any = false;
-                for c in lock().all() {
-                    if c.kept_bytes() > 0 && c.idle_for() >= delay {
-                        in_context(c, |c| c.release_kept());
+                let any = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&pass)) {
+                    Ok(any) => any,
+                    // Kept handles then go back at the program's next call that makes room.
+                    Err(_) => {
+                        crate::stats::GLOBAL.panics_caught.add(1);
+                        log::error!("expseg-release: internal error caught; kept handles are no longer given back after the delay");
+                        return;
                     }
-                    any |= c.kept_bytes() > 0;
-                }
+                };
                 match any {
                     true => std::thread::sleep(Duration::from_millis(1)),
                     // A wake-up given meanwhile makes park return at once.
@@ -551,8 +700,10 @@ pub(super) mod coalescers {
         }
         use crate::gpu::Driver as _;
         let mut v = match VMM.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Ok(g) => frozen_if_unsure(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => frozen_if_unsure(
+                crate::api::state::books_poisoned(p, "PyTorch's coalesced pages"),
+            ),
             Err(_) => return Vec::new(),
         };
         v.all()

@@ -6,7 +6,7 @@
 pub use super::state::coalescers::{report_rows, stats};
 
 use super::allocator;
-use super::state::coalescers::{in_context, lock, started, VMM};
+use super::state::coalescers::{books, in_context, lock, started};
 use crate::coalesce::{is_virtual, Coalescer};
 use crate::gpu::{ChunkHandle, Driver as _, DrvError, PageProps};
 use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
@@ -17,7 +17,7 @@ pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
     if !started() {
         return super::reads::begin(base, size);
     }
-    let _g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = books();
     super::reads::begin(base, size)
 }
 
@@ -30,7 +30,7 @@ pub fn begin_read_unparked(base: u64, size: u64) -> Option<super::reads::Reading
     if !started() {
         return Some(super::reads::begin(base, size));
     }
-    let mut g = VMM.lock().unwrap_or_else(|e| e.into_inner());
+    let mut g = books();
     let reading = super::reads::begin(base, size);
     if g.all().any(|c| c.parked_in_range(base, size)) {
         return None;
@@ -71,7 +71,11 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
         let once = || {
             let mut v = lock();
             let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
-            Some(in_context(c, |c| c.create(size, props)).map_err(|e| e.0))
+            let page = in_context(c, |c| c.create(size, props)).map_err(|e| e.0);
+            if super::state::config().test_panic("coalescer") {
+                panic!("EXPSEG_TEST_PANIC=coalescer: a page booked, the lock poisoned");
+            }
+            Some(page)
         };
         match once() {
             // Memory held for reuse elsewhere (other devices' caches here, other expseg
@@ -85,12 +89,22 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 const OUT_OF_MEMORY: u32 = 2;
 
+/// What a call on a page of a frozen coalescer answers (its books may be half-made,
+/// `state::books_unsure`): giving the page up (release, unmap, address free) is done as far
+/// as the program can tell, and its memory stays until exit; using it (map, export) fails
+/// with `CUDA_ERROR_UNKNOWN`, as the panic's own call did.
+const FROZEN_GIVEN_UP: u32 = 0;
+const FROZEN_USED: u32 = 999;
+
 pub fn release(vh: u64) -> Option<u32> {
     time_vmm(VMM_RELEASE, || {
         if !is_virtual(vh) || !started() {
             return None;
         }
         let mut v = lock();
+        if v.frozen_owns(vh) {
+            return Some(FROZEN_GIVEN_UP);
+        }
         let c = v.owner(vh)?;
         allocator::call_on(c.driver().device());
         Some(code(in_context(c, |c| c.release(vh))))
@@ -103,6 +117,9 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
             return None;
         }
         let mut v = lock();
+        if v.frozen_owns(vh) {
+            return Some(FROZEN_USED);
+        }
         let c = v.owner(vh)?;
         allocator::call_on(c.driver().device());
         if flags != 0 || wraps(va, size) {
@@ -131,6 +148,9 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         // pages of ours only) before `in_context` makes the memory's device current.
         let caller = std::cell::OnceCell::new();
         let mut v = lock();
+        if v.frozen_maps_in(va, size) {
+            return Some(FROZEN_GIVEN_UP);
+        }
         let mut answer = None;
         for c in v.all().filter(|c| c.maps_in(va, size)) {
             allocator::call_on(c.driver().device());
@@ -199,6 +219,9 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
         return None;
     }
     let mut v = lock();
+    if v.frozen_owns(vh) {
+        return Some(Err(FROZEN_USED));
+    }
     let c = v.owner(vh)?;
     Some(in_context(c, |c| c.export(vh)).map_err(|e| e.0))
 }
@@ -280,7 +303,11 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
     if !started() || wraps(va, size) {
         return None;
     }
-    for c in lock().all() {
+    let mut v = lock();
+    if v.frozen_maps_in(va, size) {
+        return Some(FROZEN_GIVEN_UP);
+    }
+    for c in v.all() {
         if let Err(e) = in_context(c, |c| c.address_free(va, size)) {
             return Some(e.0);
         }

@@ -44,6 +44,8 @@ struct Fence {
 }
 
 impl Fence {
+    /// The state, even after a panic poisoned its lock (here and in the waits below): it is
+    /// one byte, always written whole, so a poisoned lock never guards a half-made state.
     fn lock(&self) -> std::sync::MutexGuard<'_, u8> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -97,17 +99,21 @@ unsafe extern "C" fn fence_runs(p: *mut c_void) {
     // SAFETY: `p` is the `Arc::into_raw` reference `copy_and_hold` put in the graph it
     // launched once; this one run takes it back.
     let f = unsafe { std::sync::Arc::from_raw(p as *const Fence) };
-    let mut s = f.lock();
-    if *s == 0 {
-        *s = 1;
-        f.changed.notify_all();
-    }
-    while *s != 2 {
-        s = match f.changed.wait(s) {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-    }
+    // Nothing here is expected to panic; if it did, the stream goes on rather than the
+    // driver's thread unwinding into C.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut s = f.lock();
+        if *s == 0 {
+            *s = 1;
+            f.changed.notify_all();
+        }
+        while *s != 2 {
+            s = match f.changed.wait(s) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }));
 }
 
 /// The fence held for a move; dropped, the stream goes on.

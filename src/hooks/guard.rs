@@ -46,11 +46,10 @@ pub(super) fn boundary(name: &str, f: impl FnOnce() -> c_int) -> c_int {
     }
 }
 
-/// expseg's part of a call whose real call follows (or came before) in any case: run under
-/// the re-entrancy guard (`None` inside expseg) and the panic boundary (`None` after a panic,
-/// counted and logged with `then`, what happens instead).
-pub(super) fn around_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
-    let _g = Guard::enter()?;
+/// expseg's part of a call whose real call came first and stands whatever expseg's part meets
+/// (a lookup's redirection): run inside the panic boundary only (a call nested in expseg does
+/// its part too); `None` after a panic, counted and logged with `then`.
+pub(super) fn contained<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => Some(v),
         Err(_) => {
@@ -59,4 +58,12 @@ pub(super) fn around_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> O
             None
         }
     }
+}
+
+/// expseg's part of a call whose real call follows (or came before) in any case: run under
+/// the re-entrancy guard (`None` inside expseg) and the panic boundary (`None` after a panic,
+/// counted and logged with `then`, what happens instead).
+pub(super) fn around_real<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
+    let _g = Guard::enter()?;
+    contained(name, then, f)
 }

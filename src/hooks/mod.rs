@@ -11,7 +11,7 @@ pub mod query;
 
 use crate::api::{self, Answer, OUT_OF_MEMORY};
 use crate::real::{next, next_driver, CudaIpcMemHandle};
-use guard::{around_real, boundary, Guard};
+use guard::{around_real, boundary, contained, Guard};
 use libc::{c_char, c_int, c_uint, c_void, size_t};
 use query::{cuMemGetAddressRange_v2, cuPointerGetAttribute, cuPointerGetAttributes};
 use std::panic::catch_unwind;
@@ -500,9 +500,14 @@ fn driver_hook_for(
     }
 }
 
+/// What a lookup hands out after a panic in [`redirect_entry_point`]: `*pfn` is written last,
+/// so the caller keeps the function the real lookup found.
+const REAL_FOUND: &str = "the real lookup's function is handed out";
+
 /// Entry points handed out by the driver's and runtime's lookup functions: expseg's hook for
 /// the functions it interposes, so programs that fetch driver functions at run time
-/// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too.
+/// (PyTorch's driver API, `cudaGetDriverEntryPoint`) reach it too. A panic inside leaves
+/// `*pfn` as the real lookup wrote it (it is written last).
 ///
 /// PyTorch's VMM hooks are handed out only by the runtime's entry point API
 /// (`runtime_api`), never by `cuGetProcAddress`: the runtime itself, NCCL and Triton look
@@ -577,7 +582,9 @@ pub unsafe extern "C" fn cuGetProcAddress(
 ) -> u32 {
     let r = next_driver::cuGetProcAddress(symbol, pfn, version, flags);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version, false);
+        contained("cuGetProcAddress", REAL_FOUND, || {
+            redirect_entry_point(symbol, pfn, version, false)
+        });
     }
     r
 }
@@ -592,7 +599,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> u32 {
     let r = next_driver::cuGetProcAddress_v2(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version, false);
+        contained("cuGetProcAddress_v2", REAL_FOUND, || {
+            redirect_entry_point(symbol, pfn, version, false)
+        });
     }
     r
 }
@@ -606,7 +615,9 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPoint(symbol, pfn, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, i32::MAX, true);
+        contained("cudaGetDriverEntryPoint", REAL_FOUND, || {
+            redirect_entry_point(symbol, pfn, i32::MAX, true)
+        });
     }
     r
 }
@@ -621,7 +632,9 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
 ) -> c_int {
     let r = next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status);
     if r == 0 {
-        redirect_entry_point(symbol, pfn, version as c_int, true);
+        contained("cudaGetDriverEntryPointByVersion", REAL_FOUND, || {
+            redirect_entry_point(symbol, pfn, version as c_int, true)
+        });
     }
     r
 }

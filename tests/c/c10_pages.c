@@ -424,6 +424,29 @@ int expandable(const char* what) {
     }
     return 0;
   }
+  if (!strcmp(what, "poisoned")) {
+    /* EXPSEG_TEST_PANIC=coalescer:9: the ninth page panics inside the coalescers' lock, right
+     * after it was booked. Then new pages are the driver's own (one driver create each), the
+     * coalesced pages keep their data, and giving them up is answered without a release. */
+    printf("grow_rc=%d", grow(0, 8));
+    for (int i = 0; i < 8; i++) fill(i);
+    Prop p = prop(); uint64_t x = 0;
+    long c0 = fakecu_count("cuMemCreate");
+    printf(" panic_rc=%d", create(&x, PAGE, &p, 0));
+    printf(" after_grow_rc=%d", grow(8, 4));
+    printf(" after_creates=%ld\n", fakecu_count("cuMemCreate") - c0);
+    for (int i = 8; i < 12; i++) fill(i);
+    int ok = 1; for (int i = 0; i < 12; i++) ok &= holds((char*)(va + i * PAGE), i);
+    printf("intact=%d", ok);
+    long r0 = fakecu_count("cuMemRelease");
+    int rc = shrink(0, 8);
+    printf(" old_shrink_rc=%d old_released=%ld", rc, fakecu_count("cuMemRelease") - r0);
+    printf(" old_still_there=%d", holds((char*)va, 0));
+    r0 = fakecu_count("cuMemRelease");
+    rc = shrink(8, 4);
+    printf(" new_shrink_rc=%d new_released=%ld\n", rc, fakecu_count("cuMemRelease") - r0);
+    return 0;
+  }
   if (!strcmp(what, "oom")) {
     /* Pages until the driver has none: as many as fit natively, then out of memory (2). */
     Prop p = prop(); int n = 0; CUresult r = 0;

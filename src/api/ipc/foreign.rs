@@ -3,7 +3,7 @@
 
 use super::mirror::{make_mirror, refresh_mirror};
 use super::shares::{ForeignShare, MAX_RUN};
-use super::tickets::{foreign_tickets_ready, peers_without_tickets, plain_driver_ignores_tickets};
+use super::tickets::{foreign_tickets_ready, peers_without_tickets};
 use crate::api::state::{bypass, config, ensure_state, lock, UNKNOWN};
 use crate::gpu::cuda;
 use crate::gpu::IpcHandle;
@@ -46,7 +46,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         };
         if c.ipc_tickets {
             // Once per process, possibly slow (a child process): never under the lock.
-            plain_driver_ignores_tickets(dev);
+            super::check::wait(dev);
         }
         if want_mirror {
             // Writes other devices queued through peer access go into the copy too.

@@ -2,9 +2,7 @@
 //! place, or mirrored (refreshed outside the lock), and carries a ticket where tickets work.
 
 use super::mirror::refresh_mirror;
-use super::tickets::{
-    peers_without_tickets, plain_driver_ignores_tickets, tickets_ready, NOT_SUPPORTED,
-};
+use super::tickets::{peers_without_tickets, tickets_ready, NOT_SUPPORTED};
 use crate::api::state::{
     bypass, config, lock, Answer, State, OUT_OF_MEMORY, STATE_STARTED, UNKNOWN,
 };
@@ -33,8 +31,10 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     let needs_tickets = c.ipc_peers_expseg || size > c.ipc_move_max;
     {
         // Waits happen without the lock: the device's pending work (the export waits again
-        // under the lock, for what was queued meanwhile only) and the one-time ticket check,
-        // a child process (a move that falls back to a mirror, rare, still runs it there).
+        // under the lock, for what was queued meanwhile only) and the one-time ticket check, a
+        // child process on a thread of its own. A request that needs no ticket (a move, opt-in)
+        // only starts the check: if its move falls back to a mirror before the check has
+        // answered, that handle carries no ticket (nothing waits for the check under the lock).
         drop(st);
         let e = crate::api::state::synchronize(dev);
         if e != 0 {
@@ -44,7 +44,9 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         // in a move or a mirror's copy, are then short).
         super::mirror::wait_for_peers(dev, ptr);
         if c.ipc_tickets && needs_tickets {
-            plain_driver_ignores_tickets(dev);
+            super::check::wait(dev);
+        } else if c.ipc_tickets {
+            super::check::start(dev);
         }
         st = lock();
         match st

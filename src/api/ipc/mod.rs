@@ -3,8 +3,10 @@
 //!
 //! By policy: pool memory asked for a handle ([`get`]: moved in place or mirrored), foreign
 //! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]), tickets and their socket
-//! ([`tickets`]), what is remembered ([`shares`]), and the consumer's side ([`open`]).
+//! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
+//! ([`shares`]), and the consumer's side ([`open`]).
 
+mod check;
 mod foreign;
 mod get;
 mod mirror;

@@ -9,16 +9,16 @@ use crate::ipc::control::Control;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
-use crate::real::runtime;
 use crate::stats::GLOBAL;
 use once_cell::sync::OnceCell;
 use std::sync::atomic::Ordering;
 
 /// Whether tickets can be issued for foreign memory on `dev`: the socket serves and a
-/// ticketed handle still opens with the plain driver. (Whether the other allocator's pages can
+/// ticketed handle still opens with the plain driver (the one-time check has said so: never
+/// waited for here, under the lock). (Whether the other allocator's pages can
 /// be exported is found out per request; a consumer falls back to the mirror if not.)
 pub(super) fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
-    server_ready(st) && plain_driver_ignores_tickets(dev)
+    server_ready(st) && super::check::known(dev) == Some(true)
 }
 
 /// Export the run of foreign mappings starting at `base` that a ticket stands for. The run is
@@ -100,12 +100,13 @@ pub(super) fn peers_without_tickets(st: &State, ptr: u64) -> i32 {
 }
 
 /// Whether tickets can be issued: the device's chunks are exportable, the socket serves, and
-/// a ticketed handle still opens with the plain driver (checked once, in a child process).
+/// a ticketed handle still opens with the plain driver (the one-time check has said so: never
+/// waited for here, under the lock).
 pub(super) fn tickets_ready(st: &mut State, dev: i32) -> bool {
     if !st.open_pool(dev).is_some_and(|p| p.driver().shareable) {
         return false;
     }
-    server_ready(st) && plain_driver_ignores_tickets(dev)
+    server_ready(st) && super::check::known(dev) == Some(true)
 }
 
 /// Start the ticket socket if it does not serve yet (for `fdshare`); whether it serves.
@@ -149,9 +150,11 @@ fn start_server() -> Result<(), String> {
     let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
         // A forked child exits with this handler too: the socket stays its parent's.
-        if let Some((_, path)) = SERVED.get().filter(|s| s.0 == std::process::id()) {
-            let _ = std::fs::remove_file(path);
-        }
+        let _ = std::panic::catch_unwind(|| {
+            if let Some((_, path)) = SERVED.get().filter(|s| s.0 == std::process::id()) {
+                let _ = std::fs::remove_file(path);
+            }
+        });
     }
     #[allow(unsafe_code)]
     // SAFETY: registers a plain extern "C" function that removes one file.
@@ -339,57 +342,6 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
             ))
         }
     }
-}
-
-/// The one-time ticket check's answer, once known.
-static TICKET_CHECK: OnceCell<bool> = OnceCell::new();
-
-/// Run the ticket check once per process: a child process without expseg opens a ticketed
-/// handle of a 2 MiB buffer with a known pattern and reads it back. Needs the helper
-/// `expseg-ipc-check` next to libexpseg.so.
-pub(super) fn plain_driver_ignores_tickets(dev: i32) -> bool {
-    *TICKET_CHECK.get_or_init(|| match check_in_child(dev) {
-        Ok(()) => {
-            log::info!("IPC: a ticketed handle opens with the plain driver; tickets enabled");
-            true
-        }
-        Err(e) => {
-            log::warn!("IPC tickets disabled: {e}; mirrors carry plain handles");
-            false
-        }
-    })
-}
-
-fn check_in_child(dev: i32) -> Result<(), String> {
-    if let Some(ms) = config().test_slow_check_ms {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-    }
-    let helper = crate::real::self_dir()
-        .map(|d| d.join("expseg-ipc-check"))
-        .ok_or("cannot tell where libexpseg.so is")?;
-    // A process with the static runtime has no libcudart: its plain consumers open handles
-    // with the driver, and so does the check.
-    let lib = if crate::real::runtime_present() {
-        crate::real::runtime_path().ok_or("cannot tell which libcudart is loaded")?
-    } else {
-        "libcuda.so.1".to_string()
-    };
-    let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
-    let buf = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
-        (0, p) => Ok(p),
-        (e, _) => Err(e),
-    })
-    .map_err(|e| format!("cudaMalloc for the check failed ({e})"))?;
-    let result = (|| {
-        if runtime::copy_h2d(buf, &pattern) != 0 {
-            return Err("copy for the check failed".to_string());
-        }
-        let h = runtime::ipc_get_mem_handle(buf)
-            .map_err(|e| format!("cudaIpcGetMemHandle failed ({e})"))?;
-        crate::ipc::check_ticketed_handle(&helper, &lib, h, &pattern, dev)
-    })();
-    runtime::free(buf);
-    result
 }
 
 /// `cudaErrorNotSupported`.
