@@ -370,7 +370,8 @@ fi
 # A thread launching kernels on its tensors while another thread frees and allocates (a freed
 # pad shared the tensors' handle; empty_cache(); a backward pass). At the defaults nothing
 # moves: the worker's additions are exact on the default stream, on a non-blocking stream of
-# its own, and replaying CUDA graphs there, RACE_RUNS runs each (natively too), and the pad's
+# its own, and replaying CUDA graphs there (RACE_STREAMS picks), RACE_RUNS runs each (natively
+# RACE_RUNS_NATIVE), and the pad's
 # pages stayed held while the tensors lived (peak stranded bytes > 0: the test tested).
 # EXPSEG_COMPACT=1 (opt-in) moves the live pages under a hold of the default stream
 # (coalesce_held_moves): counted on the default stream; printed, not counted, the controls
@@ -392,7 +393,7 @@ race_runs() { # name runs env... -- checks each run's JSON with $check (python, 
 }
 if want threads && torch_for threads; then
   n=${RACE_RUNS:-1}
-  for stream in default side graph; do
+  for stream in ${RACE_STREAMS:-default side graph}; do
     check="" race_runs "torch_thread_race_${stream}_native" "${RACE_RUNS_NATIVE:-1}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=$stream
     check='e["coalesce_held_moves"] == 0 and e["coalesce_compactions"] == 0 and e["coalesce_peak_stranded_bytes"] > 0' \
       race_runs "torch_thread_race_${stream}_defaults" "$n" RACE_STREAM=$stream LD_PRELOAD="$lib"
