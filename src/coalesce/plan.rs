@@ -365,23 +365,20 @@ impl<D: Driver> Coalescer<D> {
 
     /// How far to grow a new handle ahead of a run of `total` bytes of pages of `unit` bytes
     /// ending at `end`: at most `ahead`, 1/AHEAD_SHARE of the most held so far (all handles'
-    /// bytes ahead together, with the stranded bytes) and what the largest handle leaves, in whole pages, within the
+    /// bytes ahead together) and what the largest handle leaves, in whole pages, within the
     /// program's reservation and short of anything mapped after the run (the program's pages
     /// or handles, or ours); nothing for a run larger than that.
     ///
     /// Where live pages never move, what a handle grew ahead may end up stranded (the next
-    /// pages there have their own lifetimes, and only the handle's last page gives its bytes
-    /// back): the stranded bytes count against the same share, so growing ahead stops while
-    /// they are many.
+    /// pages there have their own lifetimes). Counting stranded bytes against the same share
+    /// was measured and undone: it stopped growing ahead in the RL loop's trainer, whose
+    /// stranded bytes do not come from it (254 ms a step against 192, H200, 2026-11-26:
+    /// docs/failed-approaches.md).
     fn ahead_for(&self, end: u64, total: u64, unit: u64) -> u64 {
-        let mut beyond = self.ahead_bytes();
-        if !self.cfg.move_live {
-            beyond += self.stranded();
-        }
         let mut cap = self
             .cfg
             .ahead
-            .min((self.peak_held / AHEAD_SHARE).saturating_sub(beyond))
+            .min((self.peak_held / AHEAD_SHARE).saturating_sub(self.ahead_bytes()))
             .min(self.cfg.max_handle.saturating_sub(total));
         // Only small runs grow ahead: a run that outlives an empty_cache() keeps its handle's
         // bytes ahead until it moves to a handle of its own (a copy), so the copy a large run
