@@ -15,27 +15,52 @@
 # Where a launcher is installed, the real one runs (PASS ... [real]). Where it is not, a
 # stand-in from launcher-standins/ does, one that starts processes with the environment the
 # real launcher gives them (PASS ... [stand-in]); each stand-in's header says what it keeps of
-# the real launcher. Real Slurm runs only inside an allocation (SLURM_JOB_ID set); sbatch is
-# always the stand-in (a test must not queue jobs). mpirun has no stand-in: skipped if absent.
+# the real launcher. The launchers of scripts/install-launchers.sh's virtual environment
+# (torchrun, accelerate, ray) come first on PATH when it exists. Slurm: where slurmctld, slurmd
+# and munged are installed, scripts/slurm-local.sh starts a cluster of this one machine for the
+# test (and stops it at the end, also on failure), and srun and sbatch (sbatch --wait) are the
+# real ones; else srun is real inside an allocation (SLURM_JOB_ID set) and sbatch the stand-in.
+# mpirun has no stand-in.
+#
+# --real (CI): every launcher must be the real one. One that is missing, or whose set-up fails
+# (the Slurm cluster, `ray start`), is a FAIL with the launcher's own message; nothing is
+# skipped. scripts/install-launchers.sh installs them all.
 set -u
+t_start=$(date +%s.%N)
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 standins=$here/launcher-standins
+real_only=
+if [ "${1:-}" = --real ]; then real_only=1; shift; fi
 lib=$(readlink -f "${1:-${EXPSEG_LIB:-$root/target/debug/libexpseg.so}}")
 [ -f "$lib" ] || { echo "FAIL: $lib missing"; echo "0 passed, 1 failed"; exit 1; }
 export EXPSEG_LIB=$lib
 export PYTHONDONTWRITEBYTECODE=1 # no __pycache__ in the checkout from the stand-ins
 unset EXPSEG_REPORT EXPSEG_REPORT_DIR LD_PRELOAD PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF RAY_ADDRESS
+venv=$("$here/install-launchers.sh" --print-venv)
+[ -x "$venv/bin/python" ] && export PATH=$venv/bin:$PATH
 work=$(mktemp -d)
-trap 'ray_stop; rm -rf "$work"' EXIT
+# EXPSEG_TEST_KEEP=1 keeps the test's folder (every check's output) and says where.
+trap 'ray_stop; slurm_down; if [ -n "${EXPSEG_TEST_KEEP:-}" ]; then echo "kept: $work"; else rm -rf "$work"; fi' EXIT
 ray_stop() { [ -n "${ray_cmd:-}" ] && PATH=$ray_path timeout 60 ray stop --force >/dev/null 2>&1; ray_cmd=; }
+slurm_down() { [ -z "${slurm_dir:-}" ] || "$here/slurm-local.sh" down "$slurm_dir"; slurm_dir=; }
 passed=0 failed=0
+t_check=$(date +%s.%N)
+elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f s", b - a }'; }
 check() { # NAME KIND RC [DETAIL]
-  if [ "$3" = 0 ]; then
-    passed=$((passed + 1)); echo "PASS $1 [$2]"
-  else
-    failed=$((failed + 1)); echo "FAIL $1 [$2]${4:+: $4}"
-  fi
+  local t
+  t=$(elapsed "$t_check")
+  case "$2" in
+    *missing*) # --real, and a launcher is not installed: whatever ran instead does not count
+      failed=$((failed + 1)); echo "FAIL $1 [$2]: $missing_why${4:+ | $4}" ;;
+    *)
+      if [ "$3" = 0 ]; then
+        passed=$((passed + 1)); echo "PASS $1 [$2] ($t)"
+      else
+        failed=$((failed + 1)); echo "FAIL $1 [$2] ($t)${4:+: $4}"
+      fi ;;
+  esac
+  t_check=$(date +%s.%N)
 }
 py=$(command -v python3)
 probe=$standins/probe.py
@@ -54,15 +79,36 @@ verify() {
 newdir() { mkdir -p "$work/$1" && cd "$work/$1"; }
 # use NAME: $path, a PATH on which NAME is the real launcher if installed, else its stand-in
 # (alone in a folder, so that it shadows nothing else); $kind says which, $dir is that folder
-# (empty for a real one). srun counts as installed only inside an allocation.
+# (empty for a real one). srun and sbatch count as installed with a cluster to run on (the
+# local one, or for srun an allocation). With --real a missing launcher is "missing": the
+# check fails whatever ran.
+missing_why=
 use() {
-  if command -v "$1" >/dev/null && { [ "$1" != srun ] || [ -n "${SLURM_JOB_ID:-}" ]; }; then
+  local have=
+  case $1 in
+    srun) [ -n "${SLURM_CONF:-}${SLURM_JOB_ID:-}" ] && command -v srun >/dev/null && have=1 ;;
+    sbatch) [ -n "${slurm_up:-}" ] && have=1 ;;
+    *) command -v "$1" >/dev/null && have=1 ;;
+  esac
+  if [ -n "$have" ]; then
     kind=real; dir=
   else
     kind=stand-in; dir=$work/standin-$1
     mkdir -p "$dir" && ln -sf "$standins/bin/$1" "$dir/$1"
+    if [ -n "$real_only" ]; then
+      kind="stand-in, real $1 missing"
+      missing_why="--real: no real $1 ($(launcher_missing "$1"))"
+    fi
   fi
   path=${dir:+$dir:}$PATH
+}
+launcher_missing() { # NAME: why NAME is not the real one
+  case $1 in
+    srun | sbatch)
+      if [ -n "${slurm_error:-}" ]; then echo "the local Slurm cluster did not start: $slurm_error"
+      else echo "Slurm is not installed: scripts/install-launchers.sh"; fi ;;
+    *) echo "$1 is not on PATH: scripts/install-launchers.sh installs it into $venv" ;;
+  esac
 }
 
 # The fake CUDA runtime of the preload tests, found through its rpath: no LD_LIBRARY_PATH, so
@@ -107,6 +153,10 @@ if "$py" -c 'import ray' 2>/dev/null && command -v ray >/dev/null; then
   kind=real; ray_path=$PATH; ray_py=
 else
   kind=stand-in; mkdir -p "$work/standin-ray" && ln -sf "$standins/bin/ray" "$work/standin-ray/ray"; ray_path=$work/standin-ray:$PATH; ray_py=$standins/python
+  if [ -n "$real_only" ]; then
+    kind="stand-in, real ray missing"
+    missing_why="--real: no real Ray for $py ($(launcher_missing ray))"
+  fi
 fi
 cat >"$work/ray_driver.py" <<'PY'
 # python3 ray_driver.py local|auto|job LIB|- PROBE TASKS: TASKS tasks, each runs probe.py's code
@@ -159,6 +209,9 @@ if [ $kind = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.s
   [ $r = 0 ] || why="$why | ray start: $(tail -n 3 start.log | tr '\n' ' ')"
   ray_stop
   check "ray job submit --runtime-env-json '{\"env_vars\": {\"LD_PRELOAD\": lib}}': the job's driver and workers under expseg" $kind $r "$why"
+elif [ -n "$real_only" ]; then
+  missing_why="--real: Ray without its dashboard (ray[default]: scripts/install-launchers.sh)"
+  check "ray job submit --runtime-env-json" "real ray job missing" 1
 else
   echo "SKIP ray job submit: Ray without its dashboard (ray[default])"
 fi
@@ -176,7 +229,24 @@ verify out --n 2 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --torch || r=1
 ray_stop
 check "expseg-run ray start --head; ray.init(address=\"auto\"): workers of the node under expseg" $kind $r "$why"
 
-# 7. Slurm: expseg-srun, every task through expseg-run with a rank-local report name.
+# 7. Slurm. Installed: a cluster of this machine (scripts/slurm-local.sh), for srun and sbatch;
+# the caller's own allocation or cluster, if any, is left out of it (its SLURM_* unset).
+slurm_up= slurm_error= slurm_dir=
+if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then
+  for v in $(compgen -e | grep '^SLURM_'); do unset "$v"; done
+  slurm_dir=$work/slurm
+  if conf=$("$here/slurm-local.sh" up "$slurm_dir" 2>"$work/slurm-up.log"); then
+    export "${conf?}"
+    slurm_up=1
+    check "scripts/slurm-local.sh up: slurmctld, slurmd and munged of a one-node cluster ($(sinfo -h -o '%P %D node, %c CPUs, %G' 2>&1))" real 0
+  else
+    slurm_error=$(tail -n 20 "$work/slurm-up.log" | tr '\n' ' ')
+    slurm_dir=
+    check "scripts/slurm-local.sh up: a one-node Slurm cluster" real 1 "$slurm_error"
+  fi
+fi
+
+# expseg-srun, every task through expseg-run with a rank-local report name.
 use srun
 newdir srun
 PATH=$path "$here/expseg-srun" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
@@ -200,23 +270,47 @@ verify out --n 2 --ranks --report "$PWD/expseg-reports/rank0-local0-pid%p.txt" -
 check "expseg-srun -N 1 --ntasks-per-node=1 -- torchrun --nproc-per-node 2: the agent's workers under expseg" "$kind srun, $tkind torchrun" $? "$why"
 
 # 8. The sbatch template, as a user runs it: EXPSEG_HOME at this checkout, the job line as is
-# (python train.py). sbatch is the stand-in, always; srun the one chosen above.
+# (python train.py, `python` on the PATH the job inherits).
+# sbatch_job CMD...: CMD submits job.sbatch in the current folder (the real sbatch with
+# --parsable --wait, which $sbatch names); the job's output (the real one's
+# --output=%x-%j.out) is appended to ./out. Exit status: the job's. $jobid: the job's id.
+sbatch_job() {
+  local r=0
+  "$@" >submit.out 2>&1 || r=$?
+  if [ "$sbatch_kind" = real ]; then
+    jobid=$(grep -Eo '^[0-9]+' submit.out | tail -n 1)
+    cat "expseg-job-$jobid.out" >>out 2>/dev/null || echo "no job output expseg-job-$jobid.out: $(tail -n 3 submit.out)" >>out
+  else
+    jobid='[0-9]*'
+    cat submit.out >>out
+  fi
+  [ $r = 0 ] || why_job="sbatch: $(grep -v '^[0-9]*$' submit.out | tail -n 3 | tr '\n' ' ')"
+  return $r
+}
+use srun; srun_kind=$kind
+use sbatch; sbatch_kind=$kind
+if [ "$sbatch_kind" = real ]; then sbatch=(sbatch --parsable --wait); else sbatch=("$py" "$standins/bin/sbatch"); fi
 newdir sbatch
 cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
 mkdir -p bin && ln -s "$py" bin/python
-EXPSEG_HOME=$root PATH=$work/sbatch/bin:$path \
-  "$py" "$standins/bin/sbatch" job.sbatch >>out 2>&1
+why_job=
+EXPSEG_HOME=$root PATH=$work/sbatch/bin:$path sbatch_job timeout 300 "${sbatch[@]}" job.sbatch
 r=$?
 verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch || r=1
-grep -q "^PROBE .* reportdir=$PWD/expseg-reports-[0-9]* " out && grep -q '| all |' out || { r=1; why="$why | no report dir or merged table"; }
-check "sbatch scripts/expseg.sbatch: tasks under expseg, reports in ./expseg-reports-\$SLURM_JOB_ID, merged" "stand-in sbatch, $kind srun" $r "$why"
+grep -q "^PROBE .* reportdir=$PWD/expseg-reports-$jobid " out && grep -q '| all |' out || { r=1; why="$why | no report dir expseg-reports-$jobid or merged table"; }
+check "sbatch scripts/expseg.sbatch: tasks under expseg, reports in ./expseg-reports-\$SLURM_JOB_ID, merged" "$sbatch_kind sbatch, $srun_kind srun" $r "$why_job${why_job:+ | }$why"
 
-# 9. mpirun (Open MPI): no stand-in.
+# 9. mpirun (Open MPI): no stand-in. As root, Open MPI wants --allow-run-as-root.
 if command -v mpirun >/dev/null; then
   newdir mpirun
-  "$here/expseg-run" mpirun --allow-run-as-root --oversubscribe -np 2 "$py" "$probe" >>out 2>&1
+  asroot=()
+  [ "$(id -u)" = 0 ] && asroot=(--allow-run-as-root)
+  "$here/expseg-run" mpirun "${asroot[@]}" --oversubscribe -np 2 "$py" "$probe" >>out 2>&1
   verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files
-  check "expseg-run mpirun -np 2: both ranks under expseg" real $? "$why"
+  check "expseg-run mpirun -np 2: both ranks under expseg ($(mpirun --version 2>&1 | head -n 1))" real $? "$why"
+elif [ -n "$real_only" ]; then
+  missing_why="--real: no mpirun (Open MPI is not installed: scripts/install-launchers.sh)"
+  check "expseg-run mpirun -np 2" "real mpirun missing" 1
 else
   echo "SKIP mpirun: not installed"
 fi
@@ -253,13 +347,16 @@ check "expseg-srun (installed: python3 -m expseg srun) -N 1 --ntasks-per-node=2"
 newdir installed-sbatch
 cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
 mkdir -p bin && ln -s "$py" bin/python
-env -u EXPSEG_LIB PYTHONPATH=$site PATH=$work/installed-sbatch/bin:$path \
-  bash -c 'EXPSEG_HOME=$(dirname "$(python3 -m expseg --lib)") exec "$0" "$1"' "$standins/bin/sbatch" job.sbatch >>out 2>&1
+why_job=
+sbatch_job env -u EXPSEG_LIB PYTHONPATH=$site PATH=$work/installed-sbatch/bin:$path \
+  bash -c 'EXPSEG_HOME=$(dirname "$(python3 -m expseg --lib)") exec timeout 300 "$@"' - "${sbatch[@]}" job.sbatch
 r=$?
 lib=$ilib verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch || r=1
 grep -q '| all |' out || { r=1; why="$why | no merged table"; }
-check "EXPSEG_HOME=\$(dirname \$(python3 -m expseg --lib)) sbatch expseg.sbatch: the installed launchers" "stand-in sbatch, $kind srun" $r "$why"
+check "EXPSEG_HOME=\$(dirname \$(python3 -m expseg --lib)) sbatch expseg.sbatch: the installed launchers" "$sbatch_kind sbatch, $kind srun" $r "$why_job${why_job:+ | }$why"
 
 cd "$root"
+slurm_down
+echo "launchers: $(elapsed "$t_start") in all"
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
