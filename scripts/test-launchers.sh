@@ -22,6 +22,11 @@
 # real ones; else srun is real inside an allocation (SLURM_JOB_ID set) and sbatch the stand-in.
 # mpirun has no stand-in.
 #
+# --torch: every process is a rank of a PyTorch job (probe.py's PROBE_TORCH=1: a tensor on its
+# GPU, or the CPU where there is none, and an all_reduce over the launcher's ranks, NCCL or
+# gloo) instead of calling the fake CUDA runtime. CI runs the test both ways; on a GPU machine
+# --torch is the 2-rank PyTorch job of every recipe.
+#
 # --real (CI): every launcher must be the real one. One that is missing, or whose set-up fails
 # (the Slurm cluster, `ray start`), is a FAIL with the launcher's own message; nothing is
 # skipped. scripts/install-launchers.sh installs them all.
@@ -30,13 +35,21 @@ t_start=$(date +%s.%N)
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 standins=$here/launcher-standins
-real_only=
-if [ "${1:-}" = --real ]; then real_only=1; shift; fi
+real_only= torch_job=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --real) real_only=1 ;;
+    --torch) torch_job=1 ;;
+    *) break ;;
+  esac
+  shift
+done
 lib=$(readlink -f "${1:-${EXPSEG_LIB:-$root/target/debug/libexpseg.so}}")
 [ -f "$lib" ] || { echo "FAIL: $lib missing"; echo "0 passed, 1 failed"; exit 1; }
 export EXPSEG_LIB=$lib
 export PYTHONDONTWRITEBYTECODE=1 # no __pycache__ in the checkout from the stand-ins
-unset EXPSEG_REPORT EXPSEG_REPORT_DIR LD_PRELOAD PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF RAY_ADDRESS
+unset EXPSEG_REPORT EXPSEG_REPORT_DIR LD_PRELOAD PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF RAY_ADDRESS \
+  MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK PROBE_TORCH
 venv=$("$here/install-launchers.sh" --print-venv)
 [ -x "$venv/bin/python" ] && export PATH=$venv/bin:$PATH
 work=$(mktemp -d)
@@ -68,7 +81,7 @@ probe=$standins/probe.py
 # tail when no process reported) in $why.
 verify() {
   local out=$1; shift
-  why=$("$py" "$standins/verify.py" "$out" --lib "$lib" "$@" 2>&1)
+  why=$("$py" "$standins/verify.py" "$out" --lib "$lib" ${torch_job:+--torch-job} "$@" 2>&1)
   local r=$?
   [ $r = 0 ] || why="$why | output: $(grep -v '^PROBE' "$out" | tail -n 4 | tr '\n' ' ')"
   return $r
@@ -76,7 +89,16 @@ verify() {
 # newdir NAME: an empty directory for one check, and cd into it. Its output goes to ./out with
 # >> (O_APPEND): processes sharing a file opened with > overwrite each other's lines (Python
 # writes at the offset it last knew), which would look like a process that never ran.
-newdir() { mkdir -p "$work/$1" && cd "$work/$1"; }
+# With --torch, the ranks that no torchrun gathers (srun's, mpirun's) meet at MASTER_ADDR and a
+# new MASTER_PORT, set here as a user's job script sets them; torchrun sets its own.
+newdir() {
+  mkdir -p "$work/$1" && cd "$work/$1" || return 1
+  if [ -n "$torch_job" ]; then
+    export MASTER_ADDR=127.0.0.1
+    MASTER_PORT=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    export MASTER_PORT
+  fi
+}
 # use NAME: $path, a PATH on which NAME is the real launcher if installed, else its stand-in
 # (alone in a folder, so that it shadows nothing else); $kind says which, $dir is that folder
 # (empty for a real one). srun and sbatch count as installed with a cluster to run on (the
@@ -119,7 +141,17 @@ mkdir -p "$work/fakes"
   cc -shared -fPIC -O1 -Wl,-soname,libcudart.so.13 "-Wl,--version-script=$root/tests/c/cudart.map" \
     "-Wl,-rpath,$work/fakes" -o libcudart.so.13 "$root/tests/c/fake_cudart.c" ./libcuda.so.1) >"$work/fakes.log" 2>&1
 check "fake CUDA runtime builds" real $? "$(tail -3 "$work/fakes.log")"
-export PROBE_CUDART=$work/fakes/libcudart.so.13
+# reports: whether the processes write exit reports (they do once they call CUDA: not a
+# PyTorch job on a machine without a GPU), so that expseg-report-merge has a table to print.
+reports=1
+if [ -n "$torch_job" ]; then
+  export PROBE_TORCH=1
+  gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>"$work/torch.log")
+  check "--torch: PyTorch $("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -n 1) imports, sees ${gpus:-?} GPUs" real $? "$(tail -n 3 "$work/torch.log" | tr '\n' ' ')"
+  [ "${gpus:-0}" -gt 0 ] || reports=
+else
+  export PROBE_CUDART=$work/fakes/libcudart.so.13
+fi
 
 # 1. Plain LD_PRELOAD, the user's own report path.
 newdir plain
@@ -148,7 +180,10 @@ PATH=$path "$here/expseg-run" accelerate launch --multi_gpu --num_processes 2 --
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
 check "expseg-run accelerate launch --num_processes 2: both processes under expseg" $kind $? "$why"
 
-# 5, 6. Ray. The driver does not run under expseg in either: only the workers must.
+# 5, 6. Ray. The driver does not run under expseg in either: only the workers must. Ray's
+# nodes here are on the loopback (--node-ip-address 127.0.0.1): Ray would take the machine's
+# outward address otherwise, and this test talks to 127.0.0.1 only (Slurm's node and
+# MASTER_ADDR are 127.0.0.1 too; Open MPI is held to lo).
 if "$py" -c 'import ray' 2>/dev/null && command -v ray >/dev/null; then
   kind=real; ray_path=$PATH; ray_py=
 else
@@ -170,7 +205,7 @@ if address == "job":  # the entrypoint of `ray job submit`: the driver itself, t
     address = None
 kw = {}
 if address == "local" and not ray.__version__.endswith("standin"):
-    kw = dict(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    kw = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
 if lib != "-":
     kw["runtime_env"] = {"env_vars": {"LD_PRELOAD": lib, "EXPSEG_REPORT": os.environ["RAY_REPORT"]}}
 ray.init(address=None if address == "local" else address, **kw)
@@ -200,7 +235,7 @@ newdir ray-job
 if [ $kind = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.sdk' 2>/dev/null; then
   export RAY_STANDIN_DIR=$work/ray-standin-job
   ray_cmd=1
-  RAY_AUTH_MODE=disabled PATH=$ray_path timeout 180 ray start --head --num-cpus 2 --temp-dir "$work/rayj" >start.log 2>&1
+  RAY_AUTH_MODE=disabled PATH=$ray_path timeout 180 ray start --head --node-ip-address 127.0.0.1 --num-cpus 2 --temp-dir "$work/rayj" >start.log 2>&1
   r=$?
   RAY_AUTH_MODE=disabled PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path timeout 180 ray job submit \
     --runtime-env-json "{\"env_vars\": {\"LD_PRELOAD\": \"$lib\", \"EXPSEG_REPORT\": \"$PWD/job-%p.txt\"}}" \
@@ -219,7 +254,7 @@ fi
 newdir ray-start
 ray_cmd=1
 export RAY_STANDIN_DIR=$work/ray-standin-start
-PATH=$ray_path timeout 180 "$here/expseg-run" ray start --head --num-cpus 2 --include-dashboard=false \
+PATH=$ray_path timeout 180 "$here/expseg-run" ray start --head --node-ip-address 127.0.0.1 --num-cpus 2 --include-dashboard=false \
   --temp-dir "$work/ray" >start.log 2>&1
 r=$?
 PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
@@ -252,9 +287,11 @@ newdir srun
 PATH=$path "$here/expseg-srun" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
 check "expseg-srun -N 1 --ntasks-per-node=2 -- python3: every task under expseg, rank<i>-local<j> reports" $kind $? "$why"
-"$py" "$here/expseg-report-merge" expseg-reports >merge.out 2>&1
-grep -q '| all |' merge.out
-check "expseg-report-merge expseg-reports: one table of the tasks' reports" real $? "$(head -n 3 merge.out | tr '\n' ' ')"
+if [ -n "$reports" ]; then
+  "$py" "$here/expseg-report-merge" expseg-reports >merge.out 2>&1
+  grep -q '| all |' merge.out
+  check "expseg-report-merge expseg-reports: one table of the tasks' reports" real $? "$(head -n 3 merge.out | tr '\n' ' ')"
+fi
 
 newdir srun-export
 PATH=$path srun -n 2 --export="ALL,LD_PRELOAD=$lib,EXPSEG_REPORT=$PWD/rank%r-pid%p.txt" "$py" "$probe" >>out 2>&1
@@ -287,25 +324,44 @@ sbatch_job() {
   [ $r = 0 ] || why_job="sbatch: $(grep -v '^[0-9]*$' submit.out | tail -n 3 | tr '\n' ' ')"
   return $r
 }
+# pybin: ./bin/python, the python3 of this test (a venv's, with PyTorch, for --torch), for the
+# job line `python train.py`. A script: a link to a venv's python outside the venv is no venv.
+pybin() { mkdir -p bin && printf '#!/bin/sh\nexec %s "$@"\n' "$py" >bin/python && chmod +x bin/python; }
 use srun; srun_kind=$kind
 use sbatch; sbatch_kind=$kind
 if [ "$sbatch_kind" = real ]; then sbatch=(sbatch --parsable --wait); else sbatch=("$py" "$standins/bin/sbatch"); fi
 newdir sbatch
 cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
-mkdir -p bin && ln -s "$py" bin/python
+pybin
 why_job=
 EXPSEG_HOME=$root PATH=$work/sbatch/bin:$path sbatch_job timeout 300 "${sbatch[@]}" job.sbatch
 r=$?
 verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch || r=1
-grep -q "^PROBE .* reportdir=$PWD/expseg-reports-$jobid " out && grep -q '| all |' out || { r=1; why="$why | no report dir expseg-reports-$jobid or merged table"; }
+grep -q "^PROBE .* reportdir=$PWD/expseg-reports-$jobid " out || { r=1; why="$why | no report dir expseg-reports-$jobid"; }
+[ -z "$reports" ] || grep -q '| all |' out || { r=1; why="$why | no merged table"; }
 check "sbatch scripts/expseg.sbatch: tasks under expseg, reports in ./expseg-reports-\$SLURM_JOB_ID, merged" "$sbatch_kind sbatch, $srun_kind srun" $r "$why_job${why_job:+ | }$why"
+
+# The template when the job line fails: the job fails with its status (sbatch --wait's exit
+# status), and the reports the tasks wrote are merged all the same.
+newdir sbatch-fail
+cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
+pybin
+why_job=
+PROBE_EXIT=3 EXPSEG_HOME=$root PATH=$work/sbatch-fail/bin:$path sbatch_job timeout 300 "${sbatch[@]}" job.sbatch
+r=$?
+verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch
+v=$?
+[ $r = 3 ] && [ $v = 0 ] && { [ -z "$reports" ] || grep -q '| all |' out; }
+check "sbatch scripts/expseg.sbatch, a job line that exits 3: the job's status is 3, the reports are merged" "$sbatch_kind sbatch, $srun_kind srun" $? \
+  "job status $r, want 3${why:+ | $why}$(grep -q '| all |' out || echo ' | no merged table')"
 
 # 9. mpirun (Open MPI): no stand-in. As root, Open MPI wants --allow-run-as-root.
 if command -v mpirun >/dev/null; then
   newdir mpirun
   asroot=()
   [ "$(id -u)" = 0 ] && asroot=(--allow-run-as-root)
-  "$here/expseg-run" mpirun "${asroot[@]}" --oversubscribe -np 2 "$py" "$probe" >>out 2>&1
+  OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo \
+    "$here/expseg-run" mpirun "${asroot[@]}" --oversubscribe -np 2 "$py" "$probe" >>out 2>&1
   verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files
   check "expseg-run mpirun -np 2: both ranks under expseg ($(mpirun --version 2>&1 | head -n 1))" real $? "$why"
 elif [ -n "$real_only" ]; then
@@ -346,13 +402,13 @@ check "expseg-srun (installed: python3 -m expseg srun) -N 1 --ntasks-per-node=2"
 # expseg-srun and expseg-report-merge lie next to the library (the template's second layout).
 newdir installed-sbatch
 cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
-mkdir -p bin && ln -s "$py" bin/python
+pybin
 why_job=
 sbatch_job env -u EXPSEG_LIB PYTHONPATH=$site PATH=$work/installed-sbatch/bin:$path \
   bash -c 'EXPSEG_HOME=$(dirname "$(python3 -m expseg --lib)") exec timeout 300 "$@"' - "${sbatch[@]}" job.sbatch
 r=$?
 lib=$ilib verify out --n 2 --ranks --report "{reportdir}/rank{rank}-local{local}-pid%p.txt" --files --torch || r=1
-grep -q '| all |' out || { r=1; why="$why | no merged table"; }
+[ -z "$reports" ] || grep -q '| all |' out || { r=1; why="$why | no merged table"; }
 check "EXPSEG_HOME=\$(dirname \$(python3 -m expseg --lib)) sbatch expseg.sbatch: the installed launchers" "$sbatch_kind sbatch, $kind srun" $r "$why_job${why_job:+ | }$why"
 
 cd "$root"
