@@ -118,7 +118,7 @@ use() {
     kind=stand-in; dir=$work/standin-$1
     mkdir -p "$dir" && ln -sf "$standins/bin/$1" "$dir/$1"
     if [ -n "$real_only" ]; then
-      kind="stand-in, real $1 missing"
+      kind=missing
       missing_why="--real: no real $1 ($(launcher_missing "$1"))"
     fi
   fi
@@ -170,7 +170,7 @@ use torchrun
 newdir torchrun
 PATH=$path "$here/expseg-run" torchrun --standalone --nproc-per-node 2 "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
-check "expseg-run torchrun --nproc-per-node 2: both workers under expseg, one report per rank" $kind $? "$why"
+check "expseg-run torchrun --nproc-per-node 2: both workers under expseg, one report per rank" "$kind" $? "$why"
 
 # 4. accelerate launch under expseg-run (--multi_gpu: accelerate hands over to torchrun's launcher).
 use accelerate
@@ -178,7 +178,7 @@ newdir accelerate
 PATH=$path "$here/expseg-run" accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
   --mixed_precision no --dynamo_backend no "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
-check "expseg-run accelerate launch --num_processes 2: both processes under expseg" $kind $? "$why"
+check "expseg-run accelerate launch --num_processes 2: both processes under expseg" "$kind" $? "$why"
 
 # 5, 6. Ray. The driver does not run under expseg in either: only the workers must. Ray's
 # nodes here are on the loopback (--node-ip-address 127.0.0.1): Ray would take the machine's
@@ -189,7 +189,7 @@ if "$py" -c 'import ray' 2>/dev/null && command -v ray >/dev/null; then
 else
   kind=stand-in; mkdir -p "$work/standin-ray" && ln -sf "$standins/bin/ray" "$work/standin-ray/ray"; ray_path=$work/standin-ray:$PATH; ray_py=$standins/python
   if [ -n "$real_only" ]; then
-    kind="stand-in, real ray missing"
+    kind=missing
     missing_why="--real: no real Ray for $py ($(launcher_missing ray))"
   fi
 fi
@@ -227,12 +227,12 @@ RAY_REPORT=$PWD/ray-%p.txt PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$r
   timeout 180 "$py" "$work/ray_driver.py" local "$lib" "$probe" 3 >>out 2>&1
 # Ray ends its workers with a signal at shutdown: no exit reports to look for.
 verify out --n 3 --report "$PWD/ray-%p.txt"
-check "ray.init(runtime_env={\"env_vars\": {\"LD_PRELOAD\": lib}}): every task's worker under expseg" $kind $? "$why"
+check "ray.init(runtime_env={\"env_vars\": {\"LD_PRELOAD\": lib}}): every task's worker under expseg" "$kind" $? "$why"
 
 # ray job submit --runtime-env-json: the entrypoint (the driver) and every worker of the job.
 # Needs Ray's dashboard (ray[default]); token authentication off for this local head.
 newdir ray-job
-if [ $kind = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.sdk' 2>/dev/null; then
+if [ "$kind" = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.sdk' 2>/dev/null; then
   export RAY_STANDIN_DIR=$work/ray-standin-job
   ray_cmd=1
   RAY_AUTH_MODE=disabled PATH=$ray_path timeout 180 ray start --head --node-ip-address 127.0.0.1 --num-cpus 2 --temp-dir "$work/rayj" >start.log 2>&1
@@ -243,10 +243,10 @@ if [ $kind = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.s
   verify out --n 3 --report "$PWD/job-%p.txt" || r=1
   [ $r = 0 ] || why="$why | ray start: $(tail -n 3 start.log | tr '\n' ' ')"
   ray_stop
-  check "ray job submit --runtime-env-json '{\"env_vars\": {\"LD_PRELOAD\": lib}}': the job's driver and workers under expseg" $kind $r "$why"
+  check "ray job submit --runtime-env-json '{\"env_vars\": {\"LD_PRELOAD\": lib}}': the job's driver and workers under expseg" "$kind" $r "$why"
 elif [ -n "$real_only" ]; then
   missing_why="--real: Ray without its dashboard (ray[default]: scripts/install-launchers.sh)"
-  check "ray job submit --runtime-env-json" "real ray job missing" 1
+  check "ray job submit --runtime-env-json" missing 1
 else
   echo "SKIP ray job submit: Ray without its dashboard (ray[default])"
 fi
@@ -262,7 +262,7 @@ PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
 verify out --n 2 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --torch || r=1
 [ $r = 0 ] || why="$why | ray start: $(tail -n 3 start.log | tr '\n' ' ')"
 ray_stop
-check "expseg-run ray start --head; ray.init(address=\"auto\"): workers of the node under expseg" $kind $r "$why"
+check "expseg-run ray start --head; ray.init(address=\"auto\"): workers of the node under expseg" "$kind" $r "$why"
 
 # 7. Slurm. Installed: a cluster of this machine (scripts/slurm-local.sh), for srun and sbatch;
 # the caller's own allocation or cluster, if any, is left out of it (its SLURM_* unset).
@@ -286,7 +286,7 @@ use srun
 newdir srun
 PATH=$path "$here/expseg-srun" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
-check "expseg-srun -N 1 --ntasks-per-node=2 -- python3: every task under expseg, rank<i>-local<j> reports" $kind $? "$why"
+check "expseg-srun -N 1 --ntasks-per-node=2 -- python3: every task under expseg, rank<i>-local<j> reports" "$kind" $? "$why"
 if [ -n "$reports" ]; then
   "$py" "$here/expseg-report-merge" expseg-reports >merge.out 2>&1
   grep -q '| all |' merge.out
@@ -296,7 +296,17 @@ fi
 newdir srun-export
 PATH=$path srun -n 2 --export="ALL,LD_PRELOAD=$lib,EXPSEG_REPORT=$PWD/rank%r-pid%p.txt" "$py" "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/rank%r-pid%p.txt" --files
-check "srun -n 2 --export=ALL,LD_PRELOAD=\$lib: every task under expseg" $kind $? "$why"
+check "srun -n 2 --export=ALL,LD_PRELOAD=\$lib: every task under expseg" "$kind" $? "$why"
+
+# expseg-srun with an --export list without ALL (sites that keep the submitting environment out
+# of jobs): the tasks get only the listed variables and SLURM_*; no PATH, so the program by its
+# full path. The probe's own variables are listed too.
+newdir srun-export-list
+probe_vars=PROBE_CUDART
+[ -z "$torch_job" ] || probe_vars=PROBE_TORCH,MASTER_ADDR,MASTER_PORT
+PATH=$path "$here/expseg-srun" --export="EXPSEG_LIB,EXPSEG_REPORT_DIR,$probe_vars" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
+verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
+check "expseg-srun --export=EXPSEG_LIB,EXPSEG_REPORT_DIR,...: every task under expseg with only the listed variables" "$kind" $? "$why"
 
 # torchrun under Slurm, one agent per node: each agent's workers inherit its task's report name.
 use torchrun; tkind=$kind; tdir=$dir
@@ -327,8 +337,8 @@ sbatch_job() {
 # pybin: ./bin/python, the python3 of this test (a venv's, with PyTorch, for --torch), for the
 # job line `python train.py`. A script: a link to a venv's python outside the venv is no venv.
 pybin() { mkdir -p bin && printf '#!/bin/sh\nexec %s "$@"\n' "$py" >bin/python && chmod +x bin/python; }
-use srun; srun_kind=$kind
 use sbatch; sbatch_kind=$kind
+use srun; srun_kind=$kind # $path: the one for srun, which the job's tasks are started with
 if [ "$sbatch_kind" = real ]; then sbatch=(sbatch --parsable --wait); else sbatch=("$py" "$standins/bin/sbatch"); fi
 newdir sbatch
 cp "$here/expseg.sbatch" job.sbatch && cp "$probe" train.py
@@ -366,7 +376,7 @@ if command -v mpirun >/dev/null; then
   check "expseg-run mpirun -np 2: both ranks under expseg ($(mpirun --version 2>&1 | head -n 1))" real $? "$why"
 elif [ -n "$real_only" ]; then
   missing_why="--real: no mpirun (Open MPI is not installed: scripts/install-launchers.sh)"
-  check "expseg-run mpirun -np 2" "real mpirun missing" 1
+  check "expseg-run mpirun -np 2" missing 1
 else
   echo "SKIP mpirun: not installed"
 fi
@@ -387,16 +397,16 @@ use torchrun
 env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path EXPSEG_REPORT="$PWD/a-rank%r-pid%p.txt" \
   bash -c 'LD_PRELOAD=$(python3 -m expseg --lib) exec torchrun --nproc-per-node 2 "$0"' "$probe" >>out 2>&1
 lib=$ilib verify out --n 2 --ranks --report "$PWD/a-rank%r-pid%p.txt" --files
-check "LD_PRELOAD=\$(python3 -m expseg --lib) torchrun --nproc-per-node 2" $kind $? "$why"
+check "LD_PRELOAD=\$(python3 -m expseg --lib) torchrun --nproc-per-node 2" "$kind" $? "$why"
 newdir installed-run
 env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path "$py" -m expseg run torchrun --nproc-per-node 2 "$probe" >>out 2>&1
 lib=$ilib verify out --n 2 --ranks --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
-check "expseg-run torchrun (installed: python3 -m expseg run, what the expseg-run command runs)" $kind $? "$why"
+check "expseg-run torchrun (installed: python3 -m expseg run, what the expseg-run command runs)" "$kind" $? "$why"
 use srun
 newdir installed-srun
 env -u EXPSEG_LIB PYTHONPATH=$site PATH=$path "$py" -m expseg srun -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
 lib=$ilib verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
-check "expseg-srun (installed: python3 -m expseg srun) -N 1 --ntasks-per-node=2" $kind $? "$why"
+check "expseg-srun (installed: python3 -m expseg srun) -N 1 --ntasks-per-node=2" "$kind" $? "$why"
 
 # The sbatch template with the wheel: EXPSEG_HOME is the installed package's _lib/ folder, where
 # expseg-srun and expseg-report-merge lie next to the library (the template's second layout).
