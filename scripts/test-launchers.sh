@@ -183,7 +183,13 @@ check "expseg-run accelerate launch --num_processes 2: both processes under exps
 # 5, 6. Ray. The driver does not run under expseg in either: only the workers must. Ray's
 # nodes here are on the loopback (--node-ip-address 127.0.0.1): Ray would take the machine's
 # outward address otherwise, and this test talks to 127.0.0.1 only (Slurm's node and
-# MASTER_ADDR are 127.0.0.1 too; Open MPI is held to lo).
+# MASTER_ADDR are 127.0.0.1 too; Open MPI is held to lo). Ray's token authentication (on by
+# default for a new local cluster since Ray 2.5x, with a token it writes to ~/.ray) is off:
+# it is Ray's access control, not the environment the recipes are about, and the test leaves
+# nothing in $HOME. Every Ray session's files are in the test's folder.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray to 127.0.0.1 (its head otherwise advertises, and
+# connects to, the machine's outward address, --node-ip-address 127.0.0.1 notwithstanding).
+export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 if "$py" -c 'import ray' 2>/dev/null && command -v ray >/dev/null; then
   kind=real; ray_path=$PATH; ray_py=
 else
@@ -205,7 +211,8 @@ if address == "job":  # the entrypoint of `ray job submit`: the driver itself, t
     address = None
 kw = {}
 if address == "local" and not ray.__version__.endswith("standin"):
-    kw = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    kw = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+              _temp_dir=os.environ["RAY_TEMP_DIR"])
 if lib != "-":
     kw["runtime_env"] = {"env_vars": {"LD_PRELOAD": lib, "EXPSEG_REPORT": os.environ["RAY_REPORT"]}}
 ray.init(address=None if address == "local" else address, **kw)
@@ -223,21 +230,21 @@ print("".join(ray.get([run_probe.remote(src) for _ in range(n)])), end="")
 ray.shutdown()
 PY
 newdir ray-runtime-env
-RAY_REPORT=$PWD/ray-%p.txt PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
+RAY_TEMP_DIR=$work/ray-local RAY_REPORT=$PWD/ray-%p.txt PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path \
   timeout 180 "$py" "$work/ray_driver.py" local "$lib" "$probe" 3 >>out 2>&1
 # Ray ends its workers with a signal at shutdown: no exit reports to look for.
 verify out --n 3 --report "$PWD/ray-%p.txt"
 check "ray.init(runtime_env={\"env_vars\": {\"LD_PRELOAD\": lib}}): every task's worker under expseg" "$kind" $? "$why"
 
 # ray job submit --runtime-env-json: the entrypoint (the driver) and every worker of the job.
-# Needs Ray's dashboard (ray[default]); token authentication off for this local head.
+# Needs Ray's dashboard (ray[default]).
 newdir ray-job
 if [ "$kind" = stand-in ] || "$py" -c 'import aiohttp, ray.dashboard.modules.job.sdk' 2>/dev/null; then
   export RAY_STANDIN_DIR=$work/ray-standin-job
   ray_cmd=1
-  RAY_AUTH_MODE=disabled PATH=$ray_path timeout 180 ray start --head --node-ip-address 127.0.0.1 --num-cpus 2 --temp-dir "$work/rayj" >start.log 2>&1
+  PATH=$ray_path timeout 180 ray start --head --node-ip-address 127.0.0.1 --num-cpus 2 --temp-dir "$work/rayj" >start.log 2>&1
   r=$?
-  RAY_AUTH_MODE=disabled PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path timeout 180 ray job submit \
+  PYTHONPATH=$ray_py${PYTHONPATH:+:$PYTHONPATH} PATH=$ray_path timeout 180 ray job submit \
     --runtime-env-json "{\"env_vars\": {\"LD_PRELOAD\": \"$lib\", \"EXPSEG_REPORT\": \"$PWD/job-%p.txt\"}}" \
     -- "$py" "$work/ray_driver.py" job - "$probe" 2 >>out 2>&1 || r=1
   verify out --n 3 --report "$PWD/job-%p.txt" || r=1
