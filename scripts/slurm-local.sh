@@ -15,8 +15,9 @@
 #
 # An `up` that fails prints the daemons' own log lines and tears down what it started. The
 # node has $SLURM_LOCAL_CPUS CPUs (default 4, more than this machine may have: slurmd is told to
-# believe the configuration) and a count-only GRES gpu:2, so that jobs asking for GPUs
-# (scripts/expseg.sbatch's --gpus-per-node=2) are accepted; no device is bound to them. Jobs
+# believe the configuration) and a GRES gpu:2 whose device files are two empty files in DIR, so
+# that jobs asking for GPUs (scripts/expseg.sbatch's --gpus-per-node=2) are accepted; they get no
+# GPU (slurmd counts a GPU only by its File, and a count alone registers none). Jobs
 # run as the user running this script (root in CI), with the environment they are given.
 set -euo pipefail
 

@@ -53,6 +53,9 @@ unset EXPSEG_REPORT EXPSEG_REPORT_DIR LD_PRELOAD PYTORCH_CUDA_ALLOC_CONF PYTORCH
 venv=$("$here/install-launchers.sh" --print-venv)
 [ -x "$venv/bin/python" ] && export PATH=$venv/bin:$PATH
 work=$(mktemp -d)
+# What the launchers leave in the temporary folder (torchrun's torchelastic_* logs, Open MPI's
+# session files) goes into the test's folder and goes with it.
+mkdir -p "$work/tmp" && export TMPDIR=$work/tmp
 # EXPSEG_TEST_KEEP=1 keeps the test's folder (every check's output) and says where.
 trap 'ray_stop; slurm_down; if [ -n "${EXPSEG_TEST_KEEP:-}" ]; then echo "kept: $work"; else rm -rf "$work"; fi' EXIT
 ray_stop() { [ -n "${ray_cmd:-}" ] && PATH=$ray_path timeout 60 ray stop --force >/dev/null 2>&1; ray_cmd=; }
