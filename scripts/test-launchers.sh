@@ -314,6 +314,10 @@ check "srun -n 2 --export=ALL,LD_PRELOAD=\$lib: every task under expseg" "$kind"
 newdir srun-export-list
 probe_vars=PROBE_CUDART
 [ -z "$torch_job" ] || probe_vars=PROBE_TORCH,MASTER_ADDR,MASTER_PORT
+# The GPU machines' settings that keep NVLink multicast off go along wherever they are set.
+for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS; do
+  [ -z "${!v+x}" ] || probe_vars=$probe_vars,$v
+done
 PATH=$path "$here/expseg-srun" --export="EXPSEG_LIB,EXPSEG_REPORT_DIR,$probe_vars" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
 check "expseg-srun --export=EXPSEG_LIB,EXPSEG_REPORT_DIR,...: every task under expseg with only the listed variables" "$kind" $? "$why"

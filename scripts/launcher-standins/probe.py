@@ -49,6 +49,9 @@ if env("PROBE_TORCH"):
             import torch.distributed as dist
 
             backend = "nccl" if on_gpu else "gloo"
+            # NVLink multicast stays off (a launcher that passes only a list of variables may
+            # have left out the machine's own setting of it).
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             os.environ.setdefault("RANK", str(r))
             os.environ.setdefault("WORLD_SIZE", str(world))
             dist.init_process_group(backend, rank=r, world_size=world)
