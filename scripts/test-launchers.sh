@@ -4,7 +4,7 @@
 # a wrapped `ray start`), Slurm
 # (expseg-srun, srun --export, the expseg.sbatch template), mpirun, and the installed forms
 # (`python -m expseg --lib`, `expseg run`, `expseg srun`). Run by .ci/run.
-#     scripts/test-launchers.sh [path/to/libexpseg.so]
+#     scripts/test-launchers.sh [--real] [--torch] [path/to/libexpseg.so]
 #
 # Every process a launcher starts runs launcher-standins/probe.py, which prints its rank, its
 # LD_PRELOAD and EXPSEG_* variables, the libexpseg.so that /proc/self/maps shows loaded, and
@@ -111,7 +111,7 @@ missing_why=
 use() {
   local have=
   case $1 in
-    srun) [ -n "${SLURM_CONF:-}${SLURM_JOB_ID:-}" ] && command -v srun >/dev/null && have=1 ;;
+    srun) [ -n "${slurm_up:-}${SLURM_JOB_ID:-}" ] && command -v srun >/dev/null && have=1 ;;
     sbatch) [ -n "${slurm_up:-}" ] && have=1 ;;
     *) command -v "$1" >/dev/null && have=1 ;;
   esac
