@@ -44,9 +44,11 @@ else
   export DEBIAN_FRONTEND=noninteractive
   # Other apt users on the machine: wait for the lock rather than fail.
   apt=(apt-get -q -y -o DPkg::Lock::Timeout=600)
-  "${apt[@]}" update >/tmp/expseg-apt-update.log 2>&1 || { cat /tmp/expseg-apt-update.log >&2; exit 1; }
-  "${apt[@]}" install --no-install-recommends "${APT_PACKAGES[@]}" >/tmp/expseg-apt-install.log 2>&1 ||
-    { tail -n 30 /tmp/expseg-apt-install.log >&2; echo "install-launchers: apt-get install ${APT_PACKAGES[*]} failed (above)" >&2; exit 1; }
+  log=$(mktemp)
+  "${apt[@]}" update >"$log" 2>&1 || { tail -n 30 "$log" >&2; echo "install-launchers: apt-get update failed (above)" >&2; exit 1; }
+  "${apt[@]}" install --no-install-recommends "${APT_PACKAGES[@]}" >"$log" 2>&1 ||
+    { tail -n 30 "$log" >&2; echo "install-launchers: apt-get install ${APT_PACKAGES[*]} failed (above)" >&2; exit 1; }
+  rm -f "$log"
   for c in "${missing[@]}"; do
     command -v "$c" >/dev/null || { echo "install-launchers: $c still missing after apt-get install ${APT_PACKAGES[*]}" >&2; exit 1; }
   done
