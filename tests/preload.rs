@@ -1727,10 +1727,23 @@ fn every_tool_answers_help_and_a_missing_srun_is_named_before_anything_is_create
     let dir = fixture().dir.join("no-srun");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    // A PATH with what expseg-srun needs before it looks for srun, and no srun: /usr/bin has
+    // one where Slurm is installed (scripts/install-launchers.sh installs it for CI).
+    let bin = fixture().dir.join("no-srun-bin");
+    let _ = std::fs::remove_dir_all(&bin);
+    std::fs::create_dir_all(&bin).unwrap();
+    for tool in ["bash", "dirname", "readlink"] {
+        let found = ["/usr/bin", "/bin"]
+            .iter()
+            .map(|d| Path::new(d).join(tool))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("{tool} not in /usr/bin or /bin"));
+        std::os::unix::fs::symlink(found, bin.join(tool)).unwrap();
+    }
     let out = Command::new(script("expseg-srun"))
         .args(["-N1", "--", "true"])
         .current_dir(&dir)
-        .env("PATH", "/usr/bin:/bin")
+        .env("PATH", &bin)
         .env_remove("EXPSEG_REPORT_DIR")
         .output()
         .unwrap();
