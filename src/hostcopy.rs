@@ -22,6 +22,10 @@ pub struct Paused {
     /// Bytes left alone because another process may use them (exported pages, shared or
     /// mirrored allocations).
     pub shared: u64,
+    /// Bytes left alone because their handle also holds pages of a tag the pause does not
+    /// take (pages of another tag mapped onto its released or grown-ahead bytes: they could
+    /// only be told apart by moving live pages).
+    pub mixed: u64,
     /// Nanoseconds spent making page-locked host buffers.
     pub pin_ns: u64,
 }

@@ -3771,3 +3771,37 @@ fn at_the_defaults_no_live_page_moves() {
         assert_eq!(r.get(k), v, "{k}\n{}", r.stdout());
     }
 }
+
+#[test]
+fn a_move_in_place_beside_the_ticket_checks_own_cudamalloc_keeps_its_address() {
+    // The first handle request starts the ticket check on its own thread; its 2 MiB
+    // cudaMalloc must not take the range a move has just released (GPU, e91e84d: the move's
+    // cudaMalloc landed elsewhere, the range was lost, and the program's pointer addressed the
+    // check's buffer).
+    let f = fixture();
+    let dir = f.dir.join("sock-move-check");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for round in 0..3 {
+        let r = run(
+            "move_beside_check_malloc",
+            &[
+                ("FAKE_MALLOC_REUSES_VA", "1"),
+                ("FAKE_FREEVA_MS", "200"),
+                ("EXPSEG_TEST_SLOW_CHECK", "20"),
+                ("EXPSEG_IPC_MOVE_MAX", "20M"),
+                ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+            ],
+        )
+        .ok();
+        assert_eq!(r.get("ipc_rc"), "0", "round {round}: {}", r.stderr());
+        assert_eq!(
+            r.get("pool_after"),
+            "0",
+            "round {round}: not moved: {}",
+            r.stderr()
+        );
+        assert_eq!(r.get("data_ok"), "1", "round {round}");
+        assert_eq!(r.get("free_rc"), "0", "round {round}");
+    }
+}

@@ -100,6 +100,7 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
             total.bytes += p.bytes;
             total.offloaded += p.offloaded;
             total.shared += p.shared;
+            total.mixed += p.mixed;
             total.pin_ns += p.pin_ns;
         }
         Err(e) => {
@@ -153,6 +154,12 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
         log::warn!(
             "{} bytes shared with other processes (IPC) were not paused",
             out.shared
+        );
+    }
+    if total.mixed > 0 {
+        log::warn!(
+            "{} bytes were not paused: their handles also hold pages of a tag this pause does not take (pages of one tag mapped where another's were released)",
+            total.mixed
         );
     }
     match first_err {

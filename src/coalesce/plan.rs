@@ -348,9 +348,13 @@ impl<D: Driver> Coalescer<D> {
         if ph.asleep.is_some() || off.checked_add(p.size)? > ph.size {
             return None;
         }
+        // The handle's own properties (a tag is expseg's, not the driver's: a page of another
+        // tag may land here where the program maps it; a pause then leaves the handle alone
+        // unless it takes both tags).
         let mut members = ph.slots.values().map(|v| &self.pages[v]);
         let first = members.next()?;
-        if p.single || first.props != p.props || first.single || members.any(|m| m.single) {
+        if p.single || key(first.props) != key(p.props) || first.single || members.any(|m| m.single)
+        {
             return None;
         }
         let before = ph.slots.range(..off).next_back();

@@ -21,10 +21,18 @@ impl<D: Driver> Coalescer<D> {
             let (Some(base), None) = (ph.base, &ph.asleep) else {
                 continue;
             };
-            let Some(first) = ph.slots.values().next() else {
+            // Pages of several tags share a handle only where a page of another tag was
+            // mapped onto its released or grown-ahead bytes (`adopt_stranded`): paused only if
+            // the pause takes every tag in it alike.
+            let mut tags = ph.slots.values().map(|v| choose(self.pages[v].props.tag));
+            let Some(first) = tags.next() else {
                 continue;
             };
-            let Some(drop) = choose(self.pages[first].props.tag) else {
+            if tags.any(|t| t != first) {
+                out.mixed += ph.size;
+                continue;
+            }
+            let Some(drop) = first else {
                 continue;
             };
             if ph.slots.values().any(|v| self.pages[v].single) {
@@ -76,9 +84,13 @@ impl<D: Driver> Coalescer<D> {
             if self.deferred.is_some_and(|(d, _)| d == pid) {
                 self.deferred = None;
             }
+            // Bytes grown ahead (the handle's end, never a page's) went back for good: the
+            // handle comes back without them, and they are not counted as paused.
             let ph = self.phys.get_mut(&pid).unwrap();
-            self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
-            out.bytes += size;
+            let ahead = std::mem::take(&mut ph.ahead);
+            ph.size -= ahead;
+            self.stats.ahead_returned += ahead;
+            out.bytes += size - ahead;
             out.offloaded += saved.as_ref().map_or(0, |s| s.bytes());
             let ph = self.phys.get_mut(&pid).unwrap();
             ph.handle = 0;

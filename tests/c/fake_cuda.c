@@ -405,7 +405,13 @@ CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
   for (int i = 0; i < MAXR; i++) if (resv[i].size && resv[i].va == va) resv[i].size = 0;
   last_freed_va = va; last_freed_size = size;
   pthread_mutex_unlock(&mu);
-  return munmap((void*)va, size) ? 1 : 0;
+  int r = munmap((void*)va, size) ? 1 : 0;
+  /* FAKE_FREEVA_MS: the first 2 MiB range freed stays free that long before the call
+   * returns (the window in which another thread's cudaMalloc may take it). */
+  static int slept;
+  if (size == GRAN && getenv("FAKE_FREEVA_MS") && !__atomic_exchange_n(&slept, 1, __ATOMIC_RELAXED))
+    usleep((useconds_t)envl("FAKE_FREEVA_MS", 0) * 1000);
+  return r;
 }
 CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAllocationHandle h, unsigned long long f) {
   (void)f;

@@ -503,6 +503,19 @@ static void* second_ipc(void* arg) {
   double t0 = now_ms(); s->rc = cudaIpcGetMemHandle(h, s->p); s->ms = now_ms() - t0;
   return 0;
 }
+/* A 2 MiB allocation moved in place by its first handle request, which also starts the
+ * ticket check (its own 2 MiB cudaMalloc on another thread). */
+static int move_beside_check_malloc(void) {
+  unsigned char* p = 0; CHECK(cudaMalloc((void**)&p, 2 * MIB) == 0);
+  fill(p, 2 * MIB, 0x3c);
+  unsigned char h[64];
+  int rc = cudaIpcGetMemHandle(h, p);
+  printf("ipc_rc=%d pool_after=%d data_ok=%d", rc, fakecu_access((uint64_t)p) >= 0, holds(p, 2 * MIB, 0x3c));
+  usleep(300 * 1000); /* the check ends */
+  printf(" free_rc=%d\n", cudaFree(p));
+  return 0;
+}
+
 static int slow_check_beside_a_move(void) {
   void *p = 0, *s = 0; CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&s, 4 * MIB) == 0);
   double worst = 0; pthread_t t, u; pthread_create(&t, 0, slow_allocator, &worst);
@@ -900,6 +913,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "slow_check")) return slow_check();
   if (!strcmp(s, "poisoned")) return poisoned();
   if (!strcmp(s, "slow_check_beside_a_move")) return slow_check_beside_a_move();
+  if (!strcmp(s, "move_beside_check_malloc")) return move_beside_check_malloc();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();

@@ -111,10 +111,17 @@ fn check_in_child(dev: i32) -> Result<(), String> {
         .ok()
         .map(|t| crate::gpu::cuda::ensure_context(t, dev));
     let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
-    let buf = runtime::on_device(dev, || match runtime::malloc(2 << 20) {
-        (0, p) => Ok(p),
-        (e, _) => Err(e),
-    })
+    // Taken under the pools' lock: an IPC move in place (under that lock) releases an
+    // allocation's range and takes a cudaMalloc that must land on it; a cudaMalloc of this
+    // thread meanwhile could take that range (H200, e91e84d: the move failed at placement,
+    // the range was lost, and the program's pointer addressed this buffer).
+    let buf = {
+        let _moves = crate::api::state::lock();
+        runtime::on_device(dev, || match runtime::malloc(2 << 20) {
+            (0, p) => Ok(p),
+            (e, _) => Err(e),
+        })
+    }
     .map_err(|e| format!("cudaMalloc for the check failed ({e})"))?;
     let result = (|| {
         if runtime::copy_h2d(buf, &pattern) != 0 {

@@ -128,6 +128,39 @@ fn a_page_made_near_the_limit_that_lands_on_released_pages_gives_its_handle_back
 }
 
 #[test]
+fn a_page_of_another_tag_on_bytes_grown_ahead_takes_them_and_a_pause_of_one_tag_leaves_them() {
+    let mut k = still();
+    k.ahead = 4 * PAGE;
+    let (mut c, va) = setup(100 * PAGE, k);
+    c.peak_held = u64::MAX;
+    let hs = grow(&mut c, va, 1).unwrap();
+    assert_eq!(c.ahead_bytes(), 4 * PAGE);
+    // The program switches tags (expseg_set_tag without a pool of its own) and maps the next
+    // page where the first handle grew ahead: it takes those bytes (nothing can move).
+    let tagged = PageProps { tag: 9, ..PROPS };
+    let v = c.create(PAGE, tagged).unwrap();
+    c.map(va + PAGE, PAGE, 0, v).unwrap();
+    assert!(c.set_access(va + PAGE, PAGE, &[(0, RW)]).unwrap());
+    assert_eq!(c.counts(), (2, 1));
+    fill(&mut c, va, 2);
+    // A pause of tag 9 alone leaves the shared handle: it would take tag 0's page too.
+    let p = c.pause(&|t| (t == 9).then_some(false)).unwrap();
+    assert_eq!((p.bytes, p.mixed), (0, 5 * PAGE));
+    assert!(intact(&c, va, 2));
+    let p = c.pause(&|_| Some(false)).unwrap();
+    assert_eq!(
+        p.bytes,
+        2 * PAGE,
+        "both tags: paused, without the bytes ahead"
+    );
+    c.resume(&|_| true).unwrap();
+    assert!(intact(&c, va, 2));
+    shrink(&mut c, va + PAGE, &[v]);
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
 fn an_unmapped_page_mapped_elsewhere_is_copied_out_alone() {
     let (mut c, va) = setup(100 * PAGE, still());
     let hs = grow(&mut c, va, 3).unwrap();
