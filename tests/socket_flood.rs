@@ -7,8 +7,9 @@
 //!
 //! Its own test binary: the descriptor count of the process is the server's alone.
 
+use expseg::ipc::server::serve;
 use expseg::ipc::sockdir::current_uid;
-use expseg::ipc::transport::{ask, ask_plain, serve, FdSource, Reply, FIRST_REQUEST_ID};
+use expseg::ipc::transport::{ask, ask_plain, FdSource, Reply, FIRST_REQUEST_ID};
 use expseg::ipc::{Grant, Refusal};
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;

@@ -16,7 +16,10 @@
 pub mod control;
 pub mod ns;
 pub mod reclaim;
+pub mod server;
 pub mod sockdir;
+#[cfg(test)]
+mod socket_tests;
 mod ticket;
 pub mod transport;
 

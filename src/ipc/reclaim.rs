@@ -12,6 +12,7 @@
 //! once, and none after four bounds have gone by; a socket nobody listens on any more (its
 //! process was killed) is removed.
 
+use super::server;
 use super::sockdir;
 use super::transport::{self, AskError};
 use std::path::{Path, PathBuf};
@@ -177,7 +178,7 @@ fn ask_peer(path: &Path, uid: u32, pid: u32, key: u64, timeout: Duration) -> Res
     let r = ask_at(path, uid, pid, key, timeout);
     if let Err(AskError::Unreachable(e)) = &r {
         if e.kind() == std::io::ErrorKind::ConnectionRefused {
-            let _ = transport::clear_stale(path);
+            let _ = server::clear_stale(path);
         }
     }
     r
@@ -192,8 +193,9 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ipc::server::serve;
     use crate::ipc::sockdir::current_uid;
-    use crate::ipc::transport::{serve, FdSource};
+    use crate::ipc::transport::FdSource;
     use crate::ipc::{Grant, Refusal};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixListener;

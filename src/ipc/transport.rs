@@ -1,5 +1,7 @@
 //! The ticket transport: a Unix socket per producer process, one request per connection,
-//! file descriptors passed with `SCM_RIGHTS`. Only this file touches sockets.
+//! file descriptors passed with `SCM_RIGHTS`. This file makes the socket's system calls (the
+//! peer's credentials, a bounded connect, descriptors sent and received), writes answers and
+//! asks; `server` decides who is read and answered, and when. Only these two touch sockets.
 //!
 //! Request (16 bytes): ticket id (u32), zero (u32), nonce (u64).
 //! Reply: status (u32, 0 = granted, else a `Refusal`), chunk count (u32), allocation size
@@ -15,8 +17,7 @@ use super::sockdir::dir_trusted;
 use super::ticket::{Grant, Refusal};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
@@ -59,7 +60,7 @@ pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
 /// (`ns::check_peer`); `Err` says why it is not, or cannot be told. Where the kernel gives a
 /// pidfd of the peer (`SO_PEERPIDFD`, Linux 6.5), the process must still be alive after the
 /// check: its pid was then not handed on to another process while `/proc` was read.
-fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<u32, String> {
+pub(super) fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<u32, String> {
     let pidfd = peer_pidfd(s);
     let (uid, pid) = peer_cred(s).ok_or("no credentials on the connection")?;
     ns::check_peer(pid, own)?;
@@ -147,7 +148,7 @@ impl From<Refusal> for Denial {
     }
 }
 
-/// What [`serve`]'s `decide` answers: a [`Decision`] whose refusal may say what was done.
+/// What [`serve`](super::server::serve)'s `decide` answers: a [`Decision`] whose refusal may say what was done.
 pub type Reply = Result<(Grant, FdSource), Denial>;
 
 /// A source that hands out already exported descriptors.
@@ -157,172 +158,6 @@ pub fn fds_of(fds: Vec<OwnedFd>) -> FdSource {
         it.next()
             .ok_or_else(|| std::io::Error::other("fewer descriptors than chunks"))
     })
-}
-
-/// Connections whose request is being read at once. Each has [`FIRST_BYTE`] to start its
-/// request and [`REQUEST_WITHIN`] to send all 16 bytes, so peers that send nothing, or a byte
-/// at a time, hold a place briefly; a connection beyond them waits for one up to
-/// [`SLOT_WAIT`], then is closed unread.
-pub const MAX_READING: usize = 32;
-
-/// Requests answered at once (a burst of consumers opening one producer's handles); a request
-/// beyond them waits for one to end up to [`SLOT_WAIT`] (well within the asker's 10 s), then
-/// is closed unanswered.
-pub const MAX_IN_FLIGHT: usize = 32;
-
-/// Answers beyond [`MAX_IN_FLIGHT`] that only the server's own user's control requests
-/// (pause, resume, query, reclaim: ids from [`FIRST_REQUEST_ID`] below `u32::MAX`) may take, so
-/// slow tickets cannot keep `expseg pause` or a reclaim waiting.
-pub const RESERVED: usize = 8;
-
-/// How long a connection may wait before the first byte of its request.
-const FIRST_BYTE: Duration = Duration::from_millis(200);
-
-/// How long a connection may take to send its whole request.
-const REQUEST_WITHIN: Duration = Duration::from_secs(1);
-
-/// How long a connection waits for a place to be read or answered.
-const SLOT_WAIT: Duration = Duration::from_secs(2);
-
-/// Whether request `id` of a peer of uid `peer` may take a [`RESERVED`] place.
-fn reserved_for(id: u32, peer: u32) -> bool {
-    (FIRST_REQUEST_ID..u32::MAX).contains(&id) && peer == super::sockdir::current_uid()
-}
-
-/// Places counted against limits: one is taken while a connection is read or answered.
-struct Places(std::sync::atomic::AtomicUsize);
-
-/// A place taken, given back when dropped (a panic included).
-struct Place(std::sync::Arc<Places>);
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        (self.0).0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
-}
-
-impl Places {
-    fn new() -> std::sync::Arc<Places> {
-        std::sync::Arc::new(Places(std::sync::atomic::AtomicUsize::new(0)))
-    }
-
-    /// Take a place while fewer than `limit` are taken, waiting at most [`SLOT_WAIT`].
-    fn take(self: &std::sync::Arc<Self>, limit: usize) -> Option<Place> {
-        use std::sync::atomic::Ordering::AcqRel;
-        let waited = std::time::Instant::now();
-        loop {
-            if self.0.fetch_add(1, AcqRel) < limit {
-                return Some(Place(self.clone()));
-            }
-            self.0.fetch_sub(1, AcqRel);
-            if waited.elapsed() >= SLOT_WAIT {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-}
-
-/// Listen at `path` on a thread of its own. Each connection's peer is checked with
-/// `SO_PEERCRED` before a byte is read: a process of another pid namespace is closed at once,
-/// whatever its uid (it could not be told from a process of this one with the same pid, and
-/// a container must not reach into another that shares its `/tmp`), and so is one that
-/// `admit(uid)` refuses. `Err` where this process's pid namespace is unknown. Then each
-/// admitted connection is read and answered on a thread of its own, so an idle or slow peer
-/// delays nobody else: at most [`MAX_READING`] read at once, within [`FIRST_BYTE`] and
-/// [`REQUEST_WITHIN`]; at most [`MAX_IN_FLIGHT`] answered at once, plus [`RESERVED`] for the
-/// own user's control requests; `decide(id, nonce, peer_uid)` answers.
-pub fn serve(
-    path: &Path,
-    others: bool,
-    admit: impl Fn(u32) -> bool + Send + 'static,
-    decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
-) -> Result<(), String> {
-    let own_ns = ns::own()?;
-    clear_stale(path)?;
-    let listener = UnixListener::bind(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    // Connecting needs write permission on the socket: for allowed other users, everyone may
-    // connect, and the uid check decides.
-    let mode = if others { 0o666 } else { 0o600 };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let decide = std::sync::Arc::new(decide);
-    let (reading, answering) = (Places::new(), Places::new());
-    std::thread::Builder::new()
-        .name("expseg-ipc".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(s) = conn else {
-                    // Out of descriptors (EMFILE/ENFILE): the connection stays queued and
-                    // accept fails again at once; a pause keeps this thread off the CPU.
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                };
-                let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    match peer_uid(&s, own_ns) {
-                        Ok(uid) => admit(uid).then_some(uid),
-                        Err(why) => {
-                            refused_once(&why);
-                            None
-                        }
-                    }
-                }));
-                let Ok(Some(uid)) = admitted else {
-                    continue; // closed unread
-                };
-                let Some(read_place) = reading.take(MAX_READING) else {
-                    continue; // closed unread
-                };
-                let (decide, answering) = (decide.clone(), answering.clone());
-                let _ = std::thread::Builder::new()
-                    .name("expseg-ipc-req".into())
-                    .spawn(move || {
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            answer(s, uid, read_place, &answering, &*decide)
-                        }));
-                    });
-                // A thread that could not start drops the connection and its place.
-            }
-        })
-        .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
-    Ok(())
-}
-
-/// Make way for a socket at `path`: a file there that no process listens on (the socket of a
-/// dead process that had this pid) is removed; a live socket is never touched: another process
-/// serves there (of another pid namespace whose directory name is the same), and this one
-/// serves nothing rather than take its socket away.
-pub fn clear_stale(path: &Path) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(found) = std::fs::symlink_metadata(path) else {
-        return Ok(()); // nothing there
-    };
-    match connect_within(path, Duration::from_millis(200)) {
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-            // Only the file found dead: not one a process with the same pid made meanwhile.
-            let now = std::fs::symlink_metadata(path);
-            if now.is_ok_and(|m| (m.dev(), m.ino()) == (found.dev(), found.ino())) {
-                let _ = std::fs::remove_file(path);
-            }
-            Ok(())
-        }
-        Ok(_) => Err(format!(
-            "{}: another process serves this socket; this process serves none",
-            path.display()
-        )),
-        Err(e) => Err(format!(
-            "{}: a socket that may be another process's ({e}); this process serves none",
-            path.display()
-        )),
-    }
-}
-
-/// The first connection closed for its pid namespace is logged; later ones are not.
-fn refused_once(why: &str) {
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        log::warn!("IPC: closed a connection unread: {why} (only processes of this pid namespace are served); later ones are closed silently");
-    }
 }
 
 /// Connect to the socket at `path`, waiting at most `timeout` (`std`'s connect waits without a
@@ -385,59 +220,7 @@ pub(crate) fn connect_within(path: &Path, timeout: Duration) -> std::io::Result<
     Ok(UnixStream::from(owned))
 }
 
-/// Read one request from an admitted peer (holding `read_place` meanwhile) and answer it once
-/// a place among `answering` is free.
-fn answer(
-    mut s: UnixStream,
-    uid: u32,
-    read_place: Place,
-    answering: &std::sync::Arc<Places>,
-    decide: &dyn Fn(u32, u64, u32) -> Reply,
-) {
-    let req = read_request(&mut s);
-    drop(read_place);
-    let Some(req) = req else {
-        return; // closed unanswered
-    };
-    let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
-    let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
-    let limit = match reserved_for(id, uid) {
-        true => MAX_IN_FLIGHT + RESERVED,
-        false => MAX_IN_FLIGHT,
-    };
-    let Some(_answering) = answering.take(limit) else {
-        return; // closed unanswered
-    };
-    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-    let _ = reply(&mut s, decide(id, nonce, uid));
-}
-
-/// The 16 bytes of a request: the first within [`FIRST_BYTE`], all within
-/// [`REQUEST_WITHIN`]; `None` for a peer that is slower, or closes first.
-fn read_request(s: &mut UnixStream) -> Option<[u8; 16]> {
-    let started = std::time::Instant::now();
-    let mut req = [0u8; 16];
-    let mut got = 0;
-    while got < req.len() {
-        let bound = match got {
-            0 => FIRST_BYTE,
-            _ => REQUEST_WITHIN,
-        };
-        let left = bound
-            .checked_sub(started.elapsed())
-            .filter(|d| !d.is_zero())?;
-        s.set_read_timeout(Some(left)).ok()?;
-        match s.read(&mut req[got..]) {
-            Ok(0) => return None,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return None,
-        }
-    }
-    Some(req)
-}
-
-fn reply(s: &mut UnixStream, decision: Reply) -> std::io::Result<()> {
+pub(super) fn reply(s: &mut UnixStream, decision: Reply) -> std::io::Result<()> {
     let (grant, mut fds) = match decision {
         Ok(g) => g,
         Err(d) => {
@@ -707,8 +490,11 @@ thread_local! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ipc::server::serve;
     use crate::ipc::sockdir::current_uid;
-    use std::path::PathBuf;
+    use crate::ipc::socket_tests::{counting_server, helper};
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::net::UnixListener;
 
     #[test]
     fn a_connect_to_a_socket_that_accepts_nothing_ends_within_its_bound() {
@@ -730,42 +516,6 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
         assert!(!queued.is_empty(), "connects succeed while there is room");
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn a_live_socket_is_never_unlinked_a_dead_one_is_replaced() {
-        let dir = std::env::temp_dir().join(format!("expseg-live-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("7.sock");
-        // Another process's live socket at the same name (another namespace's pid 7).
-        let theirs = UnixListener::bind(&path).unwrap();
-        let e = serve(
-            &path,
-            false,
-            |_| true,
-            |_, _, _| Err(Refusal::Unknown.into()),
-        )
-        .unwrap_err();
-        assert!(e.contains("another process serves"), "{e}");
-        let mut c = UnixStream::connect(&path).expect("their socket still answers");
-        theirs.accept().unwrap();
-        c.write_all(b"x").unwrap();
-        // Once it is dead, the name is free: the stale file goes, this process serves there.
-        drop(theirs);
-        serve(
-            &path,
-            false,
-            |_| true,
-            |_, _, _| Err(Refusal::Unknown.into()),
-        )
-        .unwrap();
-        let me = (current_uid(), std::process::id());
-        assert!(matches!(
-            ask(&path, me.0, me.1, 3, 1),
-            Err(AskError::Refused(Refusal::Unknown, 0))
-        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -833,347 +583,6 @@ mod tests {
             Err(AskError::Unreachable(_))
         ));
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    /// A server whose requests are counted; `admit` decides who is read at all.
-    fn counting_server(
-        name: &str,
-        admit: impl Fn(u32) -> bool + Send + 'static,
-    ) -> (PathBuf, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-        let dir = std::env::temp_dir().join(format!("expseg-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let path = dir.join("p.sock");
-        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = seen.clone();
-        serve(&path, false, admit, move |id, _, _| {
-            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if id != 7 {
-                return Err(Refusal::Unknown.into());
-            }
-            let source: FdSource =
-                Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
-            Ok((
-                Grant {
-                    size: 2 << 20,
-                    chunks: vec![2 << 20],
-                },
-                source,
-            ))
-        })
-        .unwrap();
-        (path, seen)
-    }
-
-    #[test]
-    fn idle_peers_do_not_delay_a_request() {
-        let (path, _) = counting_server("idle", |_| true);
-        // Three connections that never send a byte: each holds a place to be read 200 ms.
-        let idle: Vec<UnixStream> = (0..3)
-            .map(|_| UnixStream::connect(&path).unwrap())
-            .collect();
-        std::thread::sleep(Duration::from_millis(50));
-        let t = std::time::Instant::now();
-        let me = (current_uid(), std::process::id());
-        let (g, _) = ask(&path, me.0, me.1, 7, 1).unwrap();
-        assert_eq!(g.chunks.len(), 1);
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "served in {:?}",
-            t.elapsed()
-        );
-        drop(idle);
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    #[test]
-    fn a_burst_beyond_the_requests_served_at_once_waits_for_a_slot() {
-        // MAX_IN_FLIGHT tickets each answered in 0.4 s take every place; one more meanwhile
-        // waits for a place and is answered.
-        let path = server_with("burst", |id, _, _| {
-            std::thread::sleep(Duration::from_millis(400));
-            if id == 7 {
-                return plain(1);
-            }
-            Err(Refusal::Unknown.into())
-        });
-        let me = (current_uid(), std::process::id());
-        let burst: Vec<_> = (0..MAX_IN_FLIGHT)
-            .map(|_| {
-                let path = path.clone();
-                std::thread::spawn(move || {
-                    ask_plain(&path, me.0, me.1, 5, 0, Duration::from_secs(10))
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(100));
-        let asked = ask_plain(&path, me.0, me.1, 7, 1, Duration::from_secs(10));
-        assert_eq!(asked.expect("answered once a place was free"), 1);
-        for b in burst {
-            assert!(b.join().unwrap().is_err());
-        }
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    /// A private directory of this test's and a server in it whose `decide` is the test's.
-    fn server_with(
-        name: &str,
-        decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
-    ) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("expseg-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-        let path = dir.join("p.sock");
-        serve(&path, false, |_| true, decide).unwrap();
-        path
-    }
-
-    /// A grant of no chunks whose size is `size` (a control request's answer).
-    fn plain(size: u64) -> Reply {
-        Ok((
-            Grant {
-                size,
-                chunks: vec![],
-            },
-            fds_of(vec![]),
-        ))
-    }
-
-    #[test]
-    fn forty_silent_peers_do_not_keep_the_owners_request_waiting() {
-        let path = server_with("silent40", |_, _, _| plain(42));
-        // More connections than places to read them, none sending a byte.
-        let silent: Vec<UnixStream> = (0..40)
-            .map(|_| UnixStream::connect(&path).unwrap())
-            .collect();
-        std::thread::sleep(Duration::from_millis(50));
-        let me = (current_uid(), std::process::id());
-        let t = std::time::Instant::now();
-        let asked = ask_plain(
-            &path,
-            me.0,
-            me.1,
-            FIRST_REQUEST_ID,
-            0,
-            Duration::from_secs(5),
-        );
-        assert_eq!(asked.unwrap(), 42);
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "answered in {:?}",
-            t.elapsed()
-        );
-        // The silent ones were closed unanswered.
-        for mut s in silent {
-            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-            assert_eq!(s.read(&mut [0u8; 16]).unwrap_or(0), 0);
-        }
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    #[test]
-    fn slow_tickets_leave_places_for_the_owners_control_requests() {
-        // Every ticket takes 1.5 s to answer; control requests are answered at once.
-        let path = server_with("reserved", |id, _, _| {
-            if id < FIRST_REQUEST_ID {
-                std::thread::sleep(Duration::from_millis(1500));
-                return Err(Refusal::Unknown.into());
-            }
-            plain(7)
-        });
-        let me = (current_uid(), std::process::id());
-        let tickets: Vec<_> = (0..MAX_IN_FLIGHT)
-            .map(|i| {
-                let path = path.clone();
-                std::thread::spawn(move || {
-                    ask_plain(&path, me.0, me.1, i as u32 + 1, 0, Duration::from_secs(10))
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(300));
-        let t = std::time::Instant::now();
-        let asked = ask_plain(&path, me.0, me.1, u32::MAX - 2, 0, Duration::from_secs(5));
-        assert_eq!(asked.unwrap(), 7);
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "answered in {:?}",
-            t.elapsed()
-        );
-        for t in tickets {
-            assert!(matches!(
-                t.join().unwrap(),
-                Err(AskError::Refused(Refusal::Unknown, 0))
-            ));
-        }
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    #[test]
-    fn a_request_sent_a_byte_at_a_time_is_closed_after_a_second() {
-        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = seen.clone();
-        let path = server_with("drip", move |_, _, _| {
-            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            plain(1)
-        });
-        let mut s = UnixStream::connect(&path).unwrap();
-        let t = std::time::Instant::now();
-        let mut sent = 0;
-        while sent < 16 && s.write_all(&[0u8]).is_ok() {
-            sent += 1;
-            std::thread::sleep(Duration::from_millis(150));
-        }
-        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        assert_eq!(s.read(&mut [0u8; 16]).unwrap_or(0), 0, "closed unanswered");
-        assert!(
-            t.elapsed() < Duration::from_millis(2000),
-            "{:?}",
-            t.elapsed()
-        );
-        assert_eq!(
-            seen.load(std::sync::atomic::Ordering::SeqCst),
-            0,
-            "never decided"
-        );
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    #[test]
-    fn a_peer_that_is_not_admitted_is_closed_before_its_request_is_read() {
-        let (path, seen) = counting_server("refused", |_| false);
-        let mut s = UnixStream::connect(&path).unwrap();
-        let _ = s.write_all(&[0u8; 16]);
-        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        let mut buf = [0u8; 16];
-        let t = std::time::Instant::now();
-        let n = s.read(&mut buf).unwrap_or(0);
-        assert_eq!(n, 0, "closed, not answered");
-        assert!(t.elapsed() < Duration::from_secs(1));
-        assert_eq!(
-            seen.load(std::sync::atomic::Ordering::SeqCst),
-            0,
-            "never decided"
-        );
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
-    }
-
-    /// Run this test binary's `helper` test as a separate process, in a new pid namespace
-    /// when `new_ns` (`unshare --pid --fork`, with its own /proc), with `env`. `None` (with a
-    /// line saying why) where this machine cannot make pid namespaces.
-    fn helper(name: &str, new_ns: bool, env: (&str, &Path)) -> Option<std::process::Child> {
-        let exe = std::env::current_exe().unwrap();
-        let test = format!("ipc::transport::tests::{name}");
-        let mut c = if new_ns {
-            let mut c = std::process::Command::new("unshare");
-            c.args(["--pid", "--fork", "--mount-proc", "--kill-child"])
-                .arg(exe);
-            c
-        } else {
-            std::process::Command::new(exe)
-        };
-        c.args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
-            .env(env.0, env.1)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null());
-        match c.spawn() {
-            Ok(child) => Some(child),
-            Err(e) => {
-                eprintln!("skipped: cannot run {name} ({e})");
-                None
-            }
-        }
-    }
-
-    /// The value of `key=` in a helper's output.
-    fn helper_said(out: &str, key: &str) -> Option<String> {
-        // The harness prints the test's name on the same line first.
-        let key = format!("{key}=");
-        out.lines()
-            .find_map(|l| l.split_once(&key))
-            .map(|(_, v)| v.trim().to_string())
-    }
-
-    /// Helper (does nothing unless `EXPSEG_TEST_POKE` names a socket): connect, send a
-    /// request for ticket 7, and say how many bytes of answer came (0: closed unread).
-    #[test]
-    fn poke_helper() {
-        let Some(path) = std::env::var_os("EXPSEG_TEST_POKE") else {
-            return;
-        };
-        let mut s = UnixStream::connect(path).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        let mut req = [0u8; 16];
-        req[0] = 7;
-        let _ = s.write_all(&req);
-        let mut head = [0u8; 16];
-        let n = s.read(&mut head).unwrap_or(0);
-        println!("poke_read={n}");
-    }
-
-    /// Helper (does nothing unless `EXPSEG_TEST_SERVE` names a socket): serve there, any
-    /// peer admitted, every request refused as unknown, for 10 s.
-    #[test]
-    fn serve_helper() {
-        let Some(path) = std::env::var_os("EXPSEG_TEST_SERVE") else {
-            return;
-        };
-        let r = serve(
-            Path::new(&path),
-            true,
-            |_| true,
-            |_, _, _| Err(Refusal::Unknown.into()),
-        );
-        println!("serving={}", r.is_ok());
-        std::thread::sleep(Duration::from_secs(10));
-    }
-
-    #[test]
-    fn processes_of_another_pid_namespace_are_closed_unread_both_ways() {
-        use std::io::BufRead;
-        let (path, seen) = counting_server("ns", |_| true);
-        // A process of this namespace is answered (the helper works).
-        let Some(same) = helper("poke_helper", false, ("EXPSEG_TEST_POKE", &path)) else {
-            return;
-        };
-        let out = String::from_utf8(same.wait_with_output().unwrap().stdout).unwrap();
-        assert_eq!(
-            helper_said(&out, "poke_read").as_deref(),
-            Some("16"),
-            "{out}"
-        );
-        assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1);
-        // The same program in a pid namespace inside this one (same uid): closed unread.
-        let Some(inner) = helper("poke_helper", true, ("EXPSEG_TEST_POKE", &path)) else {
-            return;
-        };
-        let out = inner.wait_with_output().unwrap();
-        let out = String::from_utf8(out.stdout).unwrap();
-        let Some(n) = helper_said(&out, "poke_read") else {
-            eprintln!("skipped: unshare --pid --fork --mount-proc is not allowed here");
-            return;
-        };
-        assert_eq!(n, "0", "closed, not answered");
-        assert_eq!(
-            seen.load(std::sync::atomic::Ordering::SeqCst),
-            1,
-            "never decided"
-        );
-        // A server in the inner namespace: this process has no pid there (0), and is closed.
-        let inner_path = path.with_file_name("inner.sock");
-        let mut server = helper("serve_helper", true, ("EXPSEG_TEST_SERVE", &inner_path)).unwrap();
-        let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
-        let first = lines.find_map(|l| l.ok().and_then(|l| helper_said(&l, "serving")));
-        assert_eq!(first.as_deref(), Some("true"));
-        let mut s = UnixStream::connect(&inner_path).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        let _ = s.write_all(&[1u8; 16]);
-        let mut head = [0u8; 16];
-        assert_eq!(s.read(&mut head).unwrap_or(0), 0, "closed, not answered");
-        let _ = server.kill();
-        let _ = server.wait();
-        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
     #[test]

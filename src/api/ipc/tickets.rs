@@ -6,6 +6,7 @@ use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
 use crate::ipc::control::Control;
+use crate::ipc::server;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
@@ -142,11 +143,11 @@ fn start_server() -> Result<(), String> {
     // A dead process's socket with this pid where consumers look first would hide this one.
     for earlier in sockdir::places(uid)?.iter().take_while(|p| p.dir != dir) {
         if sockdir::dir_trusted(&earlier.dir, uid).is_ok() {
-            let _ = transport::clear_stale(&earlier.dir.join(&name));
+            let _ = server::clear_stale(&earlier.dir.join(&name));
         }
     }
     let path = dir.join(name);
-    transport::serve(&path, others, admitted, decide)?;
+    server::serve(&path, others, admitted, decide)?;
     let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
         // A forked child exits with this handler too: the socket stays its parent's.
@@ -165,7 +166,7 @@ fn start_server() -> Result<(), String> {
 }
 
 /// Who asks, as the socket tells (a process of another pid namespace never gets this far: the
-/// transport closes it unread).
+/// server closes it unread).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Who {
     /// This process's own user.
@@ -389,8 +390,8 @@ mod tests {
                 "other uid" => stranger,
                 p => panic!("a row the test does not know: {p}"),
             };
-            // Another pid namespace: the transport closes it before anything else
-            // (`ipc::transport`'s two-namespace test shows it does).
+            // Another pid namespace: the server closes it before anything else
+            // (`ipc::server`'s two-namespace test shows it does).
             let other_namespace = peer.ends_with("other pid namespace");
             let who = Who::of(uid, own, &allowed);
             for (what, cell) in columns.iter().zip(cells) {

@@ -1,0 +1,231 @@
+//! Tests of the `EXPSEG_*` table: defaults, parsing, invalid values, the test switches.
+
+use super::*;
+use std::collections::HashMap;
+
+fn with(vars: &[(&str, &str)]) -> (Config, Vec<String>) {
+    let m: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let mut bad = Vec::new();
+    let c = Config::from_lookup(|n| m.get(n).cloned().map(Ok), |l| bad.push(l));
+    (c, bad)
+}
+
+#[test]
+fn defaults_when_nothing_is_set() {
+    assert_eq!(with(&[]), (Config::default(), vec![]));
+}
+
+#[test]
+fn sizes_take_suffixes() {
+    assert_eq!(parse_size("0"), Ok(0));
+    assert_eq!(parse_size("4096"), Ok(4096));
+    assert_eq!(parse_size("512M"), Ok(512 * MIB));
+    assert_eq!(parse_size("2GiB"), Ok(2 * GIB));
+    assert_eq!(parse_size(" 3 g "), Ok(3 * GIB));
+    assert!(parse_size("lots").is_err());
+    assert!(parse_size("-1").is_err());
+    assert!(parse_size("99999999999T").is_err());
+    assert_eq!(fmt_size(GIB), "1G");
+    assert_eq!(fmt_size(3 * MIB / 2), "1536K");
+}
+
+#[test]
+fn each_variable_reaches_its_field() {
+    let (c, bad) = with(&[
+        ("EXPSEG_DISABLE", "yes"),
+        ("EXPSEG_LOG", "expseg=debug,info"),
+        ("EXPSEG_PASSTHROUGH_BELOW", "0"),
+        ("EXPSEG_CACHE_MAX", "16G"),
+        ("EXPSEG_REPORT", "/tmp/r-%p.txt"),
+        ("EXPSEG_DRIVER_API", "0"),
+    ]);
+    assert!(bad.is_empty(), "{bad:?}");
+    assert!(c.disabled);
+    assert!(!c.driver_api);
+    assert_eq!(c.log, "expseg=debug,info");
+    assert_eq!(c.passthrough_below, 0);
+    assert_eq!(c.cache_max, 16 * GIB);
+    assert_eq!(c.report.as_deref(), Some("/tmp/r-%p.txt"));
+    let (c, bad) = with(&[("EXPSEG_REPORT", "none")]);
+    assert!(
+        bad.is_empty() && c.report.is_none(),
+        "none is off, as for expseg-run"
+    );
+}
+
+#[test]
+fn two_word_variables_take_either_word_or_nothing() {
+    assert!(Config::default().ipc_extent_torch && !Config::default().ipc_peers_expseg);
+    let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "run"), ("EXPSEG_IPC_PEERS", "expseg")]);
+    assert!(bad.is_empty() && !c.ipc_extent_torch && c.ipc_peers_expseg);
+    let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", " "), ("EXPSEG_IPC_PEERS", "")]);
+    assert!(bad.is_empty() && c.ipc_extent_torch && !c.ipc_peers_expseg);
+    let (c, bad) = with(&[("EXPSEG_IPC_EXTENT", "all")]);
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(c.ipc_extent_torch, "the default kept");
+}
+
+#[test]
+fn switches_take_only_their_words_and_anything_else_keeps_the_default() {
+    type Field = fn(&Config) -> bool;
+    let switches: [(&str, Field); 7] = [
+        ("EXPSEG_DISABLE", |c| c.disabled),
+        ("EXPSEG_DRIVER_API", |c| c.driver_api),
+        ("EXPSEG_TORCH_DEFAULTS", |c| c.torch_defaults),
+        ("EXPSEG_MOVE_FENCE", |c| c.move_fence),
+        ("EXPSEG_IPC_TICKETS", |c| c.ipc_tickets),
+        ("EXPSEG_CONTROL", |c| c.control),
+        ("EXPSEG_PAUSE_KEEP_HOST", |c| c.pause_keep_host),
+    ];
+    for (name, field) in switches {
+        let default = field(&Config::default());
+        for (word, want) in [
+            ("1", true),
+            ("true", true),
+            ("YES", true),
+            (" on ", true),
+            ("0", false),
+            ("false", false),
+            ("no", false),
+            ("Off", false),
+        ] {
+            let (c, bad) = with(&[(name, word)]);
+            assert!(
+                bad.is_empty() && field(&c) == want,
+                "{name}={word:?}: {bad:?}"
+            );
+        }
+        // Unset and empty are the same: the default, silently.
+        let (c, bad) = with(&[(name, " ")]);
+        assert!(
+            bad.is_empty() && field(&c) == default,
+            "{name}=\" \": {bad:?}"
+        );
+        for word in ["2", "-1", "enabled", "y", "disable"] {
+            let (c, bad) = with(&[(name, word)]);
+            assert_eq!(field(&c), default, "{name}={word:?}: the default is used");
+            assert_eq!(bad.len(), 1, "{name}={word:?}: one line");
+            assert!(
+                bad[0].contains(&format!("{name}=\"{word}\""))
+                    && bad[0].contains("1/0, true/false, yes/no or on/off"),
+                "{}",
+                bad[0]
+            );
+        }
+    }
+}
+
+#[test]
+fn the_peer_hold_takes_a_switch_or_self() {
+    assert_eq!(Config::default().peer_hold, PeerHold::Off);
+    for (v, want) in [
+        ("1", PeerHold::On),
+        ("on", PeerHold::On),
+        ("0", PeerHold::Off),
+        (" self ", PeerHold::SelfTest),
+    ] {
+        let (c, bad) = with(&[("EXPSEG_PEER_HOLD", v)]);
+        assert!(bad.is_empty() && c.peer_hold == want, "{v}: {bad:?}");
+    }
+    let (c, bad) = with(&[("EXPSEG_PEER_HOLD", "peers")]);
+    assert_eq!(c.peer_hold, PeerHold::Off);
+    assert!(bad.len() == 1 && bad[0].contains("EXPSEG_PEER_HOLD") && bad[0].contains("self"));
+}
+
+#[test]
+fn a_bad_value_gives_one_line_naming_it_and_the_default() {
+    let (c, bad) = with(&[("EXPSEG_CACHE_MAX", "lots"), ("EXPSEG_LOG", "loud!")]);
+    assert_eq!(c, Config::default());
+    assert_eq!(bad.len(), 2);
+    assert!(
+        bad[0].contains("EXPSEG_LOG") && bad[0].contains("\"loud!\"") && bad[0].contains("warn")
+    );
+    assert!(
+        bad[1].contains("EXPSEG_CACHE_MAX")
+            && bad[1].contains("\"lots\"")
+            && bad[1].contains("default 0")
+    );
+    assert!(bad.iter().all(|l| !l.contains('\n')));
+}
+
+#[test]
+fn log_words_that_would_silence_expseg_are_refused() {
+    for word in ["loud", "warning", "verbose", "torch=debug"] {
+        let (c, bad) = with(&[("EXPSEG_LOG", word)]);
+        assert_eq!(c.log, "warn", "{word}");
+        assert_eq!(bad.len(), 1, "{word}: {bad:?}");
+    }
+    for ok in ["debug", "expseg=debug", "info,expseg::api=trace", "off"] {
+        assert!(with(&[("EXPSEG_LOG", ok)]).1.is_empty(), "{ok}");
+    }
+}
+
+#[test]
+fn a_value_that_is_not_utf8_gets_its_line() {
+    let mut bad = Vec::new();
+    let c = Config::from_lookup(
+        |n| (n == "EXPSEG_CACHE_MAX").then(|| Err("1\u{FFFD}G".to_string())),
+        |l| bad.push(l),
+    );
+    assert_eq!(c.cache_max, 0);
+    assert_eq!(bad.len(), 1);
+    assert!(bad[0].contains("EXPSEG_CACHE_MAX") && bad[0].contains("not UTF-8"));
+}
+
+#[test]
+fn test_switches_are_read_only_in_builds_with_the_feature() {
+    let set = [
+        ("EXPSEG_TEST_PANIC", "cudaMalloc"),
+        ("EXPSEG_TEST_SLOW_CHECK", "1500"),
+        ("EXPSEG_TEST_SLOW_EXPORT", "300"),
+        ("EXPSEG_TEST_FAIL_MOVE", "copy"),
+    ];
+    let (c, bad) = with(&set);
+    if TEST_SWITCHES {
+        assert!(bad.is_empty(), "{bad:?}");
+        assert!(c.test_panic("cudaMalloc"));
+        assert_eq!(c.test_slow_check_ms, Some(1500));
+        assert_eq!(c.test_slow_export_ms, Some(300));
+        assert_eq!(c.test_fail_move.as_deref(), Some("copy"));
+    } else {
+        assert_eq!(c, Config::default(), "a release build ignores them");
+        assert_eq!(bad.len(), set.len(), "one line each: {bad:?}");
+        for ((name, _), line) in set.iter().zip(&bad) {
+            assert!(
+                line.contains(name) && line.contains("test-switches"),
+                "{line}"
+            );
+        }
+        // Set but empty: nothing to say.
+        assert!(with(&[("EXPSEG_TEST_PANIC", "")]).1.is_empty());
+    }
+}
+
+#[test]
+fn a_test_panic_with_a_count_fires_at_that_call_only() {
+    let c = Config {
+        test_panic: Some("pool:2".into()),
+        ..Config::default()
+    };
+    assert!(!c.test_panic("cudaMalloc"));
+    let calls: Vec<bool> = (0..4).map(|_| c.test_panic("pool")).collect();
+    assert_eq!(calls, [false, true, false, false]);
+    let every = Config {
+        test_panic: Some("cudaFree".into()),
+        ..Config::default()
+    };
+    assert!(every.test_panic("cudaFree") && every.test_panic("cudaFree"));
+}
+
+#[test]
+fn the_ipc_directory_must_exist_and_be_absolute() {
+    for v in ["", "relative/dir", "/nonexistent/expseg/dir"] {
+        let (c, bad) = with(&[("EXPSEG_IPC_DIR", v)]);
+        assert_eq!(c.ipc_dir, "/tmp", "{v:?}");
+        assert_eq!(bad.len(), 1, "{v:?}");
+    }
+    assert!(with(&[("EXPSEG_IPC_DIR", "/tmp")]).1.is_empty());
+}
