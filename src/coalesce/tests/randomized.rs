@@ -25,6 +25,24 @@ pub(super) fn free_run(live: &BTreeMap<u64, u64>, n: u64) -> u64 {
         .unwrap()
 }
 
+/// PyTorch's `map()` of `n` pages at the lowest free run of slots, each filled with its pattern
+/// and recorded live (slot -> page); Err: the grow's error, nothing recorded.
+pub(super) fn grow_live(
+    c: &mut Coalescer<FakeDriver>,
+    va: u64,
+    live: &mut BTreeMap<u64, u64>,
+    n: u64,
+) -> DrvResult<()> {
+    let start = free_run(live, n);
+    let at = va + start * PAGE;
+    let hs = grow(c, at, n)?;
+    fill(c, at, n);
+    for (i, h) in hs.into_iter().enumerate() {
+        live.insert(start + i as u64, h);
+    }
+    Ok(())
+}
+
 /// A random live slot.
 pub(super) fn pick(rng: &mut Rng, live: &BTreeMap<u64, u64>) -> Option<u64> {
     live.keys()
@@ -84,16 +102,8 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                 0..=3 => {
                     // Grow: a batch at the lowest free run of slots.
                     let n = 1 + rng.below(6);
-                    let start = free_run(&live, n);
-                    let at = va + start * PAGE;
-                    match grow(&mut c, at, n) {
-                        Ok(hs) => {
-                            fill(&mut c, at, n);
-                            for (i, h) in hs.into_iter().enumerate() {
-                                live.insert(start + i as u64, h);
-                            }
-                        }
-                        Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
+                    if let Err(e) = grow_live(&mut c, va, &mut live, n) {
+                        assert!(e.is_oom(), "seed {seed} step {step}: {e}");
                     }
                 }
                 4..=6 => released = release_random_run(&mut c, va, &mut rng, &mut live),

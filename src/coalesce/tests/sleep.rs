@@ -218,7 +218,7 @@ fn a_failed_copy_pauses_nothing() {
 
 #[test]
 fn randomized_pauses_between_the_programs_calls_keep_data_and_books_exact() {
-    use super::randomized::{free_run, release_random_run, Rng};
+    use super::randomized::{grow_live, release_random_run, Rng};
     for seed in 1..=8u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut k = cfg();
@@ -234,16 +234,8 @@ fn randomized_pauses_between_the_programs_calls_keep_data_and_books_exact() {
             match rng.below(8) {
                 0..=2 => {
                     let n = 1 + rng.below(5);
-                    let start = free_run(&live, n);
-                    let at = va + start * PAGE;
-                    match grow(&mut c, at, n) {
-                        Ok(hs) => {
-                            fill(&mut c, at, n);
-                            for (i, h) in hs.into_iter().enumerate() {
-                                live.insert(start + i as u64, h);
-                            }
-                        }
-                        Err(e) => assert!(e.is_oom(), "seed {seed} step {step}: {e}"),
+                    if let Err(e) = grow_live(&mut c, va, &mut live, n) {
+                        assert!(e.is_oom(), "seed {seed} step {step}: {e}");
                     }
                 }
                 3 | 4 => {

@@ -3,7 +3,7 @@
 //! shared by IPC). Released pages of live handles stay held, and new pages mapped where they
 //! were take them in place.
 
-use super::randomized::{free_run, pick, Rng};
+use super::randomized::{free_run, grow_live, pick, Rng};
 use super::*;
 
 /// The fake driver watches every page the program has mapped.
@@ -213,36 +213,8 @@ fn randomized_calls_never_unmap_a_page_the_program_has_mapped() {
             match rng.below(12) {
                 0..=3 => {
                     let n = 1 + rng.below(6);
-                    let start = free_run(&live, n);
-                    let at = va + start * PAGE;
-                    match grow(&mut c, at, n) {
-                        Ok(hs) => {
-                            fill(&mut c, at, n);
-                            for (i, h) in hs.into_iter().enumerate() {
-                                live.insert(start + i as u64, h);
-                            }
-                        }
-                        Err(e) => assert!(
-                            e.is_oom(),
-                            "{ctx}: {e} at {start} n {n}: {:?}",
-                            c.phys
-                                .iter()
-                                .map(|(k, p)| (
-                                    k,
-                                    p.size / PAGE,
-                                    p.base.map(|b| (b - va) / PAGE),
-                                    p.ahead / PAGE,
-                                    p.slots
-                                        .iter()
-                                        .map(|(o, v)| (
-                                            o / PAGE,
-                                            c.pages[v].va.map(|a| (a - va) / PAGE),
-                                            c.pages[v].single
-                                        ))
-                                        .collect::<Vec<_>>()
-                                ))
-                                .collect::<Vec<_>>()
-                        ),
+                    if let Err(e) = grow_live(&mut c, va, &mut live, n) {
+                        assert!(e.is_oom(), "{ctx}: {e}");
                     }
                 }
                 4..=6 => {
