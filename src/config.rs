@@ -551,9 +551,13 @@ impl Config {
         })
     }
 
-    /// Every variable and its effective value, for logs and `expseg doctor`.
+    /// Every variable and its effective value, for logs, reports and `expseg doctor` (the
+    /// test switches only in builds that read them).
     pub fn effective(&self) -> Vec<(&'static str, String)> {
-        VARS.iter().map(|v| (v.name, (v.show)(self))).collect()
+        VARS.iter()
+            .filter(|v| TEST_SWITCHES || !v.name.starts_with(TEST_SWITCH))
+            .map(|v| (v.name, (v.show)(self)))
+            .collect()
     }
 }
 

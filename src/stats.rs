@@ -305,13 +305,28 @@ pub fn render_table(s: &Snapshot) -> String {
             }
         }
     }
+    // Names longer than the pool's 24 columns widen their section's column.
     let _ = writeln!(o, "\nprocess");
+    let w = s
+        .global
+        .iter()
+        .map(|(n, _)| n.len())
+        .max()
+        .unwrap_or(0)
+        .max(24);
     for (name, v) in &s.global {
-        let _ = writeln!(o, "  {name:<24} {v:>16}");
+        let _ = writeln!(o, "  {name:<w$} {v:>16}");
     }
     let _ = writeln!(o, "\nconfiguration");
+    let w = s
+        .config
+        .iter()
+        .map(|(n, _)| n.len())
+        .max()
+        .unwrap_or(0)
+        .max(24);
     for (name, v) in &s.config {
-        let _ = writeln!(o, "  {name:<24} {v}");
+        let _ = writeln!(o, "  {name:<w$} {v}");
     }
     o
 }
