@@ -201,6 +201,12 @@ def mode_env(mode, lib):
         env["EXPSEG_LIB"] = lib
         env["EXPSEG_REPORT"] = "none"
         cmd = [os.path.join(HERE, "expseg-run")]
+    # BENCH_EXPSEG_ENV="EXPSEG_X=1 EXPSEG_Y=2": more settings for every expseg mode but expseg-alt (a policy
+    # to measure, EXPSEG_TEST_TRACE to record the coalescer's calls), applied after the mode's.
+    if (mode.startswith("expseg") and mode != "expseg-alt") or mode == "c-expseg":
+        for kv in os.environ.get("BENCH_EXPSEG_ENV", "").split():
+            k, _, v = kv.partition("=")
+            env[k] = v
     return env, cmd
 
 
