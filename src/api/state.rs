@@ -496,19 +496,7 @@ pub(super) mod coalescers {
                 // Without the thread that gives kept handles back, nothing would after the delay:
                 // release at once instead.
                 let threaded = n > 0 && start_releaser();
-                let cfg = CoalesceConfig {
-                    max_handle: c.coalesce_max,
-                    strand_max: c.strand_max,
-                    margin: c.coalesce_margin,
-                    release_delay: match threaded {
-                        true => Duration::from_millis(c.release_delay_ms),
-                        false => Duration::ZERO,
-                    },
-                    ahead: c.grow_ahead,
-                    peer_hold: c.peer_hold,
-                    move_live: c.compact,
-                    split_tail: c.split_tail,
-                };
+                let cfg = CoalesceConfig::from_config(c, threaded);
                 (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
                         Ok(drv) => {
