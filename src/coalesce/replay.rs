@@ -148,6 +148,28 @@ impl Replay {
         }
     }
 
+    /// Replay every line of `input` (bytes that are not UTF-8 are replaced, and such a line
+    /// is skipped as any malformed one). With `every` = Some(n), `progress` gets the figures
+    /// after every n events. Err: reading failed (what was read is replayed).
+    pub fn read(
+        &mut self,
+        mut input: impl std::io::BufRead,
+        every: Option<u64>,
+        mut progress: impl FnMut(&Summary),
+    ) -> std::io::Result<()> {
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            if input.read_until(b'\n', &mut buf)? == 0 {
+                return Ok(());
+            }
+            let event = self.line(&String::from_utf8_lossy(&buf));
+            if event && every.is_some_and(|n| n > 0 && self.stats.events.is_multiple_of(n)) {
+                progress(&self.summary());
+            }
+        }
+    }
+
     /// Replay one event.
     pub fn event(&mut self, e: &Event<'_>) {
         self.stats.events += 1;
