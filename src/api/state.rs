@@ -26,7 +26,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
     crate::gpu::fence::set_move_fence(c.move_fence);
     if c.report.is_some() || c.test_trace.is_some() {
         extern "C" fn at_exit() {
-            exit_work();
+            let _ = std::panic::catch_unwind(exit_work);
         }
         OWNER_PID.store(std::process::id(), Ordering::Relaxed);
         #[allow(unsafe_code)]
@@ -52,7 +52,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
 /// SIGKILL, which is what the job would get without a report anyway.
 fn report_on_sigterm() {
     extern "C" fn on_sigterm(_: libc::c_int) {
-        exit_work();
+        let _ = std::panic::catch_unwind(exit_work);
         #[allow(unsafe_code)]
         // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
         // the signal would have.
@@ -81,7 +81,7 @@ fn report_on_sigterm() {
 /// last lines are the report's queries).
 fn exit_work() {
     let _ = std::panic::catch_unwind(write_exit_report);
-    let _ = std::panic::catch_unwind(super::trace::finish);
+    super::trace::finish();
 }
 
 /// The configuration, read (and the logger set up) at the first call.
