@@ -148,6 +148,10 @@ pub struct Config {
     pub test_slow_export_ms: Option<u64>,
     /// `EXPSEG_TEST_FAIL_MOVE`: for tests only, the step of an IPC move that fails on purpose.
     pub test_fail_move: Option<String>,
+    /// `EXPSEG_TEST_TRACE`: for tests only, the path prefix of a trace of every coalescer call
+    /// (`PREFIX.<pid>.trace`, `crate::api::trace`), which `expseg-replay` replays on the fake
+    /// driver.
+    pub test_trace: Option<String>,
 }
 
 impl Default for Config {
@@ -209,6 +213,7 @@ impl Default for Config {
             test_slow_check_ms: None,
             test_slow_export_ms: None,
             test_fail_move: None,
+            test_trace: None,
         }
     }
 }
@@ -467,6 +472,14 @@ const VARS: &[Var] = &[
         }
         },
         show: |c| c.test_fail_move.clone().unwrap_or_default(),
+    },
+    Var {
+        name: "EXPSEG_TEST_TRACE",
+        set: |c, v| {
+            c.test_trace = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            Ok(())
+        },
+        show: |c| c.test_trace.clone().unwrap_or_default(),
     },
 ];
 

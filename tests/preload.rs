@@ -3805,3 +3805,143 @@ fn a_move_in_place_beside_the_ticket_checks_own_cudamalloc_keeps_its_address() {
         assert_eq!(r.get("free_rc"), "0", "round {round}");
     }
 }
+
+/// The figure `key` of a JSON exit report (0 where the report leaves it out: no such calls).
+#[cfg(feature = "test-switches")]
+fn report_figure(json: &str, key: &str) -> u64 {
+    let pat = format!("\"{key}\":");
+    json.find(&pat).map_or(0, |at| {
+        let rest = &json[at + pat.len()..];
+        let end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        rest[..end].parse().unwrap()
+    })
+}
+
+#[cfg(feature = "test-switches")]
+#[test]
+fn a_trace_of_the_coalescers_calls_replays_to_the_figures_of_the_run() {
+    use expseg::coalesce::replay::Replay;
+    use expseg::coalesce::CoalesceConfig;
+    use expseg::config::Config;
+    use expseg::gpu::Op;
+    const CAPACITY: u64 = 140 << 30;
+    let cap = CAPACITY.to_string();
+    let dir = fixture().dir.join("trace");
+    // PyTorch's pages on two devices, at random, with cudaMemGetInfo now and then: released at
+    // once, kept for 2 ms (the releaser thread's calls are in the trace), and segment ranges
+    // travelling between devices; one device's full scenario with compaction, export, retain
+    // and pause.
+    let runs: [(&str, &[(&str, &str)]); 4] = [
+        ("two_random", &[("FAKE_DEVICES", "2")]),
+        (
+            "two_random",
+            &[("FAKE_DEVICES", "2"), ("EXPSEG_RELEASE_DELAY", "2")],
+        ),
+        ("two_recycle", &[("FAKE_DEVICES", "2")]),
+        ("full", &[("EXPSEG_COMPACT", "1"), ("PAUSE_THREAD", "1")]),
+    ];
+    for (scenario, extra) in runs {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let prefix = dir.join("t");
+        let report = dir.join("report.txt");
+        let mut env: Vec<(&str, &str)> = vec![
+            ("FAKE_CAPACITY", &cap),
+            ("EXPSEG_TEST_TRACE", prefix.to_str().unwrap()),
+            ("EXPSEG_REPORT", report.to_str().unwrap()),
+        ];
+        env.extend_from_slice(extra);
+        let what = format!("{scenario} {extra:?}");
+        let report_json = dir.join("report.txt.json");
+        // The report leaves the coalescers' figures out when their lock is busy at exit (the
+        // releaser thread's pass): then once more.
+        let mut r = pages("libc10_cuda.so", scenario, &env).ok();
+        for _ in 0..3 {
+            let json = std::fs::read_to_string(&report_json).unwrap_or_default();
+            if json.contains("\"coalesce_peak_held_bytes\"") {
+                break;
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+            std::fs::create_dir_all(&dir).unwrap();
+            r = pages("libc10_cuda.so", scenario, &env).ok();
+        }
+        let traces: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "trace"))
+            .collect();
+        assert_eq!(traces.len(), 1, "{what}: {traces:?}\n{}", r.stderr());
+        let json = std::fs::read_to_string(&report_json).unwrap();
+        assert!(
+            json.contains("\"coalesce_peak_held_bytes\""),
+            "{what}: {json}"
+        );
+        // The replay's configuration: the run's own variables (`pages` sets some).
+        let mut vars = vec![("FAKE_MEMINFO_REAL", "1"), ("EXPSEG_SPLIT_TAIL", "0")];
+        vars.extend_from_slice(&env);
+        let config = Config::from_lookup(
+            |name| {
+                vars.iter()
+                    .rev()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| Ok(v.to_string()))
+            },
+            |bad| panic!("{bad}"),
+        );
+        let mut replay = Replay::new(
+            CoalesceConfig::from_config(&config, true),
+            config.pause_keep_host,
+            CAPACITY,
+        );
+        // Up to the report's queries (its figures): a thread may still call a coalescer
+        // (the releaser) between the report and the trace's last flush.
+        let text = std::fs::read_to_string(&traces[0]).unwrap();
+        let end = text
+            .rfind(" stranded_now = ")
+            .map_or(text.len(), |at| at + text[at..].find('\n').unwrap() + 1);
+        let mut progress = 0;
+        replay
+            .read(&text.as_bytes()[..end], Some(10), |_| progress += 1)
+            .unwrap();
+        let s = replay.summary();
+        let line = s.json(None, true);
+        assert!(s.events > 50 && progress == s.events / 10, "{what}: {line}");
+        assert_eq!(s.skipped, 0, "{what}: {line}");
+        assert_eq!(s.mismatches, 0, "{what}: {line}");
+        assert_eq!(s.va_conflicts, 0, "{what}: {line}");
+        assert!(s.recorded_releaser, "{what}: {line}");
+        assert!(s.peak_held > 0, "{what}: {line}");
+        let devices = extra.iter().any(|(k, v)| *k == "FAKE_DEVICES" && *v == "2");
+        assert_eq!(s.devices, if devices { 2 } else { 1 }, "{what}: {line}");
+        for (key, got) in [
+            ("coalesce_peak_stranded_bytes", s.peak_stranded),
+            ("coalesce_peak_held_bytes", s.peak_held),
+            ("coalesce_peak_beyond_bytes", s.peak_beyond),
+            ("coalesce_stranded_bytes", s.final_stranded),
+            ("coalesce_handles_created", s.phys_created),
+            ("coalesce_handles_released", s.phys_released),
+            ("coalesce_compactions", s.compactions),
+            ("coalesce_compacted_bytes", s.compacted_bytes),
+            ("coalesce_moves_declined", s.moves_declined),
+            ("coalesce_create", s.calls_of(Op::Create)),
+            ("coalesce_release", s.calls_of(Op::Release)),
+            ("coalesce_map", s.calls_of(Op::Map)),
+            ("coalesce_unmap", s.calls_of(Op::Unmap)),
+            ("coalesce_set_access", s.calls_of(Op::SetAccess)),
+            ("coalesce_copy", s.calls_of(Op::Copy)),
+            ("coalesce_reserve", s.calls_of(Op::Reserve)),
+            ("coalesce_meminfo", s.meminfo_calls()),
+        ] {
+            assert_eq!(
+                report_figure(&json, key),
+                got,
+                "{what}: {key}\nreplay: {line}\nreport: {json}"
+            );
+        }
+        if scenario == "full" {
+            assert!(s.compactions > 0, "{what}: {line}");
+        }
+    }
+}

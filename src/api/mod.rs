@@ -18,6 +18,7 @@ mod ipc;
 pub mod reads;
 pub mod sleep;
 mod state;
+mod trace;
 pub mod trim;
 pub mod vmm;
 

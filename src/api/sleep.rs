@@ -15,6 +15,8 @@
 
 use super::state::coalescers::{self, in_context};
 use super::state::{self, STATE_STARTED};
+use super::trace::record;
+use crate::coalesce::trace::Call;
 use crate::gpu::{cuda, Op};
 use crate::hostcopy::Paused;
 use std::sync::atomic::Ordering;
@@ -133,6 +135,8 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
                 }
                 c.pause(&choose)
             });
+            let bytes = r.as_ref().map(|p| p.bytes).map_err(|e| *e);
+            record(c, Call::Pause { tag, discard }, &bytes);
             add(r, c.paused_bytes().saturating_sub(before));
         }
     }
@@ -195,7 +199,9 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
     if coalescers::started() {
         for c in coalescers::lock().all() {
             let before = (c.paused_bytes(), c.driver_calls().to_vec());
-            if let Err(e) = in_context(c, |c| c.resume(&choose)) {
+            let r = in_context(c, |c| c.resume(&choose));
+            record(c, Call::Resume { tag }, &r);
+            if let Err(e) = r {
                 first_err.get_or_insert(e.0);
             }
             bytes += before.0 - c.paused_bytes();

@@ -24,9 +24,9 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
     let c = Config::from_env();
     init_logger(&c.log);
     crate::gpu::fence::set_move_fence(c.move_fence);
-    if c.report.is_some() {
+    if c.report.is_some() || c.test_trace.is_some() {
         extern "C" fn at_exit() {
-            let _ = std::panic::catch_unwind(write_exit_report);
+            let _ = std::panic::catch_unwind(exit_work);
         }
         OWNER_PID.store(std::process::id(), Ordering::Relaxed);
         #[allow(unsafe_code)]
@@ -52,7 +52,7 @@ static CONFIG: Lazy<Config> = Lazy::new(|| {
 /// SIGKILL, which is what the job would get without a report anyway.
 fn report_on_sigterm() {
     extern "C" fn on_sigterm(_: libc::c_int) {
-        let _ = std::panic::catch_unwind(write_exit_report);
+        let _ = std::panic::catch_unwind(exit_work);
         #[allow(unsafe_code)]
         // SAFETY: SA_RESETHAND restored the default action; raising it ends the process as
         // the signal would have.
@@ -75,6 +75,13 @@ fn report_on_sigterm() {
         libc::sigemptyset(&mut sa.sa_mask);
         libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
     }
+}
+
+/// What exit (or SIGTERM) writes: the report, then the rest of the coalescers' trace (whose
+/// last lines are the report's queries).
+fn exit_work() {
+    let _ = std::panic::catch_unwind(write_exit_report);
+    super::trace::finish();
 }
 
 /// The configuration, read (and the logger set up) at the first call.
@@ -469,6 +476,8 @@ pub fn forget_foreign_range(va: u64, size: u64) {
 /// the configuration registers reads their figures and they read the configuration.
 pub(super) mod coalescers {
     use crate::api::state::config;
+    use crate::api::trace::record;
+    use crate::coalesce::trace::{Call, Outcome};
     use crate::coalesce::{CoalesceConfig, CoalesceStats, Coalescer};
     use crate::gpu::cuda::{self, CudaDriver};
     use crate::gpu::Op;
@@ -496,20 +505,8 @@ pub(super) mod coalescers {
                 // Without the thread that gives kept handles back, nothing would after the delay:
                 // release at once instead.
                 let threaded = n > 0 && start_releaser();
-                let cfg = CoalesceConfig {
-                    max_handle: c.coalesce_max,
-                    strand_max: c.strand_max,
-                    margin: c.coalesce_margin,
-                    release_delay: match threaded {
-                        true => Duration::from_millis(c.release_delay_ms),
-                        false => Duration::ZERO,
-                    },
-                    ahead: c.grow_ahead,
-                    peer_hold: c.peer_hold,
-                    move_live: c.compact,
-                    split_tail: c.split_tail,
-                };
-                (0..n)
+                let cfg = CoalesceConfig::from_config(c, threaded);
+                let devs: Vec<Option<Coalescer<CudaDriver>>> = (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
                         Ok(drv) => {
                             let mut co = Coalescer::new(drv, cfg);
@@ -521,7 +518,16 @@ pub(super) mod coalescers {
                             None
                         }
                     })
-                    .collect()
+                    .collect();
+                use crate::gpu::Driver as _;
+                let granularity: Vec<(i32, u64)> = devs
+                    .iter()
+                    .flatten()
+                    .map(|c| (c.driver().device(), c.driver().granularity()))
+                    .collect();
+                let trace = c.test_trace.as_deref();
+                crate::api::trace::begin(trace, &cfg, c.pause_keep_host, &granularity);
+                devs
             }
             Err(_) => Vec::new(),
         };
@@ -654,6 +660,7 @@ pub(super) mod coalescers {
             for c in lock().all() {
                 if c.kept_bytes() > 0 && c.idle_for() >= delay {
                     in_context(c, |c| c.release_kept());
+                    record(c, Call::Releaser, Outcome::DONE);
                 }
                 any |= c.kept_bytes() > 0;
             }
@@ -710,6 +717,7 @@ pub(super) mod coalescers {
             .map(|c| {
                 let (pages, phys) = c.counts();
                 let stranded = c.stranded_now();
+                record(c, Call::StrandedNow, stranded);
                 (
                     c.driver().device(),
                     c.stats().clone(),

@@ -9,6 +9,8 @@
 
 use super::state::coalescers::{self, in_context};
 use super::state::{self, STATE_STARTED};
+use super::trace::record;
+use crate::coalesce::trace::Call;
 use crate::gpu::cuda;
 use crate::gpu::Driver as _;
 use crate::ipc::{reclaim, sockdir};
@@ -95,14 +97,17 @@ fn trim_devices(which: impl Fn(i32) -> bool, asker: Asker) -> u64 {
                 Asker::Allocation => super::allocator::may_move(c.driver().device()),
                 Asker::Outside => false,
             };
-            freed += match moves {
-                false => in_context(c, |c| c.trim_unmoved()),
-                true => in_context(c, |c| c.trim()),
+            let (n, call) = match moves {
+                false => (in_context(c, |c| c.trim_unmoved()), Call::TrimUnmoved),
+                true => (in_context(c, |c| c.trim()), Call::Trim),
             };
+            record(c, call, n);
+            freed += n;
             if asker == Asker::Allocation && !moves {
                 owed_warning(c.driver().device(), c.stranded() + c.ahead_bytes());
             }
-            c.release_host();
+            let n = c.release_host();
+            record(c, Call::ReleaseHost, n);
         }
     }
     GLOBAL.given_back_bytes.add(freed);

@@ -7,6 +7,8 @@ pub use super::state::coalescers::{report_rows, stats};
 
 use super::allocator;
 use super::state::coalescers::{books, in_context, lock, started};
+use super::trace::record;
+use crate::coalesce::trace::{Call, Outcome};
 use crate::coalesce::{is_virtual, Coalescer};
 use crate::gpu::{ChunkHandle, Driver as _, DrvError, PageProps};
 use crate::stats::{time_vmm, VMM_ACCESS, VMM_CREATE, VMM_MAP, VMM_RELEASE, VMM_UNMAP};
@@ -71,7 +73,9 @@ pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>>
         let once = || {
             let mut v = lock();
             let c = v.devs.get_mut(usize::try_from(dev).ok()?)?.as_mut()?;
-            let page = in_context(c, |c| c.create(size, props)).map_err(|e| e.0);
+            let page = in_context(c, |c| c.create(size, props));
+            record(c, Call::Create { size, props }, &page);
+            let page = page.map_err(|e| e.0);
             if super::state::config().test_panic("coalescer") {
                 panic!("EXPSEG_TEST_PANIC=coalescer: a page booked, the lock poisoned");
             }
@@ -107,7 +111,9 @@ pub fn release(vh: u64) -> Option<u32> {
         }
         let c = v.owner(vh)?;
         allocator::call_on(c.driver().device());
-        Some(code(in_context(c, |c| c.release(vh))))
+        let r = in_context(c, |c| c.release(vh));
+        record(c, Call::Release { vh }, &r);
+        Some(code(r))
     })
 }
 
@@ -125,7 +131,15 @@ pub fn map(va: u64, size: u64, offset: u64, vh: u64, flags: u64) -> Option<u32> 
         if flags != 0 || wraps(va, size) {
             return Some(crate::coalesce::INVALID.0);
         }
-        Some(code(in_context(c, |c| c.map(va, size, offset, vh))))
+        let r = in_context(c, |c| c.map(va, size, offset, vh));
+        let call = Call::Map {
+            va,
+            size,
+            offset,
+            vh,
+        };
+        record(c, call, &r);
+        Some(code(r))
     })
 }
 
@@ -136,6 +150,7 @@ pub fn clear(va: u64, size: u64) {
     }
     for c in lock().all() {
         in_context(c, |c| c.clear_for_program(va, size));
+        record(c, Call::Clear { va, size }, Outcome::DONE);
     }
 }
 
@@ -159,7 +174,14 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
                     .ok()
                     .and_then(crate::gpu::cuda::primary_device)
             });
-            match in_context(c, |c| c.unmap_from(va, size, who)) {
+            let r = in_context(c, |c| c.unmap_from(va, size, who));
+            let call = Call::Unmap {
+                va,
+                size,
+                caller: who,
+            };
+            record(c, call, &r);
+            match r {
                 Ok(false) => continue,
                 Ok(true) => answer = Some(0),
                 Err(e) => answer = Some(e.0),
@@ -196,7 +218,14 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
                         allocator::call_on(dev);
                     }
                 }
-                match in_context(c, |c| c.set_access(va, size, descs)) {
+                let r = in_context(c, |c| c.set_access(va, size, descs));
+                let call = Call::SetAccess {
+                    va,
+                    size,
+                    descs: descs.into(),
+                };
+                record(c, call, &r);
+                match r {
                     Ok(false) => continue,
                     Ok(true) => return Some((0, dev)),
                     Err(e) => return Some((e.0, dev)),
@@ -223,25 +252,28 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
         return Some(Err(FROZEN_USED));
     }
     let c = v.owner(vh)?;
-    Some(in_context(c, |c| c.export(vh)).map_err(|e| e.0))
+    let r = in_context(c, |c| c.export(vh));
+    record(c, Call::Export { vh }, &r);
+    Some(r.map_err(|e| e.0))
 }
 
 /// Before the memory of the run starting at `ptr` is shared with another process: page-sized
 /// handles that never move. Only the device of `ptr`'s memory is touched (the run never
 /// leaves it): another device's paused pages stay paused and its handles stay where they are.
 pub fn isolate_run(ptr: u64) -> Result<(), u32> {
-    isolate(ptr, Coalescer::isolate_run)
+    isolate(ptr, Coalescer::isolate_run, Call::IsolateRun { ptr })
 }
 
 /// As [`isolate_run`] for the handle behind `ptr`'s page alone (a caller that retains that
 /// page's handle).
 pub fn isolate_page(ptr: u64) -> Result<(), u32> {
-    isolate(ptr, Coalescer::isolate_page)
+    isolate(ptr, Coalescer::isolate_page, Call::IsolatePage { ptr })
 }
 
 fn isolate(
     ptr: u64,
     how: fn(&mut Coalescer<crate::gpu::cuda::CudaDriver>, u64) -> crate::gpu::DrvResult<()>,
+    call: Call<'_>,
 ) -> Result<(), u32> {
     if !started() {
         return Ok(());
@@ -251,7 +283,9 @@ fn isolate(
     let Some(c) = v.all().find(|c| c.range_of(ptr).is_some()) else {
         return Ok(());
     };
-    in_context(c, |c| how(c, ptr)).map_err(|e| e.0)
+    let r = in_context(c, |c| how(c, ptr));
+    record(c, call, &r);
+    r.map_err(|e| e.0)
 }
 
 /// What a range query at `ptr` sees, as it would without coalescing: the mapping the program
@@ -271,9 +305,11 @@ pub fn retain(ptr: u64) -> Option<Result<u64, u32>> {
     if !started() {
         return None;
     }
-    lock()
-        .all()
-        .find_map(|c| c.retain(ptr).map_err(|e| e.0).transpose())
+    lock().all().find_map(|c| {
+        let r = c.retain(ptr);
+        record(c, Call::Retain { ptr }, &r);
+        r.map_err(|e| e.0).transpose()
+    })
 }
 
 pub fn props_of(vh: u64) -> Option<(i32, PageProps)> {
@@ -295,6 +331,7 @@ pub fn reserved(va: u64, size: u64) {
     }
     for c in lock().all() {
         c.reserved(va, size);
+        record(c, Call::Reserved { va, size }, Outcome::DONE);
     }
 }
 
@@ -308,7 +345,9 @@ pub fn address_free(va: u64, size: u64) -> Option<u32> {
         return Some(FROZEN_GIVEN_UP);
     }
     for c in v.all() {
-        if let Err(e) = in_context(c, |c| c.address_free(va, size)) {
+        let r = in_context(c, |c| c.address_free(va, size));
+        record(c, Call::AddressFree { va, size }, &r);
+        if let Err(e) = r {
             return Some(e.0);
         }
     }
@@ -328,11 +367,15 @@ pub fn settle() {
         in_context(c, |c| match inside {
             true => {
                 c.drop_ahead();
+                record(c, Call::DropAhead, Outcome::DONE);
                 c.settle(false);
+                record(c, Call::Settle { force: false }, Outcome::DONE);
                 c.release_kept();
+                record(c, Call::ReleaseKept, Outcome::DONE);
             }
             false => {
-                c.trim_unmoved();
+                let n = c.trim_unmoved();
+                record(c, Call::TrimUnmoved, n);
             }
         });
     }

@@ -75,6 +75,26 @@ impl Default for CoalesceConfig {
     }
 }
 
+impl CoalesceConfig {
+    /// The tuning the `EXPSEG_*` configuration asks for. `releaser`: whether a thread gives
+    /// kept handles back after the delay (without one, nothing would: released at once).
+    pub fn from_config(c: &crate::config::Config, releaser: bool) -> Self {
+        CoalesceConfig {
+            max_handle: c.coalesce_max,
+            strand_max: c.strand_max,
+            margin: c.coalesce_margin,
+            release_delay: match releaser {
+                true => std::time::Duration::from_millis(c.release_delay_ms),
+                false => std::time::Duration::ZERO,
+            },
+            ahead: c.grow_ahead,
+            peer_hold: c.peer_hold,
+            move_live: c.compact,
+            split_tail: c.split_tail,
+        }
+    }
+}
+
 /// Counters for the report.
 #[derive(Clone, Debug, Default)]
 pub struct CoalesceStats {
@@ -519,6 +539,11 @@ impl<D: Driver> Coalescer<D> {
     /// pages they were not asked to move), until the next change. True when made.
     pub fn allow_moves(&mut self, on: bool) {
         self.moves_allowed = on;
+    }
+
+    /// Whether the calls under way may move live pages ([`Coalescer::allow_moves`]).
+    pub fn moves_allowed(&self) -> bool {
+        self.moves_allowed
     }
 
     /// Whether this device has anything of ours: pages, handles, kept handles, or temporary

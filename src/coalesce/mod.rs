@@ -37,16 +37,21 @@
 //! This file is the API (the program's calls). Below it, each room uses only the rooms under
 //! it: `sleep` pauses and resumes handles, `plan` backs pending pages, `compact` moves live pages out of partly released
 //! handles, `reuse` keeps and gives back released handles, `books` holds the state and
-//! its range queries, `timed` counts and times every driver call.
+//! its range queries, `timed` counts and times every driver call. Beside them, `trace` is the
+//! text form of the API's calls (recorded by `crate::api::trace` in test builds), and `replay`
+//! (test builds) drives a coalescer on the fake driver from it.
 
 mod books;
 mod compact;
 mod plan;
+#[cfg(feature = "test-switches")]
+pub mod replay;
 mod reuse;
 mod sleep;
 #[cfg(test)]
 mod tests;
 mod timed;
+pub mod trace;
 
 pub use books::{
     is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, INVALID, NOT_SUPPORTED,

@@ -182,6 +182,7 @@ fn test_switches_are_read_only_in_builds_with_the_feature() {
         ("EXPSEG_TEST_SLOW_CHECK", "1500"),
         ("EXPSEG_TEST_SLOW_EXPORT", "300"),
         ("EXPSEG_TEST_FAIL_MOVE", "copy"),
+        ("EXPSEG_TEST_TRACE", "/tmp/t"),
     ];
     let (c, bad) = with(&set);
     if TEST_SWITCHES {
@@ -190,6 +191,7 @@ fn test_switches_are_read_only_in_builds_with_the_feature() {
         assert_eq!(c.test_slow_check_ms, Some(1500));
         assert_eq!(c.test_slow_export_ms, Some(300));
         assert_eq!(c.test_fail_move.as_deref(), Some("copy"));
+        assert_eq!(c.test_trace.as_deref(), Some("/tmp/t"));
     } else {
         assert_eq!(c, Config::default(), "a release build ignores them");
         assert_eq!(bad.len(), set.len(), "one line each: {bad:?}");
