@@ -116,6 +116,10 @@ pub struct Config {
     /// gets a handle of its own (its tail holds the next small blocks, whose lifetime is not
     /// the batch's), so that the batch's other pages go back whole. Off: one handle a batch.
     pub split_tail: bool,
+    /// `EXPSEG_LEARN_CUTS` (default on): where a handle's live pages met released ones when
+    /// the program's giving back ended, later handles are cut (and not grown ahead across),
+    /// so pages of different lifetimes seldom share one. Off: handles follow batches only.
+    pub learn_cuts: bool,
     /// `EXPSEG_COALESCE_MARGIN`: free memory kept in hand while pages are admitted without
     /// being created; nearer the limit pages are created at once.
     pub coalesce_margin: u64,
@@ -200,6 +204,7 @@ impl Default for Config {
             strand_max: 0,
             compact: false,
             split_tail: true,
+            learn_cuts: true,
             coalesce_margin: GIB,
             // Released handles go back before the release returns: a colocated engine handed
             // the memory by empty_cache() gets it (kept 2 ms, it did 1 time in 20; churn
@@ -307,6 +312,11 @@ const VARS: &[Var] = &[
         name: "EXPSEG_SPLIT_TAIL",
         set: |c, v| set_switch(&mut c.split_tail, v),
         show: |c| u8::from(c.split_tail).to_string(),
+    },
+    Var {
+        name: "EXPSEG_LEARN_CUTS",
+        set: |c, v| set_switch(&mut c.learn_cuts, v),
+        show: |c| u8::from(c.learn_cuts).to_string(),
     },
     Var {
         name: "EXPSEG_COALESCE_MARGIN",

@@ -1588,12 +1588,14 @@ fn doctor_fails_without_vmm() {
 }
 
 fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
-    // These programs count one handle per batch: the batch's last page alone (the default
-    // EXPSEG_SPLIT_TAIL=1) is asked for where a test wants it.
+    // These programs count one handle per batch from the first use on: the batch's last
+    // page alone (the default EXPSEG_SPLIT_TAIL=1) and pages at new addresses alone (the
+    // default EXPSEG_LEARN_CUTS=1) are asked for where a test wants them.
     let mut all = vec![
         ("FAKE_MEMINFO_REAL", "1"),
         ("FAKE_CAPACITY", "4294967296"),
         ("EXPSEG_SPLIT_TAIL", "0"),
+        ("EXPSEG_LEARN_CUTS", "0"),
     ];
     all.extend_from_slice(env);
     let path = fixture().dir.join(lib);
@@ -3700,8 +3702,11 @@ fn nccl_buffer_registration_of_pytorch_pages_exports_the_page_itself() {
     }
 }
 
-/// The library's own defaults (`pages` turns the tail's handle off for the handle counts).
-const DEFAULTS: [(&str, &str); 1] = [("EXPSEG_SPLIT_TAIL", "1")];
+/// The library's own defaults (`pages` turns the tail's handle off for the handle counts), but
+/// for learned placement (`EXPSEG_LEARN_CUTS`): with it, pages at new addresses get handles of
+/// their own and this program strands nothing, and it is the no-move rule that is tested
+/// where a handle strands (learned placement: src/coalesce/tests/cuts.rs).
+const DEFAULTS: [(&str, &str); 2] = [("EXPSEG_SPLIT_TAIL", "1"), ("EXPSEG_LEARN_CUTS", "0")];
 
 #[test]
 fn at_the_defaults_no_live_page_moves() {
@@ -3725,13 +3730,13 @@ fn at_the_defaults_no_live_page_moves() {
     let t = pages(
         "libc10_cuda.so",
         "full",
-        &[DEFAULTS[0], ("TRIM_THREAD", "1")],
+        &[DEFAULTS[0], DEFAULTS[1], ("TRIM_THREAD", "1")],
     )
     .ok();
     let p = pages(
         "libc10_cuda.so",
         "full",
-        &[DEFAULTS[0], ("PAUSE_THREAD", "1")],
+        &[DEFAULTS[0], DEFAULTS[1], ("PAUSE_THREAD", "1")],
     )
     .ok();
     for (r, k, v) in [
@@ -3757,7 +3762,7 @@ fn at_the_defaults_no_live_page_moves() {
     let r = pages(
         "libc10_cuda.so",
         "two_threads",
-        &[DEFAULTS[0], ("FAKE_DEVICES", "2")],
+        &[DEFAULTS[0], DEFAULTS[1], ("FAKE_DEVICES", "2")],
     )
     .ok();
     for (k, v) in [
@@ -3879,7 +3884,11 @@ fn a_trace_of_the_coalescers_calls_replays_to_the_figures_of_the_run() {
             "{what}: {json}"
         );
         // The replay's configuration: the run's own variables (`pages` sets some).
-        let mut vars = vec![("FAKE_MEMINFO_REAL", "1"), ("EXPSEG_SPLIT_TAIL", "0")];
+        let mut vars = vec![
+            ("FAKE_MEMINFO_REAL", "1"),
+            ("EXPSEG_SPLIT_TAIL", "0"),
+            ("EXPSEG_LEARN_CUTS", "0"),
+        ];
         vars.extend_from_slice(&env);
         let config = Config::from_lookup(
             |name| {

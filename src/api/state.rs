@@ -783,6 +783,7 @@ pub(super) mod coalescers {
                 "coalesce_reused_stranded_bytes",
                 sum(&|s| s.reused_stranded),
             ),
+            ("coalesce_cuts_learned", sum(&|s| s.cuts_learned)),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),
             (

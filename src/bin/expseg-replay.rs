@@ -27,6 +27,11 @@ memory in GiB (default 140).
 ";
 
 fn main() -> ExitCode {
+    // The coalescer's own lines (EXPSEG_LOG, as in the library: stranded handles, cuts), on
+    // stderr.
+    env_logger::Builder::new()
+        .parse_filters(&std::env::var("EXPSEG_LOG").unwrap_or_else(|_| "warn".into()))
+        .init();
     let mut every = None;
     let mut files = Vec::new();
     let mut args = std::env::args().skip(1);

@@ -55,6 +55,9 @@ pub struct CoalesceConfig {
     /// (`EXPSEG_SPLIT_TAIL`): the program's next small blocks share it, so its lifetime is
     /// not the batch's.
     pub split_tail: bool,
+    /// Handles are cut where live pages met released ones at the end of a giving back
+    /// (`EXPSEG_LEARN_CUTS`, [`super::cuts`]).
+    pub learn_cuts: bool,
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -71,6 +74,7 @@ impl Default for CoalesceConfig {
             peer_hold: crate::config::PeerHold::Off,
             move_live: false,
             split_tail: true,
+            learn_cuts: true,
         }
     }
 }
@@ -91,6 +95,7 @@ impl CoalesceConfig {
             peer_hold: c.peer_hold,
             move_live: c.compact,
             split_tail: c.split_tail,
+            learn_cuts: c.learn_cuts,
         }
     }
 }
@@ -121,6 +126,8 @@ pub struct CoalesceStats {
     /// Bytes of new pages served in place by released pages of a live handle (mapped where
     /// those were): no driver call, and those bytes are no longer stranded.
     pub reused_stranded: u64,
+    /// Lifetime boundaries learned from stranded handles (`EXPSEG_LEARN_CUTS`).
+    pub cuts_learned: u64,
     /// Bytes of pages served from released handles kept for reuse.
     pub reused_bytes: u64,
     /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).
@@ -294,6 +301,8 @@ pub struct Coalescer<D: Driver> {
     pub(super) moves_allowed: bool,
     /// Host buffers of paused handles.
     pub(super) host: HostCopies,
+    /// Lifetime boundaries learned from stranded handles ([`super::cuts`]).
+    pub(super) cuts: super::cuts::Cuts,
     pub(super) stats: CoalesceStats,
 }
 
@@ -331,6 +340,7 @@ impl<D: Driver> Coalescer<D> {
             released_since: false,
             moves_allowed: true,
             host: HostCopies::default(),
+            cuts: Default::default(),
             stats: CoalesceStats::default(),
         }
     }

@@ -43,6 +43,7 @@
 
 mod books;
 mod compact;
+mod cuts;
 mod plan;
 #[cfg(feature = "test-switches")]
 pub mod replay;
@@ -181,6 +182,7 @@ impl<D: Driver> Coalescer<D> {
     pub fn giving_back_ended(&mut self) {
         if std::mem::take(&mut self.released_since) {
             self.note_stranded();
+            self.learn_cuts();
         }
         if !self.moves_allowed {
             return;

@@ -52,6 +52,7 @@ impl<D: Driver> Coalescer<D> {
                 return Err(INVALID);
             }
         }
+        self.saw(inside);
         Ok(())
     }
 
@@ -73,6 +74,9 @@ impl<D: Driver> Coalescer<D> {
                     && !p.single
                     && !lp.single
                     && len.saturating_add(p.size) <= limit.max(p.size)
+                    && !self.cuts.at(va)
+                    && self.known(lva, lp.size)
+                    && self.known(va, p.size)
                     && self.same_reservation(r[0].0, va + p.size)
             });
             if extend {
@@ -404,6 +408,9 @@ impl<D: Driver> Coalescer<D> {
         if let Some((b, _)) = self.parked.range(end..end.saturating_add(cap)).next() {
             cap = cap.min(b - end);
         }
+        if let Some(c) = self.cuts.first_in(end, end.saturating_add(cap)) {
+            cap = cap.min(c - end);
+        }
         cap / unit.max(1) * unit
     }
 
@@ -429,7 +436,8 @@ impl<D: Driver> Coalescer<D> {
         }
         let total: u64 = rest.iter().map(|(_, v)| self.pages[v].size).sum();
         let (last_va, last) = *rest.last().unwrap();
-        let ahead = match uniform && last_va != 0 && !self.no_ahead {
+        let known = self.known(last_va, self.pages[&last].size);
+        let ahead = match uniform && last_va != 0 && !self.no_ahead && known {
             true => self.ahead_for(last_va + self.pages[&last].size, total, unit),
             false => 0,
         };

@@ -228,7 +228,7 @@ impl Header {
 /// The coalescers' configuration as `key=value` words (the header's `# config` line).
 pub fn config_words(cfg: &super::CoalesceConfig, keep_host: bool) -> String {
     format!(
-        "max_handle={:#x} strand_max={:#x} margin={:#x} release_delay_ms={} ahead={:#x} peer_hold={:?} move_live={} split_tail={} keep_host={}",
+        "max_handle={:#x} strand_max={:#x} margin={:#x} release_delay_ms={} ahead={:#x} peer_hold={:?} move_live={} split_tail={} learn_cuts={} keep_host={}",
         cfg.max_handle,
         cfg.strand_max,
         cfg.margin,
@@ -237,6 +237,7 @@ pub fn config_words(cfg: &super::CoalesceConfig, keep_host: bool) -> String {
         cfg.peer_hold,
         u8::from(cfg.move_live),
         u8::from(cfg.split_tail),
+        u8::from(cfg.learn_cuts),
         u8::from(keep_host),
     )
 }

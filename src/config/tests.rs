@@ -231,3 +231,13 @@ fn the_ipc_directory_must_exist_and_be_absolute() {
     }
     assert!(with(&[("EXPSEG_IPC_DIR", "/tmp")]).1.is_empty());
 }
+
+#[test]
+fn learned_placement_is_on_by_default_and_a_switch() {
+    assert!(Config::default().learn_cuts);
+    let (c, bad) = with(&[("EXPSEG_LEARN_CUTS", "off")]);
+    assert!(bad.is_empty() && !c.learn_cuts);
+    let (c, bad) = with(&[("EXPSEG_LEARN_CUTS", "sometimes")]);
+    assert!(c.learn_cuts);
+    assert!(bad.len() == 1 && bad[0].contains("EXPSEG_LEARN_CUTS"), "{bad:?}");
+}

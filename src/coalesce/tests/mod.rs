@@ -4,6 +4,7 @@
 
 mod api;
 mod compact;
+mod cuts;
 mod inflight;
 mod plan;
 mod randomized;
@@ -42,6 +43,7 @@ pub(super) fn cfg() -> CoalesceConfig {
         peer_hold: crate::config::PeerHold::Off,
         move_live: true,
         split_tail: false,
+        learn_cuts: false,
     }
 }
 

@@ -201,6 +201,7 @@ fn randomized_calls_never_unmap_a_page_the_program_has_mapped() {
         k.ahead = [0, 2 * PAGE, 8 * PAGE][(seed / 3) as usize % 3];
         k.margin = [0, 4 * PAGE][(seed / 9) as usize % 2];
         k.split_tail = seed % 2 == 0;
+        k.learn_cuts = seed % 4 < 2;
         let (mut c, va) = setup(60 * PAGE, k);
         c.peak_held = u64::MAX;
         let mut live: BTreeMap<u64, u64> = BTreeMap::new();

@@ -1,0 +1,164 @@
+//! Lifetimes learned from the program's own giving back, so that pages that live differently
+//! seldom share a handle (live pages never move, so a shared handle strands the released
+//! part). Two rules:
+//! - A page mapped at an address the program never mapped before gets a handle of its own
+//!   (nothing is known of its lifetime yet; PyTorch's first steps make the long-lived tensors
+//!   and the first activations there).
+//! - Where a stranded handle's live pages meet its released bytes when the program's giving
+//!   back ends, the address is a *cut*: handles made later end there and never grow ahead
+//!   across it (PyTorch's segments put the same blocks at the same addresses step after step).
+//!
+//! What is learned outlives the program's reservations (PyTorch frees a segment's range and
+//! reserves the same one again). Nothing moves for it: only handles made afterwards follow it.
+//! Measured on traces of the bench's workloads (`expseg-replay`, docs/design.md).
+
+use super::books::Coalescer;
+use crate::gpu::Driver;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// At most this many cuts a device; the oldest go first.
+pub(super) const MAX_CUTS: usize = 4096;
+
+/// Cut addresses, the order they were learned in (to forget the oldest), and the addresses the
+/// program has mapped pages at (start -> end, merged).
+#[derive(Debug, Default)]
+pub(super) struct Cuts {
+    at: BTreeSet<u64>,
+    order: VecDeque<u64>,
+    seen: BTreeMap<u64, u64>,
+}
+
+impl Cuts {
+    /// Learn a cut; false if it was known.
+    pub(super) fn add(&mut self, va: u64) -> bool {
+        if !self.at.insert(va) {
+            return false;
+        }
+        self.order.push_back(va);
+        while self.order.len() > MAX_CUTS {
+            if let Some(old) = self.order.pop_front() {
+                self.at.remove(&old);
+            }
+        }
+        true
+    }
+
+    /// Whether a handle must not run across `va` (from below it into it).
+    pub(super) fn at(&self, va: u64) -> bool {
+        self.at.contains(&va)
+    }
+
+    /// The first cut in `[from, to)`.
+    pub(super) fn first_in(&self, from: u64, to: u64) -> Option<u64> {
+        self.at.range(from..to).next().copied()
+    }
+
+    /// Whether the program mapped a page over all of `[va, va+size)` before.
+    pub(super) fn seen(&self, va: u64, size: u64) -> bool {
+        self.seen
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(_, e)| *e >= va.saturating_add(size))
+    }
+
+    /// The program maps a page at `[va, va+size)`.
+    pub(super) fn see(&mut self, va: u64, size: u64) {
+        let (mut s, mut e) = (va, va.saturating_add(size));
+        if let Some((&ps, &pe)) = self.seen.range(..=s).next_back() {
+            if pe >= s {
+                s = ps;
+                e = e.max(pe);
+            }
+        }
+        let after: Vec<(u64, u64)> = self.seen.range(s..=e).map(|(a, b)| (*a, *b)).collect();
+        for (a, b) in after {
+            self.seen.remove(&a);
+            e = e.max(b);
+        }
+        self.seen.insert(s, e);
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.at.len()
+    }
+}
+
+impl<D: Driver> Coalescer<D> {
+    /// Whether pages at `[va, va+size)` may share a handle with their neighbours: the program
+    /// mapped a page there before (or nothing is learned).
+    pub(super) fn known(&self, va: u64, size: u64) -> bool {
+        !self.cfg.learn_cuts || self.cuts.seen(va, size)
+    }
+
+    /// The pages of `inside` (address, page) have memory now: their addresses are known.
+    pub(super) fn saw(&mut self, inside: &[(u64, u64)]) {
+        if !self.cfg.learn_cuts {
+            return;
+        }
+        let mut new = 0;
+        for &(va, vh) in inside {
+            if va != 0 {
+                if !self.cuts.seen(va, self.pages[&vh].size) {
+                    new += 1;
+                }
+                self.cuts.see(va, self.pages[&vh].size);
+            }
+        }
+        if new > 0 {
+            log::debug!("device {}: {new} pages at new addresses", self.drv.device());
+        }
+    }
+
+    /// At the end of a giving back: every boundary between a stranded handle's live pages and
+    /// its released bytes becomes a cut (its bytes grown ahead are not released bytes).
+    pub(super) fn learn_cuts(&mut self) {
+        if !self.cfg.learn_cuts {
+            log::debug!(
+                "device {}: giving back ended, {} MiB stranded in {} handles",
+                self.drv.device(),
+                self.stranded() >> 20,
+                self.dirty.len()
+            );
+            return;
+        }
+        if log::log_enabled!(target: "expseg::coalesce::books", log::Level::Debug) {
+            self.stranded_now();
+        }
+        let mut found = Vec::new();
+        for pid in &self.dirty {
+            let ph = &self.phys[pid];
+            let Some(base) = ph.base else { continue };
+            let used = ph.size - ph.ahead;
+            // The end of the last live page (0: none yet).
+            let mut end = 0;
+            for (&o, vh) in &ph.slots {
+                if o > end {
+                    // Released bytes [end, o): a cut where live pages end before them and
+                    // where live pages start after them.
+                    if end > 0 {
+                        found.push(base + end);
+                    }
+                    found.push(base + o);
+                }
+                end = end.max(o + self.pages[vh].size);
+            }
+            if end > 0 && end < used {
+                found.push(base + end);
+            }
+        }
+        let mut new = 0;
+        for va in found {
+            if self.cuts.add(va) {
+                self.stats.cuts_learned += 1;
+                new += 1;
+            }
+        }
+        log::debug!(
+            "device {}: giving back ended, {} MiB stranded in {} handles; {new} cuts learned, {} known",
+            self.drv.device(),
+            self.stranded() >> 20,
+            self.dirty.len(),
+            self.cuts.len()
+        );
+    }
+}

@@ -1,0 +1,106 @@
+//! Lifetimes learned from the program's giving back (`EXPSEG_LEARN_CUTS`): pages at new
+//! addresses get handles of their own, pages mapped again where pages were before share one,
+//! and handles made after a stranded one are cut where its live pages met released ones.
+
+use super::*;
+
+fn learning() -> CoalesceConfig {
+    CoalesceConfig {
+        learn_cuts: true,
+        ..still()
+    }
+}
+
+/// Handles created so far.
+fn creates(c: &Coalescer<FakeDriver>) -> u64 {
+    c.driver_calls()[crate::gpu::Op::Create.index()].0
+}
+
+#[test]
+fn pages_at_new_addresses_get_handles_of_their_own_and_share_one_when_mapped_there_again() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert_eq!(c.counts(), (4, 4), "first use: a handle per page");
+    fill(&mut c, va, 4);
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs);
+    c.giving_back_ended();
+    assert_eq!(c.driver().used(), 0);
+    let before = creates(&c);
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert_eq!(c.counts(), (4, 1), "known addresses: one handle");
+    assert_eq!(creates(&c) - before, 1);
+    shrink(&mut c, va, &hs);
+    // Off: one handle a batch from the first use on.
+    let (mut c, va) = setup(100 * PAGE, still());
+    grow(&mut c, va, 4).unwrap();
+    assert_eq!(c.counts(), (4, 1));
+}
+
+#[test]
+fn what_was_learned_outlives_the_reservation_freed_and_made_again() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let hs = grow(&mut c, va, 3).unwrap();
+    shrink(&mut c, va, &hs);
+    c.address_free(va, 4000 * PAGE).unwrap();
+    c.reserved(va, 4000 * PAGE);
+    grow(&mut c, va, 3).unwrap();
+    assert_eq!(c.counts(), (3, 1));
+}
+
+#[test]
+fn a_handle_made_after_a_stranded_one_is_cut_where_its_live_pages_met_released_ones() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    // Learn the addresses, then one handle over 4 pages.
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert_eq!(c.counts(), (4, 1));
+    // Pages 1..4 go, page 0 lives on: stranded, and a cut at page 1 when the giving back ends.
+    shrink(&mut c, va + PAGE, &hs[1..]);
+    assert_eq!(
+        c.stats().cuts_learned,
+        0,
+        "not while the program gives back"
+    );
+    c.giving_back_ended();
+    assert_eq!(c.stranded(), 3 * PAGE);
+    assert_eq!(c.stats().cuts_learned, 1);
+    shrink(&mut c, va, &hs[..1]);
+    assert_eq!(c.driver().used(), 0);
+    // Mapped again: two handles, cut at page 1, so page 0 living on strands nothing.
+    let hs = grow(&mut c, va, 4).unwrap();
+    assert_eq!(c.counts(), (4, 2));
+    shrink(&mut c, va + PAGE, &hs[1..]);
+    c.giving_back_ended();
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(c.driver().used(), PAGE);
+    assert_eq!(c.driver().unmapped_watched, 0);
+}
+
+#[test]
+fn bytes_are_not_grown_ahead_across_a_cut_nor_past_new_addresses() {
+    let mut k = learning();
+    k.ahead = 8 * PAGE;
+    let (mut c, va) = setup(100 * PAGE, k);
+    c.peak_held = u64::MAX;
+    // New addresses: no bytes grown ahead.
+    let hs = grow(&mut c, va, 2).unwrap();
+    assert_eq!(c.ahead_bytes(), 0);
+    shrink(&mut c, va, &hs);
+    // Known: grown ahead up to the reservation's next known limit.
+    let hs = grow(&mut c, va, 2).unwrap();
+    assert_eq!(c.counts(), (2, 1));
+    assert_eq!(c.ahead_bytes(), 8 * PAGE);
+    // A cut at page 1 (page 0 lived on while page 1 and the bytes ahead were released).
+    shrink(&mut c, va + PAGE, &hs[1..]);
+    c.giving_back_ended();
+    assert_eq!(c.stats().cuts_learned, 1);
+    shrink(&mut c, va, &hs[..1]);
+    c.giving_back_ended();
+    assert_eq!(c.driver().used(), 0);
+    // Page 0 alone again: its handle grows no bytes ahead across the cut at page 1.
+    grow(&mut c, va, 1).unwrap();
+    assert_eq!(c.ahead_bytes(), 0);
+    assert_eq!(c.driver().used(), PAGE);
+}
