@@ -239,5 +239,8 @@ fn learned_placement_is_on_by_default_and_a_switch() {
     assert!(bad.is_empty() && !c.learn_cuts);
     let (c, bad) = with(&[("EXPSEG_LEARN_CUTS", "sometimes")]);
     assert!(c.learn_cuts);
-    assert!(bad.len() == 1 && bad[0].contains("EXPSEG_LEARN_CUTS"), "{bad:?}");
+    assert!(
+        bad.len() == 1 && bad[0].contains("EXPSEG_LEARN_CUTS"),
+        "{bad:?}"
+    );
 }
