@@ -302,7 +302,7 @@ pub struct Coalescer<D: Driver> {
     /// Host buffers of paused handles.
     pub(super) host: HostCopies,
     /// Lifetime boundaries learned from stranded handles ([`super::cuts`]).
-    pub(super) cuts: super::cuts::Cuts,
+    pub(super) cuts: super::learned::Cuts,
     pub(super) stats: CoalesceStats,
 }
 

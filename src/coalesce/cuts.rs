@@ -4,6 +4,9 @@
 //! - A page mapped at an address the program never mapped before gets a handle of its own
 //!   (nothing is known of its lifetime yet; PyTorch's first steps make the long-lived tensors
 //!   and the first activations there).
+//! - A page mapped where the program shared pages before (an export, an IPC run, NCCL's
+//!   retain) gets a handle of its own: sharing splits a coalesced handle, and a split moves
+//!   pages, so the program's next sharing of the same buffer splits nothing.
 //! - Where a stranded handle's live pages meet its released bytes when the program's giving
 //!   back ends, the address is a *cut*: handles made later end there and never grow ahead
 //!   across it (PyTorch's segments put the same blocks at the same addresses step after step).
@@ -14,80 +17,28 @@
 
 use super::books::Coalescer;
 use crate::gpu::Driver;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
-
-/// At most this many cuts a device; the oldest go first.
-pub(super) const MAX_CUTS: usize = 4096;
-
-/// Cut addresses, the order they were learned in (to forget the oldest), and the addresses the
-/// program has mapped pages at (start -> end, merged).
-#[derive(Debug, Default)]
-pub(super) struct Cuts {
-    at: BTreeSet<u64>,
-    order: VecDeque<u64>,
-    seen: BTreeMap<u64, u64>,
-}
-
-impl Cuts {
-    /// Learn a cut; false if it was known.
-    pub(super) fn add(&mut self, va: u64) -> bool {
-        if !self.at.insert(va) {
-            return false;
-        }
-        self.order.push_back(va);
-        while self.order.len() > MAX_CUTS {
-            if let Some(old) = self.order.pop_front() {
-                self.at.remove(&old);
-            }
-        }
-        true
-    }
-
-    /// Whether a handle must not run across `va` (from below it into it).
-    pub(super) fn at(&self, va: u64) -> bool {
-        self.at.contains(&va)
-    }
-
-    /// The first cut in `[from, to)`.
-    pub(super) fn first_in(&self, from: u64, to: u64) -> Option<u64> {
-        self.at.range(from..to).next().copied()
-    }
-
-    /// Whether the program mapped a page over all of `[va, va+size)` before.
-    pub(super) fn seen(&self, va: u64, size: u64) -> bool {
-        self.seen
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(_, e)| *e >= va.saturating_add(size))
-    }
-
-    /// The program maps a page at `[va, va+size)`.
-    pub(super) fn see(&mut self, va: u64, size: u64) {
-        let (mut s, mut e) = (va, va.saturating_add(size));
-        if let Some((&ps, &pe)) = self.seen.range(..=s).next_back() {
-            if pe >= s {
-                s = ps;
-                e = e.max(pe);
-            }
-        }
-        let after: Vec<(u64, u64)> = self.seen.range(s..=e).map(|(a, b)| (*a, *b)).collect();
-        for (a, b) in after {
-            self.seen.remove(&a);
-            e = e.max(b);
-        }
-        self.seen.insert(s, e);
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.at.len()
-    }
-}
 
 impl<D: Driver> Coalescer<D> {
     /// Whether pages at `[va, va+size)` may share a handle with their neighbours: the program
-    /// mapped a page there before (or nothing is learned).
+    /// mapped a page there before and never shared one there (or nothing is learned).
     pub(super) fn known(&self, va: u64, size: u64) -> bool {
-        !self.cfg.learn_cuts || self.cuts.seen(va, size)
+        !self.cfg.learn_cuts || (self.cuts.seen(va, size) && !self.cuts.shared(va, size))
+    }
+
+    /// The pages of `pid` are shared, or about to be: pages mapped there later get handles of
+    /// their own, so that sharing them again splits nothing.
+    pub(super) fn shared_here(&mut self, pid: u64) {
+        if !self.cfg.learn_cuts {
+            return;
+        }
+        let pages: Vec<(u64, u64)> = self.phys[&pid]
+            .slots
+            .values()
+            .filter_map(|v| self.pages[v].va.map(|va| (va, self.pages[v].size)))
+            .collect();
+        for (va, size) in pages {
+            self.cuts.share(va, size);
+        }
     }
 
     /// The pages of `inside` (address, page) have memory now: their addresses are known.

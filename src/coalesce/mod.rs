@@ -37,13 +37,16 @@
 //! This file is the API (the program's calls). Below it, each room uses only the rooms under
 //! it: `sleep` pauses and resumes handles, `plan` backs pending pages, `compact` moves live pages out of partly released
 //! handles, `reuse` keeps and gives back released handles, `books` holds the state and
-//! its range queries, `timed` counts and times every driver call. Beside them, `trace` is the
+//! its range queries, `timed` counts and times every driver call; `cuts` learns where handles
+//! should end from the program's giving back and sharing (its data in `learned`, kept by `books`).
+//! Beside them, `trace` is the
 //! text form of the API's calls (recorded by `crate::api::trace` in test builds), and `replay`
 //! (test builds) drives a coalescer on the fake driver from it.
 
 mod books;
 mod compact;
 mod cuts;
+mod learned;
 mod plan;
 #[cfg(feature = "test-switches")]
 pub mod replay;
@@ -574,9 +577,10 @@ impl<D: Driver> Coalescer<D> {
                     self.pages.get_mut(&m).unwrap().single = true;
                 }
                 self.stats.exports_split += 1;
+                self.shared_here(pid);
                 self.compact_for_sharing(pid)?;
             }
-            Some(_) => {}
+            Some((pid, _)) => self.shared_here(pid),
         }
         self.pages.get_mut(&vh).unwrap().single = true;
         let (pid, _) = self.pages[&vh].slot.expect("has memory");
@@ -628,6 +632,7 @@ impl<D: Driver> Coalescer<D> {
             for m in &members {
                 self.pages.get_mut(m).unwrap().single = true;
             }
+            self.shared_here(pid);
             if split {
                 self.stats.exports_split += 1;
                 self.compact_for_sharing(pid)?;

@@ -104,3 +104,32 @@ fn bytes_are_not_grown_ahead_across_a_cut_nor_past_new_addresses() {
     assert_eq!(c.ahead_bytes(), 0);
     assert_eq!(c.driver().used(), PAGE);
 }
+
+#[test]
+fn pages_mapped_where_pages_were_shared_get_handles_of_their_own_so_sharing_again_moves_nothing() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let hs = grow(&mut c, va, 3).unwrap();
+    shrink(&mut c, va, &hs);
+    // Known addresses: one handle, and its first export splits it (the one move).
+    let hs = grow(&mut c, va, 3).unwrap();
+    assert_eq!(c.counts(), (3, 1));
+    fill(&mut c, va, 3);
+    c.export(hs[1]).unwrap();
+    assert_eq!(c.stats().exports_split, 1);
+    let moved = c.stats().compactions;
+    assert!(intact(&c, va, 3));
+    shrink(&mut c, va, &hs);
+    // The same buffer again (a weight bucket each sync): a handle a page, nothing split.
+    let hs = grow(&mut c, va, 3).unwrap();
+    assert_eq!(c.counts(), (3, 3));
+    c.export(hs[1]).unwrap();
+    c.isolate_run(va).unwrap();
+    assert_eq!(c.stats().exports_split, 1);
+    assert_eq!(c.stats().compactions, moved);
+    // Elsewhere, known addresses still share a handle.
+    let other = va + 10 * PAGE;
+    let hs2 = grow(&mut c, other, 2).unwrap();
+    shrink(&mut c, other, &hs2);
+    grow(&mut c, other, 2).unwrap();
+    assert_eq!(c.counts(), (5, 4));
+}

@@ -1,0 +1,104 @@
+//! What placement has learned of the program's lifetimes, as data: cut addresses, the
+//! addresses the program has mapped pages at, and those of pages it shared. The rules that
+//! learn and use them are in `cuts`.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// At most this many cuts a device; the oldest go first.
+pub(super) const MAX_CUTS: usize = 4096;
+
+/// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
+/// program has mapped pages at, and those of pages it shared.
+#[derive(Debug, Default)]
+pub(super) struct Cuts {
+    at: BTreeSet<u64>,
+    order: VecDeque<u64>,
+    seen: Ranges,
+    shared: Ranges,
+}
+
+/// Address ranges, merged: start -> end.
+#[derive(Debug, Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    fn covers(&self, va: u64, size: u64) -> bool {
+        self.0
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(_, e)| *e >= va.saturating_add(size))
+    }
+
+    fn overlaps(&self, va: u64, size: u64) -> bool {
+        self.0
+            .range(..va.saturating_add(size))
+            .next_back()
+            .is_some_and(|(_, e)| *e > va)
+    }
+
+    fn add(&mut self, va: u64, size: u64) {
+        let (mut s, mut e) = (va, va.saturating_add(size));
+        if let Some((&ps, &pe)) = self.0.range(..=s).next_back() {
+            if pe >= s {
+                s = ps;
+                e = e.max(pe);
+            }
+        }
+        let after: Vec<(u64, u64)> = self.0.range(s..=e).map(|(a, b)| (*a, *b)).collect();
+        for (a, b) in after {
+            self.0.remove(&a);
+            e = e.max(b);
+        }
+        self.0.insert(s, e);
+    }
+}
+
+impl Cuts {
+    /// Learn a cut; false if it was known.
+    pub(super) fn add(&mut self, va: u64) -> bool {
+        if !self.at.insert(va) {
+            return false;
+        }
+        self.order.push_back(va);
+        while self.order.len() > MAX_CUTS {
+            if let Some(old) = self.order.pop_front() {
+                self.at.remove(&old);
+            }
+        }
+        true
+    }
+
+    /// Whether a handle must not run across `va` (from below it into it).
+    pub(super) fn at(&self, va: u64) -> bool {
+        self.at.contains(&va)
+    }
+
+    /// The first cut in `[from, to)`.
+    pub(super) fn first_in(&self, from: u64, to: u64) -> Option<u64> {
+        self.at.range(from..to).next().copied()
+    }
+
+    /// Whether the program mapped a page over all of `[va, va+size)` before.
+    pub(super) fn seen(&self, va: u64, size: u64) -> bool {
+        self.seen.covers(va, size)
+    }
+
+    /// The program maps a page at `[va, va+size)`.
+    pub(super) fn see(&mut self, va: u64, size: u64) {
+        self.seen.add(va, size);
+    }
+
+    /// Whether a page the program shared lay in `[va, va+size)`.
+    pub(super) fn shared(&self, va: u64, size: u64) -> bool {
+        self.shared.overlaps(va, size)
+    }
+
+    /// A page at `[va, va+size)` is shared (an export, an IPC run, NCCL's retain).
+    pub(super) fn share(&mut self, va: u64, size: u64) {
+        self.shared.add(va, size);
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.at.len()
+    }
+}
