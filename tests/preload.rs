@@ -307,8 +307,9 @@ fn references_are_versioned_like_the_real_runtime() {
 fn pool_serves_and_mimics_the_runtime() {
     // The defaults give freed memory back at once: the same size again is a new create, and
     // the free memory reported is the driver's alone.
+    // (Whether the new range lands at the old address is the fake's mmap's choice, which the
+    // process's other threads' mappings can take first under load: not asserted here.)
     let d = run("basic", &[]).ok();
-    assert_eq!(d.get("same_ptr"), "1");
     assert_eq!(
         d.get("creates_after_reuse"),
         "2",
