@@ -91,6 +91,7 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             k.release_delay = std::time::Duration::from_secs(3600);
         }
         k.ahead = [0, 2 * PAGE, 0, 8 * PAGE][seed as usize % 4];
+        k.learn_cuts = seed % 3 == 1;
         let (mut c, va) = setup(60 * PAGE, k);
         c.peak_held = u64::MAX;
         // slot index -> live page handle
@@ -195,7 +196,8 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
                 "seed {seed}: handles taken back in place"
             );
         }
-        if k.ahead > 0 {
+        // (Learned placement grows nothing ahead at new addresses, so it may never grow.)
+        if k.ahead > 0 && !k.learn_cuts {
             assert!(c.stats().ahead_used > 0, "seed {seed}: pages grown into");
         }
         c.release_kept();
@@ -266,6 +268,7 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
         k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
         k.margin = [0, 2 * PAGE, 4 * PAGE][(seed / 3) as usize % 3];
         k.ahead = [0, 3 * PAGE, 16 * PAGE][(seed / 9) as usize % 3];
+        k.learn_cuts = seed % 3 == 1;
         let (mut c, va) = setup(60 * PAGE, k);
         c.peak_held = u64::MAX;
         let mut live: BTreeMap<u64, u64> = BTreeMap::new(); // slot -> handle
