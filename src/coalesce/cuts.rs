@@ -1,6 +1,6 @@
 //! Lifetimes learned from the program's own giving back, so that pages that live differently
 //! seldom share a handle (live pages never move, so a shared handle strands the released
-//! part). Two rules:
+//! part). Three rules:
 //! - A page mapped at an address the program never mapped before gets a handle of its own
 //!   (nothing is known of its lifetime yet; PyTorch's first steps make the long-lived tensors
 //!   and the first activations there).
