@@ -11,6 +11,8 @@
 //!   back ends, the address is a *cut*: handles made later end there and never grow ahead
 //!   across it (PyTorch's segments put the same blocks at the same addresses step after step).
 //!
+//! Bytes grown ahead of known pages may still serve the next pages at new addresses (that is
+//! what growing ahead is for), but never reach over a cut or an address that was shared.
 //! What is learned outlives the program's reservations (PyTorch frees a segment's range and
 //! reserves the same one again). Nothing moves for it: only handles made afterwards follow it.
 //! Measured on traces of the bench's workloads (`expseg-replay`, docs/design.md).

@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 pub(super) const MAX_CUTS: usize = 4096;
 
 /// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
-/// program has mapped pages at, and those of pages it shared.
+/// program has mapped pages at, and those of pages it shared. The address sets are merged
+/// ranges: they grow with the separate ranges a program ever maps, not with its calls.
 #[derive(Debug, Default)]
 pub(super) struct Cuts {
     at: BTreeSet<u64>,
@@ -91,6 +92,14 @@ impl Cuts {
     /// Whether a page the program shared lay in `[va, va+size)`.
     pub(super) fn shared(&self, va: u64, size: u64) -> bool {
         self.shared.overlaps(va, size)
+    }
+
+    /// Where in `[from, to)` the first shared range starts (`from` if one covers it).
+    pub(super) fn first_shared(&self, from: u64, to: u64) -> Option<u64> {
+        if self.shared.overlaps(from, 1) {
+            return Some(from);
+        }
+        self.shared.0.range(from..to).next().map(|(s, _)| *s)
     }
 
     /// A page at `[va, va+size)` is shared (an export, an IPC run, NCCL's retain).

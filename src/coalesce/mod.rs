@@ -569,6 +569,7 @@ impl<D: Driver> Coalescer<D> {
                 let h = self.create_fresh(size, props)?;
                 let pid = self.add_phys(h, size, None, Vec::new());
                 self.attach(vh, pid, 0);
+                self.shared_here(pid);
             }
             Some((pid, _)) if self.phys[&pid].size != size => {
                 // Every page of the phys is likely shared too: split it once, page by page.
@@ -613,6 +614,12 @@ impl<D: Driver> Coalescer<D> {
             return Ok(());
         };
         let Some((mut pid, _)) = self.pages[&vh].slot else {
+            // No memory yet: it will get a handle of its own where it is shared.
+            let p = &self.pages[&vh];
+            if let (true, Some(va)) = (self.cfg.learn_cuts, p.va) {
+                let size = p.size;
+                self.cuts.share(va, size);
+            }
             return Ok(());
         };
         loop {

@@ -411,6 +411,13 @@ impl<D: Driver> Coalescer<D> {
         if let Some(c) = self.cuts.first_in(end, end.saturating_add(cap)) {
             cap = cap.min(c - end);
         }
+        // Nor over addresses the program shared pages at: pages mapped there get handles of
+        // their own (bytes grown ahead under them would be a coalesced handle again).
+        if self.cfg.learn_cuts {
+            if let Some(s) = self.cuts.first_shared(end, end.saturating_add(cap)) {
+                cap = cap.min(s - end);
+            }
+        }
         cap / unit.max(1) * unit
     }
 

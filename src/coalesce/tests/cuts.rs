@@ -133,3 +133,55 @@ fn pages_mapped_where_pages_were_shared_get_handles_of_their_own_so_sharing_agai
     grow(&mut c, other, 2).unwrap();
     assert_eq!(c.counts(), (5, 4));
 }
+
+#[test]
+fn bytes_grown_ahead_stop_where_pages_were_shared_so_the_shared_buffer_stays_alone() {
+    let mut k = learning();
+    k.ahead = 8 * PAGE;
+    let (mut c, va) = setup(100 * PAGE, k);
+    c.peak_held = u64::MAX;
+    let hs = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &hs);
+    c.giving_back_ended();
+    // A buffer at pages 2-3, shared once (its one split).
+    let b = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    c.export(b[0]).unwrap();
+    let splits = c.stats().exports_split;
+    shrink(&mut c, va + 2 * PAGE, &b);
+    // Pages 0-1 grow ahead, but not over pages 2-3.
+    let a = grow(&mut c, va, 2).unwrap();
+    assert_eq!(c.ahead_bytes(), 0);
+    let b = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    assert_eq!(c.counts(), (4, 3), "pages 0-1 together, 2 and 3 alone");
+    c.export(b[0]).unwrap();
+    assert_eq!(
+        c.stats().exports_split,
+        splits,
+        "shared again: nothing split"
+    );
+    shrink(&mut c, va + 2 * PAGE, &b);
+    shrink(&mut c, va, &a);
+}
+
+#[test]
+fn a_page_shared_before_it_has_memory_is_remembered_as_shared() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let hs = grow(&mut c, va, 3).unwrap();
+    shrink(&mut c, va, &hs);
+    // Mapped, not yet given access (no memory), and exported.
+    let hs: Vec<u64> = (0..3).map(|_| c.create(PAGE, PROPS).unwrap()).collect();
+    for (i, h) in hs.iter().enumerate() {
+        c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+    }
+    c.export(hs[1]).unwrap();
+    assert!(c.set_access(va, 3 * PAGE, &[(0, RW)]).unwrap());
+    shrink(&mut c, va, &hs);
+    let hs = grow(&mut c, va, 3).unwrap();
+    let splits = c.stats().exports_split;
+    c.export(hs[1]).unwrap();
+    assert_eq!(
+        c.stats().exports_split,
+        splits,
+        "page 1 has a handle of its own"
+    );
+}
