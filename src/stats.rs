@@ -431,10 +431,10 @@ pub fn write_report(template: &str, s: &Snapshot) -> std::io::Result<()> {
     write_no_follow(&format!("{path}.json"), &render_json(s))
 }
 
-/// Write a report file, never through a symbolic link (a link planted at the report's path
-/// must not make the process overwrite what it points to).
-fn write_no_follow(path: &str, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
+/// Create (or truncate) a file the process writes for its user (a report, a trace), never
+/// through a symbolic link (a link planted at its path must not make the process overwrite
+/// what it points to).
+pub fn create_no_follow(path: &str) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .write(true)
@@ -442,8 +442,13 @@ fn write_no_follow(path: &str, text: &str) -> std::io::Result<()> {
         .truncate(true)
         .custom_flags(libc::O_NOFOLLOW)
         .mode(0o644)
-        .open(path)?
-        .write_all(text.as_bytes())
+        .open(path)
+}
+
+/// Write a report file, never through a symbolic link.
+fn write_no_follow(path: &str, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    create_no_follow(path)?.write_all(text.as_bytes())
 }
 
 #[cfg(test)]

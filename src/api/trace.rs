@@ -80,17 +80,7 @@ pub(crate) fn begin(
     let pid = std::process::id();
     let path = format!("{prefix}.{pid}.trace");
     // Never through a symbolic link, as the exit report.
-    let opened = {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .mode(0o644)
-            .open(&path)
-    };
-    let file = match opened {
+    let file = match crate::stats::create_no_follow(&path) {
         Ok(f) => f,
         Err(err) => {
             log::warn!("EXPSEG_TEST_TRACE: cannot write {path} ({err}); no trace");
