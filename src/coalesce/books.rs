@@ -294,6 +294,9 @@ pub struct Coalescer<D: Driver> {
     /// The program released a page of a handle that stays (stranded bytes may have grown):
     /// measured when its giving back ends (`note_stranded`).
     pub(super) released_since: bool,
+    /// Whether a page's memory went back since the last giving back ended (stranding or not):
+    /// the rounds that tell whether lifetimes are still being learned ([`super::cuts`]).
+    pub(super) gave_back: bool,
     /// Whether the call under way runs on the device's allocator thread (set by the caller
     /// before each call, `allow_moves`): only there may a call move live pages it was not
     /// asked to move (the compaction owed since the program's release loop, a trim before a
@@ -338,6 +341,7 @@ impl<D: Driver> Coalescer<D> {
             giving_back: false,
             trim_owed: false,
             released_since: false,
+            gave_back: false,
             moves_allowed: true,
             host: HostCopies::default(),
             cuts: Default::default(),

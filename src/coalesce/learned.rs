@@ -16,6 +16,8 @@ pub(super) struct Cuts {
     order: VecDeque<u64>,
     seen: Ranges,
     shared: Ranges,
+    /// Giving backs since the last one that learned a cut.
+    quiet: u32,
 }
 
 /// Address ranges, merged: start -> end.
@@ -105,6 +107,27 @@ impl Cuts {
     /// A page at `[va, va+size)` is shared (an export, an IPC run, NCCL's retain).
     pub(super) fn share(&mut self, va: u64, size: u64) {
         self.shared.add(va, size);
+    }
+
+    /// A giving back ended having learned `new` cuts.
+    pub(super) fn round(&mut self, new: usize) {
+        self.quiet = if new > 0 {
+            0
+        } else {
+            self.quiet.saturating_add(1)
+        };
+    }
+
+    /// Whether the program's lifetimes are still being learned: a cut was learned in one of
+    /// the last `quiet` giving backs, or fewer than that many have ended.
+    pub(super) fn learning(&self, quiet: u32) -> bool {
+        self.quiet < quiet
+    }
+
+    /// Tests: lifetimes count as learned from now on.
+    #[cfg(test)]
+    pub(super) fn settle(&mut self) {
+        self.quiet = u32::MAX;
     }
 
     pub(super) fn len(&self) -> usize {

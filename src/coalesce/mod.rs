@@ -183,9 +183,13 @@ impl<D: Driver> Coalescer<D> {
     /// On a thread other than the device's allocator's (`moves_allowed` false) nothing moves:
     /// the device's own next call does this.
     pub fn giving_back_ended(&mut self) {
+        let gave_back = std::mem::take(&mut self.gave_back);
         if std::mem::take(&mut self.released_since) {
             self.note_stranded();
             self.learn_cuts();
+        } else if gave_back {
+            // Nothing stranded: nothing to learn, one more round that learned nothing.
+            self.cuts.round(0);
         }
         if !self.moves_allowed {
             return;
@@ -736,6 +740,7 @@ impl<D: Driver> Coalescer<D> {
         let shared = p.single;
         self.pages.remove(&vh);
         let Some((pid, off)) = slot else { return };
+        self.gave_back = true;
         let ph = self.phys.get_mut(&pid).unwrap();
         ph.slots.remove(&off);
         if ph.asleep.is_some() {

@@ -388,6 +388,9 @@ impl<D: Driver> Coalescer<D> {
             .ahead
             .min((self.peak_held / AHEAD_SHARE).saturating_sub(self.ahead_bytes()))
             .min(self.cfg.max_handle.saturating_sub(total));
+        if let Some(most) = self.learning_ahead() {
+            cap = cap.min(most);
+        }
         // Only small runs grow ahead: a run that outlives an empty_cache() keeps its handle's
         // bytes ahead until it moves to a handle of its own (a copy), so the copy a large run
         // would cost is not risked (train_ec with logits live across empty_cache() compacted

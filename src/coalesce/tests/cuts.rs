@@ -84,6 +84,7 @@ fn bytes_are_not_grown_ahead_across_a_cut_nor_past_new_addresses() {
     k.ahead = 8 * PAGE;
     let (mut c, va) = setup(100 * PAGE, k);
     c.peak_held = u64::MAX;
+    c.cuts.settle();
     // New addresses: no bytes grown ahead.
     let hs = grow(&mut c, va, 2).unwrap();
     assert_eq!(c.ahead_bytes(), 0);
@@ -184,4 +185,38 @@ fn a_page_shared_before_it_has_memory_is_remembered_as_shared() {
         splits,
         "page 1 has a handle of its own"
     );
+}
+
+#[test]
+fn while_lifetimes_are_learned_a_handle_grows_at_most_a_page_ahead() {
+    let mut k = learning();
+    k.ahead = 8 * PAGE;
+    let (mut c, va) = setup(100 * PAGE, k);
+    c.peak_held = u64::MAX;
+    let hs = grow(&mut c, va, 2).unwrap();
+    shrink(&mut c, va, &hs);
+    c.giving_back_ended();
+    // Known addresses, but no giving back has shown their lifetimes yet.
+    let mut rounds = 1;
+    while rounds < crate::coalesce::cuts::LEARNING_ROUNDS {
+        let hs = grow(&mut c, va, 1).unwrap();
+        assert_eq!(
+            c.ahead_bytes(),
+            crate::coalesce::cuts::LEARNING_AHEAD / PAGE * PAGE,
+            "round {rounds}: still learning"
+        );
+        shrink(&mut c, va, &hs);
+        c.giving_back_ended();
+        rounds += 1;
+    }
+    // Rounds that learned no cut: learned, the full growth.
+    grow(&mut c, va, 1).unwrap();
+    assert_eq!(c.ahead_bytes(), 8 * PAGE);
+    // Off: the full growth at once.
+    let mut k = still();
+    k.ahead = 8 * PAGE;
+    let (mut c, va) = setup(100 * PAGE, k);
+    c.peak_held = u64::MAX;
+    grow(&mut c, va, 1).unwrap();
+    assert_eq!(c.ahead_bytes(), 8 * PAGE);
 }
