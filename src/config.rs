@@ -35,6 +35,27 @@ pub enum PeerHold {
     SelfTest,
 }
 
+/// Whether the page-locked host buffers of a pause stay after the resume, for the next pause
+/// (`EXPSEG_PAUSE_KEEP_HOST`): page-locking is most of a pause's time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeepHost {
+    /// Freed when the resume is done.
+    Off,
+    /// Kept until `expseg.trim()` (or an allocation that finds no device memory).
+    On,
+    /// Kept while the host has room: given back when its available memory falls under an
+    /// eighth of the host's (at least 4 GiB), checked ten times a second while any are kept,
+    /// and at `expseg.trim()`.
+    Auto,
+}
+
+impl KeepHost {
+    /// Whether emptied buffers are kept at all.
+    pub fn keeps(self) -> bool {
+        self != KeepHost::Off
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     /// `EXPSEG_DISABLE`: pure pass-through.
@@ -81,10 +102,9 @@ pub struct Config {
     /// `EXPSEG_ALLOW_REMOTE_DISCARD`: opt-in: `expseg pause --discard` from outside may drop
     /// this process's paused bytes (without it, only an offloading pause is served).
     pub allow_remote_discard: bool,
-    /// `EXPSEG_PAUSE_KEEP_HOST`: opt-in: the page-locked host buffers of a pause are kept
-    /// after the resume for the next pause (page-locking is what a first pause waits for);
-    /// `expseg.trim()` frees them.
-    pub pause_keep_host: bool,
+    /// `EXPSEG_PAUSE_KEEP_HOST`: whether the page-locked host buffers of a pause are kept
+    /// after the resume for the next pause ([`KeepHost`]; `auto`: while the host has room).
+    pub pause_keep_host: KeepHost,
     /// `EXPSEG_IPC_ALLOW_UIDS`: users besides our own whose processes may map shared memory.
     pub ipc_allow_uids: Vec<u32>,
     /// `EXPSEG_PIDFD_RESCUE`: a `pidfd_getfd` the kernel denies (`EPERM`) is asked of the
@@ -187,7 +207,7 @@ impl Default for Config {
             control: true,
             // Discarding loses the program's data: only the program's own environment says yes.
             allow_remote_discard: false,
-            pause_keep_host: false,
+            pause_keep_host: KeepHost::Auto,
             ipc_peers_expseg: false,
             // A tensor ends inside its PyTorch block; the run of mappings after its page is
             // the rest of the segment (280 GiB of mirrors against 2.8 GiB of tensors for a
@@ -398,8 +418,23 @@ const VARS: &[Var] = &[
     },
     Var {
         name: "EXPSEG_PAUSE_KEEP_HOST",
-        set: |c, v| set_switch(&mut c.pause_keep_host, v),
-        show: |c| c.pause_keep_host.to_string(),
+        set: |c, v| {
+            if v.trim().eq_ignore_ascii_case("auto") {
+                c.pause_keep_host = KeepHost::Auto;
+                return Ok(());
+            }
+            let mut on = c.pause_keep_host.keeps();
+            set_switch(&mut on, v).map_err(|_| "1/0, true/false, yes/no, on/off or auto")?;
+            if !v.trim().is_empty() {
+                c.pause_keep_host = if on { KeepHost::On } else { KeepHost::Off };
+            }
+            Ok(())
+        },
+        show: |c| match c.pause_keep_host {
+            KeepHost::Off => "0".into(),
+            KeepHost::On => "1".into(),
+            KeepHost::Auto => "auto".into(),
+        },
     },
     Var {
         name: "EXPSEG_IPC_PEERS",

@@ -86,6 +86,11 @@ impl HostCopies {
         self.bufs.values().map(|b| b.size).sum::<u64>() + self.spare.len() as u64 * BUFFER
     }
 
+    /// Bytes of emptied buffers kept for the next pause.
+    pub fn spare_bytes(&self) -> u64 {
+        self.spare.len() as u64 * BUFFER
+    }
+
     /// Free the buffers kept for the next pause: the bytes freed.
     pub fn release_spare<D: Driver>(&mut self, drv: &mut D) -> u64 {
         let n = self.spare.len() as u64 * BUFFER;

@@ -23,9 +23,19 @@ pub fn available() -> Option<u64> {
     }
 }
 
+/// The host's memory (`MemTotal`); `None` if it cannot be read.
+pub fn total() -> Option<u64> {
+    meminfo_field(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemTotal:")
+}
+
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
 fn meminfo_available(text: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    meminfo_field(text, "MemAvailable:")
+}
+
+/// A `/proc/meminfo` field (`name` with its colon) in bytes.
+fn meminfo_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }

@@ -3905,7 +3905,7 @@ fn a_trace_of_the_coalescers_calls_replays_to_the_figures_of_the_run() {
         );
         let mut replay = Replay::new(
             CoalesceConfig::from_config(&config, true),
-            config.pause_keep_host,
+            config.pause_keep_host.keeps(),
             CAPACITY,
         );
         // Up to the report's queries (its figures): a thread may still call a coalescer

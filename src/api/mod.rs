@@ -14,6 +14,7 @@
 
 mod allocator;
 pub mod fdshare;
+mod hostkeep;
 mod ipc;
 pub mod reads;
 pub mod sleep;

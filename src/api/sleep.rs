@@ -166,6 +166,7 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
             total.mixed
         );
     }
+    super::hostkeep::after_sleep();
     match first_err {
         Some(code) => Err(Failed { code, done: out }),
         None => Ok(out),
@@ -221,6 +222,7 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
         seconds: t0.elapsed().as_secs_f64(),
         ..Outcome::default()
     };
+    super::hostkeep::after_sleep();
     match first_err {
         Some(e) => {
             log::error!(

@@ -186,7 +186,7 @@ impl State {
                         d.shareable
                     );
                     let mut p = Pool::new(d, cfg);
-                    p.keep_host(c.pause_keep_host);
+                    p.keep_host(c.pause_keep_host.keeps());
                     for peer in &self.grants[dev as usize] {
                         if let Err(e) = p.grant(*peer) {
                             log::error!(
@@ -510,7 +510,7 @@ pub(super) mod coalescers {
                     .map(|d| match CudaDriver::open(t, d) {
                         Ok(drv) => {
                             let mut co = Coalescer::new(drv, cfg);
-                            co.keep_host(c.pause_keep_host);
+                            co.keep_host(c.pause_keep_host.keeps());
                             Some(co)
                         }
                         Err(why) => {
@@ -526,7 +526,7 @@ pub(super) mod coalescers {
                     .map(|c| (c.driver().device(), c.driver().granularity()))
                     .collect();
                 let trace = c.test_trace.as_deref();
-                crate::api::trace::begin(trace, &cfg, c.pause_keep_host, &granularity);
+                crate::api::trace::begin(trace, &cfg, c.pause_keep_host.keeps(), &granularity);
                 devs
             }
             Err(_) => Vec::new(),

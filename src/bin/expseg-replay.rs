@@ -78,7 +78,7 @@ fn main() -> ExitCode {
                 }
             },
         };
-        let mut replay = Replay::new(cfg, config.pause_keep_host, gib << 30);
+        let mut replay = Replay::new(cfg, config.pause_keep_host.keeps(), gib << 30);
         let out = std::io::stdout();
         let read = replay.read(std::io::BufReader::new(input), every, |s| {
             let _ = writeln!(out.lock(), "{}", s.json(Some(file), false));

@@ -71,14 +71,13 @@ fn two_word_variables_take_either_word_or_nothing() {
 #[test]
 fn switches_take_only_their_words_and_anything_else_keeps_the_default() {
     type Field = fn(&Config) -> bool;
-    let switches: [(&str, Field); 7] = [
+    let switches: [(&str, Field); 6] = [
         ("EXPSEG_DISABLE", |c| c.disabled),
         ("EXPSEG_DRIVER_API", |c| c.driver_api),
         ("EXPSEG_TORCH_DEFAULTS", |c| c.torch_defaults),
         ("EXPSEG_MOVE_FENCE", |c| c.move_fence),
         ("EXPSEG_IPC_TICKETS", |c| c.ipc_tickets),
         ("EXPSEG_CONTROL", |c| c.control),
-        ("EXPSEG_PAUSE_KEEP_HOST", |c| c.pause_keep_host),
     ];
     for (name, field) in switches {
         let default = field(&Config::default());
@@ -243,4 +242,27 @@ fn learned_placement_is_on_by_default_and_a_switch() {
         bad.len() == 1 && bad[0].contains("EXPSEG_LEARN_CUTS"),
         "{bad:?}"
     );
+}
+
+#[test]
+fn host_buffers_are_kept_while_the_host_has_room_unless_told_otherwise() {
+    use crate::config::KeepHost;
+    assert_eq!(Config::default().pause_keep_host, KeepHost::Auto);
+    for (word, want) in [
+        ("0", KeepHost::Off),
+        ("off", KeepHost::Off),
+        ("1", KeepHost::On),
+        ("yes", KeepHost::On),
+        ("auto", KeepHost::Auto),
+        (" AUTO ", KeepHost::Auto),
+        ("", KeepHost::Auto),
+    ] {
+        let (c, bad) = with(&[("EXPSEG_PAUSE_KEEP_HOST", word)]);
+        assert!(bad.is_empty(), "{word:?}: {bad:?}");
+        assert_eq!(c.pause_keep_host, want, "{word:?}");
+    }
+    let (c, bad) = with(&[("EXPSEG_PAUSE_KEEP_HOST", "sometimes")]);
+    assert_eq!(bad.len(), 1);
+    assert!(bad[0].contains("auto"), "{bad:?}");
+    assert_eq!(c.pause_keep_host, KeepHost::Auto);
 }

@@ -1,0 +1,153 @@
+//! Host buffers kept after a resume for the next pause, while the host has room for them
+//! (`EXPSEG_PAUSE_KEEP_HOST=auto`, the default): page-locking host memory is most of a pause's
+//! time, so a loop that pauses every iteration (an RL trainer handing the GPU to its rollout
+//! engine) pays it once. Page-locked memory cannot be swapped out, so the buffers are given
+//! back as soon as the host's available memory falls under a reserve: checked when a resume
+//! leaves buffers kept and then ten times a second by a thread of its own while any are kept
+//! (it parks when none are). `expseg.trim()` frees them too (`trim`).
+//!
+//! The rule is [`room_to_keep`]; the rest fetches the figures and frees the buffers.
+
+use super::state::coalescers;
+use super::state::config;
+use super::state::{self, STATE_STARTED};
+use super::trace::record;
+use crate::coalesce::trace::Call;
+use crate::config::KeepHost;
+use crate::hostmem;
+use once_cell::sync::OnceCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::Thread;
+use std::time::Duration;
+
+/// Least reserve of available host memory kept free of kept buffers.
+pub const RESERVE_MIN: u64 = 4 << 30;
+/// How often the host's memory is read while buffers are kept.
+const EVERY: Duration = Duration::from_millis(100);
+
+/// Whether buffers already made may stay kept: the host's available memory (`available`,
+/// bytes the process can still take) is at least an eighth of its memory (`total`), and at
+/// least [`RESERVE_MIN`]. Unknown figures keep nothing (nothing would tell pressure).
+pub fn room_to_keep(available: Option<u64>, total: Option<u64>) -> bool {
+    match (available, total) {
+        (Some(a), Some(t)) => a >= (t / 8).max(RESERVE_MIN),
+        _ => false,
+    }
+}
+
+/// Bytes of host buffers kept on every device.
+fn kept() -> u64 {
+    let mut n = 0;
+    if STATE_STARTED.load(Ordering::Acquire) {
+        let mut st = state::lock();
+        n += st.open_pools().map(|(_, p)| p.spare_host()).sum::<u64>();
+    }
+    if coalescers::started() {
+        n += coalescers::lock()
+            .all()
+            .map(|c| c.spare_host())
+            .sum::<u64>();
+    }
+    n
+}
+
+/// Free every kept host buffer: the bytes freed.
+fn free_all() -> u64 {
+    let mut n = 0;
+    if STATE_STARTED.load(Ordering::Acquire) {
+        let mut st = state::lock();
+        for (_, p) in st.open_pools() {
+            n += p.release_host();
+        }
+    }
+    if coalescers::started() {
+        for c in coalescers::lock().all() {
+            let freed = c.release_host();
+            record(c, Call::ReleaseHost, freed);
+            n += freed;
+        }
+    }
+    n
+}
+
+/// One look: with buffers kept and no room for them, free them. Whether any stay kept.
+fn check() -> bool {
+    if kept() == 0 {
+        return false;
+    }
+    let available = hostmem::available();
+    if room_to_keep(available, hostmem::total()) {
+        return true;
+    }
+    let freed = free_all();
+    log::info!(
+        "gave back {freed} bytes of host buffers kept for the next pause: the host has {} MiB available",
+        available.map_or(0, |a| a >> 20)
+    );
+    false
+}
+
+static WATCHER: OnceCell<Option<Thread>> = OnceCell::new();
+/// The watcher stopped (an internal error): nothing is kept after a resume any more.
+static STOPPED: AtomicBool = AtomicBool::new(false);
+
+/// A pause or resume is done: under `auto`, buffers it left kept stay only while the host has
+/// room (looked at now, then by the watcher thread).
+pub fn after_sleep() {
+    if config().pause_keep_host != KeepHost::Auto || state::forked() || !check() {
+        return;
+    }
+    let watcher = WATCHER.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("expseg-hostkeep".into())
+            .spawn(|| loop {
+                if state::forked() {
+                    return;
+                }
+                match std::panic::catch_unwind(check) {
+                    Ok(true) => std::thread::sleep(EVERY),
+                    // None kept: until the next pause or resume leaves some.
+                    Ok(false) => std::thread::park(),
+                    Err(_) => {
+                        STOPPED.store(true, Ordering::Release);
+                        crate::stats::GLOBAL.panics_caught.add(1);
+                        log::error!("expseg-hostkeep: internal error caught; kept host buffers are freed now and no longer kept");
+                        let _ = std::panic::catch_unwind(free_all);
+                        return;
+                    }
+                }
+            });
+        match spawned {
+            Ok(t) => Some(t.thread().clone()),
+            Err(e) => {
+                log::warn!("no thread to watch host memory ({e}); host buffers are not kept after a resume");
+                None
+            }
+        }
+    });
+    match watcher {
+        Some(t) if !STOPPED.load(Ordering::Acquire) => t.unpark(),
+        _ => {
+            free_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 1 << 30;
+
+    #[test]
+    fn buffers_stay_while_an_eighth_of_the_host_and_4_gib_are_available() {
+        assert!(room_to_keep(Some(64 * G), Some(512 * G)));
+        assert!(!room_to_keep(Some(64 * G - 1), Some(512 * G)));
+        // A small host: the 4 GiB floor.
+        assert!(!room_to_keep(Some(3 * G), Some(16 * G)));
+        assert!(room_to_keep(Some(4 * G), Some(16 * G)));
+        // Nothing can be read: nothing would tell pressure, so nothing is kept.
+        assert!(!room_to_keep(None, Some(16 * G)));
+        assert!(!room_to_keep(Some(16 * G), None));
+    }
+}
