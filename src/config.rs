@@ -176,6 +176,10 @@ pub struct Config {
     /// (`PREFIX.<pid>.trace`, `crate::api::trace`), which `expseg-replay` replays on the fake
     /// driver.
     pub test_trace: Option<String>,
+    /// `EXPSEG_TEST_HOST_AVAILABLE`: for tests only, a file whose number is the host memory
+    /// available to the process in bytes, read at each look instead of
+    /// `crate::hostmem::available`: whether kept host buffers stay.
+    pub test_host_available: Option<String>,
 }
 
 impl Default for Config {
@@ -239,6 +243,7 @@ impl Default for Config {
             test_slow_export_ms: None,
             test_fail_move: None,
             test_trace: None,
+            test_host_available: None,
         }
     }
 }
@@ -525,6 +530,14 @@ const VARS: &[Var] = &[
             Ok(())
         },
         show: |c| c.test_trace.clone().unwrap_or_default(),
+    },
+    Var {
+        name: "EXPSEG_TEST_HOST_AVAILABLE",
+        set: |c, v| {
+            c.test_host_available = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            Ok(())
+        },
+        show: |c| c.test_host_available.clone().unwrap_or_default(),
     },
 ];
 

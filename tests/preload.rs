@@ -2912,7 +2912,13 @@ fn a_pitched_driver_allocation_that_finds_no_memory_reclaims_and_tries_again() {
 fn pause_and_resume_from_inside_keep_bytes_and_tags() {
     // expseg_pause/expseg_resume as Python calls them: a tagged block paused alone and
     // discarded, then everything offloaded and brought back at the same addresses.
-    let r = run("pause_self", &[]).ok();
+    let roomy = fixture().dir.join("hostkeep-roomy");
+    std::fs::write(&roomy, format!("{}\n", 1u64 << 40)).unwrap();
+    let r = run(
+        "pause_self",
+        &[("EXPSEG_TEST_HOST_AVAILABLE", roomy.to_str().unwrap())],
+    )
+    .ok();
     assert_eq!(r.get("bad_tag_rc"), "1", "an empty tag name is refused");
     assert_eq!(r.get("pause_kv_rc"), "0", "{}", r.stderr());
     assert_eq!(r.get("pause_kv_mib"), "16");
@@ -2930,6 +2936,15 @@ fn pause_and_resume_from_inside_keep_bytes_and_tags() {
     assert_eq!(r.get("resume_mib"), "24");
     assert_eq!(r.get("w_back"), "1", "offloaded bytes are back");
     assert_eq!(r.get("kv_usable"), "1", "discarded memory is memory again");
+    // The host has room (EXPSEG_PAUSE_KEEP_HOST=auto, the default): the buffer stays.
+    assert_eq!(
+        r.get("after_resume_pause_host_kept_bytes"),
+        (256u64 << 20).to_string()
+    );
+    assert_eq!(
+        r.get("later_pause_host_kept_bytes"),
+        (256u64 << 20).to_string()
+    );
     assert_eq!(r.get("resume_again_rc"), "0");
     assert_eq!(r.get("resume_again_mib"), "0");
     assert_eq!(r.get("free_paused_rc"), "0");
@@ -2939,6 +2954,53 @@ fn pause_and_resume_from_inside_keep_bytes_and_tags() {
         "the freed block is not paused any more"
     );
     assert_eq!(r.get("kv_back"), "1");
+}
+
+#[test]
+fn host_buffers_kept_after_a_resume_go_when_the_host_runs_short_or_when_told() {
+    let dir = fixture().dir.join("hostkeep");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, bytes: u64| {
+        let p = dir.join(name);
+        std::fs::write(&p, format!("{bytes}\n")).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let kept = (256u64 << 20).to_string();
+    // Room (EXPSEG_PAUSE_KEEP_HOST=auto, the default): kept.
+    let roomy = file("roomy", 1 << 40);
+    let r = run("pause_self", &[("EXPSEG_TEST_HOST_AVAILABLE", &roomy)]).ok();
+    assert_eq!(r.get("after_resume_pause_host_kept_bytes"), kept);
+    assert_eq!(r.get("later_pause_host_kept_bytes"), kept);
+    // Short of host memory when the resume is done: freed at once.
+    let short = file("short", 1 << 30);
+    let r = run("pause_self", &[("EXPSEG_TEST_HOST_AVAILABLE", &short)]).ok();
+    assert_eq!(r.get("resume_rc"), "0");
+    assert_eq!(r.get("after_resume_pause_host_kept_bytes"), "0");
+    // Room at the resume, none a moment later: the watcher frees them.
+    let later = file("later", 1 << 40);
+    let r = run(
+        "pause_self",
+        &[
+            ("EXPSEG_TEST_HOST_AVAILABLE", &later),
+            ("HOST_SHORT_AFTER", "1"),
+        ],
+    )
+    .ok();
+    assert_eq!(r.get("after_resume_pause_host_kept_bytes"), kept);
+    assert_eq!(r.get("later_pause_host_kept_bytes"), "0", "{}", r.stderr());
+    // 0: never kept; 1: kept whatever the host has.
+    let r = run("pause_self", &[("EXPSEG_PAUSE_KEEP_HOST", "0")]).ok();
+    assert_eq!(r.get("after_resume_pause_host_kept_bytes"), "0");
+    let short = file("short1", 1 << 30);
+    let r = run(
+        "pause_self",
+        &[
+            ("EXPSEG_PAUSE_KEEP_HOST", "1"),
+            ("EXPSEG_TEST_HOST_AVAILABLE", &short),
+        ],
+    )
+    .ok();
+    assert_eq!(r.get("later_pause_host_kept_bytes"), kept);
 }
 
 #[test]

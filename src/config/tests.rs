@@ -182,6 +182,7 @@ fn test_switches_are_read_only_in_builds_with_the_feature() {
         ("EXPSEG_TEST_SLOW_EXPORT", "300"),
         ("EXPSEG_TEST_FAIL_MOVE", "copy"),
         ("EXPSEG_TEST_TRACE", "/tmp/t"),
+        ("EXPSEG_TEST_HOST_AVAILABLE", "/tmp/h"),
     ];
     let (c, bad) = with(&set);
     if TEST_SWITCHES {
@@ -191,6 +192,7 @@ fn test_switches_are_read_only_in_builds_with_the_feature() {
         assert_eq!(c.test_slow_export_ms, Some(300));
         assert_eq!(c.test_fail_move.as_deref(), Some("copy"));
         assert_eq!(c.test_trace.as_deref(), Some("/tmp/t"));
+        assert_eq!(c.test_host_available.as_deref(), Some("/tmp/h"));
     } else {
         assert_eq!(c, Config::default(), "a release build ignores them");
         assert_eq!(bad.len(), set.len(), "one line each: {bad:?}");

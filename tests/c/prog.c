@@ -748,6 +748,8 @@ static int layers(void) {
   return 0;
 }
 
+static void print_figure(const char* when, const char* key);
+
 /* Pausing from inside: expseg's C functions (found with dlsym, as Python's ctypes does). */
 static int pause_self(void) {
   int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
@@ -775,6 +777,15 @@ static int pause_self(void) {
   printf("w_back=%d\n", holds(w, 8 * MIB, 4));
   fill(kv, 16 * MIB, 5);
   printf("kv_usable=%d\n", holds(kv, 16 * MIB, 5));
+  print_figure("after_resume", "pause_host_kept_bytes");
+  /* HOST_SHORT_AFTER: the host runs short after the resume (the test switch's file). */
+  const char* hp = getenv("EXPSEG_TEST_HOST_AVAILABLE");
+  if (hp && getenv("HOST_SHORT_AFTER")) {
+    FILE* hf = fopen(hp, "w");
+    CHECK(hf && fputs("0\n", hf) >= 0 && fclose(hf) == 0);
+  }
+  usleep(300 * 1000); /* the watcher looks ten times a second */
+  print_figure("later", "pause_host_kept_bytes");
   printf("resume_again_rc=%d\n", resume_(0, &n, 0));
   printf("resume_again_mib=%lu\n", (unsigned long)(n >> 20));
   /* Freeing paused memory: its host copy goes, nothing to resume. */
@@ -858,6 +869,16 @@ static int reset(void) {
   int again_ok = holds(p, 64 * MIB, 4);
   printf("again_ok=%d again_free_rc=%d\n", again_ok, cudaFree(p));
   return 0;
+}
+
+/* One figure of expseg.stats() (the library's expseg_stats_json): WHEN_KEY=N (-1: absent). */
+static void print_figure(const char* when, const char* key) {
+  size_t (*f)(char*, size_t) = (size_t (*)(char*, size_t))dlsym(RTLD_DEFAULT, "expseg_stats_json");
+  static char buf[1 << 16];
+  char pat[128];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char* at = f && f(buf, sizeof buf) ? strstr(buf, pat) : 0;
+  printf("%s_%s=%lld\n", when, key, at ? atoll(at + strlen(pat)) : -1LL);
 }
 
 /* What expseg.stats() reads (the library's expseg_stats_json): WHEN_active=0|1 and, when not
