@@ -39,6 +39,13 @@ filler process that holds the rest of the card:
          checksums on the GPU against the CPU's, trains and calls torch.cuda.empty_cache()
          every step (150 steps). A checksum mismatch or a CUDA error fails the run (error in
          the results; mismatches and batches_checked in the summary);
+  refit  weight refit over CUDA IPC (vLLM-style weight sync): the trainer holds 8 GiB of bf16
+         weights in 246 tensors of 8-64 MiB, bumps one value each step and sends all 246 over a
+         torch.multiprocessing queue (CUDA IPC handles) to a worker process that copies them
+         into its own tensors and sends back the bumped value (checked); the step is the
+         round. The worker runs in the trainer's environment (under expseg when the mode is);
+         refit_plain: the worker runs without LD_PRELOAD (a plain consumer). Not in the
+         default list (--workloads refit refit_plain);
   handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
          frees it, empties its cache and writes one line to a pipe; a second process reads
          the line and at once asks for 70 % of the free memory (one torch.empty).
@@ -120,7 +127,13 @@ WORKLOADS = {  # name: (budget GiB, steps)
     "deepspeed": (0, 60),
     "deepspeed_ec": (0, 60),
     "prefetch": (24, 150),
+    "refit": (40, 20),
+    "refit_plain": (40, 20),
 }
+# Workloads not run unless named.
+NOT_DEFAULT = ("refit", "refit_plain")
+# The refit workloads' tensors: 246 of 8-64 MiB (8.0 GiB of bf16), as a model's weights.
+REFIT_MIB = [(8, 16, 32, 48, 64, 32)[i % 6] for i in range(246)]
 # Workloads of two ranks: torchrun, one GPU a rank, NCCL; rank 0's figures.
 TWO_RANK = ("ddp", "ddp_ec", "fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec")
 # The prefetch workload's batches: besides the tokens, this many bytes of other data (images,
@@ -448,6 +461,22 @@ def worker(name):
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1)
+    if name in ("refit", "refit_plain"):
+        import torch.multiprocessing as mp
+
+        state["ws"] = [torch.ones(m << 19, dtype=torch.bfloat16, device="cuda") for m in REFIT_MIB]
+        ctx = mp.get_context("spawn")
+        state["q_in"], state["q_out"] = ctx.Queue(), ctx.Queue()
+        # A plain worker: started without the library (spawn's child takes this environment).
+        saved = os.environ.pop("LD_PRELOAD", None) if name == "refit_plain" else None
+        try:
+            state["proc"] = ctx.Process(target=refit_worker, args=(state["q_in"], state["q_out"]))
+            state["proc"].start()
+        finally:
+            if saved is not None:
+                os.environ["LD_PRELOAD"] = saved
+        assert state["q_out"].get(timeout=300) == "ready"
+        res["refit_mismatches"] = 0
     if name == "rl":
         torch.manual_seed(0)
         sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
@@ -586,6 +615,16 @@ def worker(name):
             assert state["q_out"].get(timeout=300) == "rolled"
             torch.cuda.empty_cache()
 
+        elif name in ("refit", "refit_plain"):
+            ws = state["ws"]
+            with torch.no_grad():
+                ws[i % len(ws)][-1] += 1  # the step's update (bf16 holds small integers exactly)
+            want = ws[i % len(ws)][-1].item()
+            state["q_in"].put(("weights", (i % len(ws), ws)))
+            what, got = state["q_out"].get(timeout=300)
+            if what != "loaded" or got != want:
+                res["refit_mismatches"] += 1
+
     # The device memory of the process, sampled every 2 ms by a thread: the true peak, not
     # just the step ends.
     import threading
@@ -616,11 +655,13 @@ def worker(name):
         # A CUDA error (an illegal memory access) or the data thread's failure: a failure of
         # the run, recorded as such.
         res["error"] = f"step {res['steps']}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    if res.get("refit_mismatches"):
+        res["error"] = f"{res['refit_mismatches']} of {res['steps']} refits did not carry the trainer's update"
     if name == "prefetch" and res["mismatches"] and not res.get("error"):
         res["error"] = f"{res['mismatches']} of {res['batches_checked']} batches differ from their CPU checksums"
     peak["run"] = False
     sampler.join()
-    if name == "rl":
+    if name in ("rl", "refit", "refit_plain"):
         state["q_in"].put(("stop", 0))
         state["proc"].join(timeout=60)
     if name in TWO_RANK:
@@ -849,6 +890,26 @@ def rl_worker(q_in, q_out):
             del blocks
             torch.cuda.empty_cache()
             q_out.put("rolled")
+
+
+def refit_worker(q_in, q_out):
+    """The inference side of the refit workloads: its own copy of the weights, loaded from the
+    trainer's tensors over CUDA IPC each round; answers with the value the trainer bumped."""
+    import torch
+
+    mine = [torch.empty(m << 19, dtype=torch.bfloat16, device="cuda") for m in REFIT_MIB]
+    q_out.put("ready")
+    while True:
+        what, arg = q_in.get()
+        if what == "stop":
+            return
+        bumped, theirs = arg
+        with torch.no_grad():
+            for d, t in zip(mine, theirs):
+                d.copy_(t)
+        torch.cuda.synchronize()
+        del theirs, arg
+        q_out.put(("loaded", mine[bumped][-1].item()))
 
 
 def filler(gib):
@@ -1140,6 +1201,7 @@ def summarize(results):
                 # the steps) and the max over every process that wrote one.
                 **(r.get("stranded") or {}),
                 **({"batches_checked": r["batches_checked"], "mismatches": r["mismatches"]} if "mismatches" in r else {}),
+                **({"refit_mismatches": r["refit_mismatches"]} if "refit_mismatches" in r else {}),
             }
             for m, r in modes.items()
         }
@@ -1366,7 +1428,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=os.path.join(HERE, "..", "target", "release", "libexpseg.so"))
     ap.add_argument("--out", default="bench-torch-out")
-    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), help=f"default: {' '.join(WORKLOADS)}; also: handoff."
+    ap.add_argument("--workloads", nargs="*", default=[w for w in WORKLOADS if w not in NOT_DEFAULT], help=f"default: {' '.join(w for w in WORKLOADS if w not in NOT_DEFAULT)}; also: handoff, {', '.join(NOT_DEFAULT)}."
                     f" Two ranks (skipped with fewer than 2 GPUs): {' '.join(TWO_RANK)}; deepspeed*: skipped when deepspeed cannot be imported")
     ap.add_argument("--modes", nargs="*", default=MODES)
     ap.add_argument("--json", help="also write a summary with device, driver, date and commit")
