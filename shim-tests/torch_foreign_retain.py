@@ -7,7 +7,9 @@ be the page's own: under expseg the page may sit inside a larger coalesced handl
 
 The functions are reached both ways NCCL could: ctypes on libcuda.so.1 (dlsym on the driver's
 handle) and cuGetProcAddress_v2. Natively (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
-the same script passes: each page is its own handle. After the retains the tensor is written,
+the same script passes: each page is its own handle. The tensor is made, given back and made
+again first, so that its pages are at addresses expseg has seen (pages at new addresses get
+handles of their own, nothing to split). After the retains the tensor is written,
 freed and the cache emptied, and a second tensor checked, so the split pages keep working.
 
 Usage: [LD_PRELOAD=libexpseg.so] python3 torch_foreign_retain.py
@@ -117,6 +119,11 @@ def main():
     cu.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(U64), ctypes.POINTER(SZ), U64]
     # 400 MiB of distinct words: every 20 MiB page's bytes differ from every other's.
     n = 400 * MIB // 4
+    # Made once and given back first: expseg gives pages at addresses never mapped before a
+    # handle each (EXPSEG_LEARN_CUTS), and coalesces them where the program maps again.
+    x = torch.empty(n, dtype=torch.int32, device="cuda")
+    del x
+    torch.cuda.empty_cache()
     x = torch.arange(n, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     before = coalesce_rows(stats())
