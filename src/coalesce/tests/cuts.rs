@@ -220,3 +220,20 @@ fn while_lifetimes_are_learned_a_handle_grows_at_most_a_page_ahead() {
     grow(&mut c, va, 1).unwrap();
     assert_eq!(c.ahead_bytes(), 8 * PAGE);
 }
+
+#[test]
+fn tagged_pages_at_new_addresses_share_a_handle_so_a_pause_costs_few_driver_calls() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let props = crate::gpu::PageProps { tag: 9, ..PROPS };
+    let hs: Vec<u64> = (0..4).map(|_| c.create(PAGE, props).unwrap()).collect();
+    for (i, h) in hs.iter().enumerate() {
+        c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+    }
+    assert!(c.set_access(va, 4 * PAGE, &[(0, RW)]).unwrap());
+    // One handle (with EXPSEG_SPLIT_TAIL the tail page alone): not four.
+    let tagged = c.counts().1;
+    assert!(tagged <= 2, "{:?}", c.counts());
+    // Untagged pages at new addresses: a handle each.
+    grow(&mut c, va + 10 * PAGE, 4).unwrap();
+    assert_eq!(c.counts().1 - tagged, 4, "{:?}", c.counts());
+}
