@@ -148,7 +148,7 @@ ALT_LIB = [None]  # --alt-lib: a second library, as mode expseg-alt (LD_PRELOAD 
 MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", "expseg-release0"]
 # Every mode mode_env knows (a name it does not know would run as the default allocator).
 KNOWN_MODES = set(MODES) | set(HANDOFF_MODES) | {
-    "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead",
+    "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead", "expseg-nolearn",
     "expseg-tail", "expseg-tail-noahead", "expseg-compact",
 }
 
@@ -206,6 +206,10 @@ def mode_env(mode, lib):
         # Opt-in: live pages move to give stranded bytes back (EXPSEG_COMPACT=1).
         env["LD_PRELOAD"] = lib
         env["EXPSEG_COMPACT"] = "1"
+    elif mode == "expseg-nolearn":
+        # Without learned placement (EXPSEG_LEARN_CUTS=0): one handle a batch from the first use.
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_LEARN_CUTS"] = "0"
     elif mode == "expseg-noahead":
         # Without growing ahead (EXPSEG_GROW_AHEAD=0): a handle per batch of new pages.
         env["LD_PRELOAD"] = lib
