@@ -19,7 +19,7 @@
 //!   ahead, by at most that much:
 //!   bytes grown ahead serve the next pages whatever their lifetime, and before the cuts are
 //!   known that strands most (DDP with varying shapes: 2.1 % of its peak in its first ~24
-//!   steps with the full 1/64 of the most held, 1.2 % with this).
+//!   steps with the full 1/64 of the most held, 1.2 % with this; replayed, docs/design.md).
 //!
 //! Bytes grown ahead of known pages may still serve the next pages at new addresses (that is
 //! what growing ahead is for), but never reach over a cut or an address that was shared.
@@ -31,9 +31,9 @@ use super::books::Coalescer;
 use crate::gpu::Driver;
 
 /// Giving backs without a new cut after which the program's lifetimes count as learned.
-pub(super) const LEARNING_ROUNDS: u32 = 4;
-/// The most a handle grows ahead while they are being learned (one of PyTorch's 20 MiB pages).
-pub(super) const LEARNING_AHEAD: u64 = 32 << 20;
+pub(super) const LEARNING_ROUNDS: u32 = 2;
+/// The most a handle grows ahead while they are being learned (three of PyTorch's 20 MiB pages).
+pub(super) const LEARNING_AHEAD: u64 = 64 << 20;
 
 impl<D: Driver> Coalescer<D> {
     /// Whether pages at `[va, va+size)` may share a handle with their neighbours: the program
