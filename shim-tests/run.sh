@@ -418,8 +418,11 @@ if want threads && torch_for threads; then
     || { echo "    held moves $1, peer holds let go $2, kept $3, started then let go $started: the hold did not run as designed"; rc=1; }
   result torch_peer_hold_on_one_gpu_starts_and_is_let_go $rc "started and let go $started; $(grep '^{' "$logs/thread_race_selfhold.log" | cut -c1-250)"
 fi
+# TWO_GPU_PARTS picks parts of it (stress race model ipc; unset: all): the whole section takes
+# more than 10 minutes with RACE_RUNS=20 (2 x H200), longer than one device call.
+two_part() { [ -z "${TWO_GPU_PARTS:-}" ] || [[ " $TWO_GPU_PARTS " == *" $1 "* ]]; }
 if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
-  for i in $(seq "${TWO_GPU_RUNS:-1}"); do
+  two_part stress && for i in $(seq "${TWO_GPU_RUNS:-1}"); do
     EXPSEG_REPORT="$logs/stress2_report_$i.txt" LD_PRELOAD="$lib" python3 "$here/torch_coalesce_stress.py" "${STRESS_OPS:-10000}" 2 16 >"$logs/stress2_$i.log" 2>&1
     result torch_coalesce_stress_two_gpus_$i $? "$(grep '^{' "$logs/stress2_$i.log" | tail -n 1 | cut -c1-300)$(grep -m1 -i 'illegal' "$logs/stress2_$i.log")"
   done
@@ -427,6 +430,7 @@ if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device
   # allocates: at the defaults nothing moves, counted (RACE_RUNS runs, natively too). With
   # EXPSEG_COMPACT=1: the peer hold off, printed; EXPSEG_PEER_HOLD=1 counted (device 1's
   # default stream held through each move, or the move put off).
+  if two_part race; then
   check="" race_runs torch_peer_race_native "${RACE_RUNS_NATIVE:-1}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RACE_STREAM=peer
   check='e["coalesce_held_moves"] == 0 and e["coalesce_compactions"] == 0' \
     race_runs torch_peer_race_defaults "${RACE_RUNS:-1}" RACE_STREAM=peer LD_PRELOAD="$lib"
@@ -442,14 +446,19 @@ if want twogpu && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device
     [ "${held:-0}" -ge 1 ] 2>/dev/null || { echo "    no move held device 1 or waited for it: the test did not test"; rc=1; }
     result torch_peer_writes_while_pages_move $rc "$(grep '^{' "$logs/peer_race.log" | cut -c1-250)"
   fi
-  python3 "$here/torch_two_gpu_model.py" "$lib" 300 >"$logs/two_gpu_model.log" 2>&1
-  result torch_model_split_over_two_gpus $? "$(grep '^{' "$logs/two_gpu_model.log" || tail -n 2 "$logs/two_gpu_model.log")"
+  fi
+  if two_part model; then
+    python3 "$here/torch_two_gpu_model.py" "$lib" 300 >"$logs/two_gpu_model.log" 2>&1
+    result torch_model_split_over_two_gpus $? "$(grep '^{' "$logs/two_gpu_model.log" || tail -n 2 "$logs/two_gpu_model.log")"
+  fi
   # IPC on two GPUs: device 1's writes through peer access reach the consumer (a mirror waits
   # for them), counted. Whether the consumer's device 1 reads memory opened on device 0 after
   # it gets peer access (after the open, and with `early` before it) is the driver's: natively
   # first, then an expseg producer's plain consumer must answer as natively, and an expseg
   # consumer (ticket imports get peer access) at least as well.
-  if nvcc -O2 -cudart shared -o "$build/ipc_test2" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1; then
+  if ! two_part ipc; then
+    :
+  elif nvcc -O2 -cudart shared -o "$build/ipc_test2" "$here/ipc_test.cu" -lcuda >>"$logs/build.log" 2>&1; then
     for when in late early; do
       "$build/ipc_test2" two - $when >"$logs/ipc2_native_$when.log" 2>&1
       rc=$?
