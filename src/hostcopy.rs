@@ -7,6 +7,16 @@
 
 use crate::gpu::{Driver, DrvResult};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes of emptied buffers kept for the next pause, every `HostCopies` of the process
+/// together: read without a lock (the watcher of `api::hostkeep`, `expseg.stats()`).
+static SPARE_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of host buffers kept for the next pause in this process.
+pub fn spare_bytes_everywhere() -> u64 {
+    SPARE_BYTES.load(Ordering::Relaxed)
+}
 
 /// Largest host buffer: big enough that a copy runs at full speed, small enough that several
 /// threads can page-lock a large pause in parallel.
@@ -86,14 +96,10 @@ impl HostCopies {
         self.bufs.values().map(|b| b.size).sum::<u64>() + self.spare.len() as u64 * BUFFER
     }
 
-    /// Bytes of emptied buffers kept for the next pause.
-    pub fn spare_bytes(&self) -> u64 {
-        self.spare.len() as u64 * BUFFER
-    }
-
     /// Free the buffers kept for the next pause: the bytes freed.
     pub fn release_spare<D: Driver>(&mut self, drv: &mut D) -> u64 {
         let n = self.spare.len() as u64 * BUFFER;
+        SPARE_BYTES.fetch_sub(n, Ordering::Relaxed);
         for h in self.spare.drain(..) {
             drv.host_free(h);
         }
@@ -104,10 +110,12 @@ impl HostCopies {
     fn take<D: Driver>(&mut self, drv: &mut D, sizes: &[u64]) -> DrvResult<Vec<u64>> {
         let reuse = self.spare.len().min(sizes.len());
         let mut out: Vec<u64> = self.spare.drain(..reuse).collect();
+        SPARE_BYTES.fetch_sub(reuse as u64 * BUFFER, Ordering::Relaxed);
         if reuse < sizes.len() {
             match drv.host_alloc(&sizes[reuse..]) {
                 Ok(made) => out.extend(made),
                 Err(e) => {
+                    SPARE_BYTES.fetch_add(out.len() as u64 * BUFFER, Ordering::Relaxed);
                     self.spare.extend(out);
                     return Err(e);
                 }
@@ -119,7 +127,10 @@ impl HostCopies {
     /// A buffer no item uses any more: kept or freed.
     fn empty<D: Driver>(&mut self, drv: &mut D, h: u64) {
         match self.keep {
-            true => self.spare.push(h),
+            true => {
+                SPARE_BYTES.fetch_add(BUFFER, Ordering::Relaxed);
+                self.spare.push(h);
+            }
             false => drv.host_free(h),
         }
     }

@@ -23,9 +23,40 @@ pub fn available() -> Option<u64> {
     }
 }
 
-/// The host's memory (`MemTotal`); `None` if it cannot be read.
+/// The memory the process may use at most: the host's (`MemTotal`), bounded by the
+/// tightest memory limit of its cgroup and their ancestors; `None` if nothing can be read.
 pub fn total() -> Option<u64> {
-    meminfo_field(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemTotal:")
+    let system = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| meminfo_field(&t, "MemTotal:"));
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|t| cgroup_limit(&t, Path::new("/sys/fs/cgroup")));
+    match (system, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The tightest memory limit of the cgroup that `/proc/self/cgroup` names (`text`) and its
+/// ancestors, read below `root`; `None` where no limit is set.
+fn cgroup_limit(text: &str, root: &Path) -> Option<u64> {
+    limit_dirs(text, root)
+        .into_iter()
+        .filter_map(|(dir, v2)| {
+            let name = if v2 {
+                "memory.max"
+            } else {
+                "memory.limit_in_bytes"
+            };
+            let v: u64 = std::fs::read_to_string(dir.join(name))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            (v < 1 << 60).then_some(v)
+        })
+        .min()
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
@@ -167,6 +198,12 @@ mod tests {
         );
         let text = "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n";
         assert_eq!(cgroup_room(text, &root), Some(GIB));
+        assert_eq!(cgroup_limit(text, &root), Some(4 * GIB));
+        assert_eq!(
+            cgroup_limit("0::/slurm/job_1/step_0\n", &root),
+            Some(16 * GIB)
+        );
+        assert_eq!(cgroup_limit("0::/slurm\n", &root), None);
         // Over the limit by anonymous memory alone: no room, never an underflow.
         write(&v1, "memory.usage_in_bytes", &format!("{}\n", 9 * GIB));
         assert_eq!(cgroup_room(text, &root), Some(0));

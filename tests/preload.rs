@@ -2971,6 +2971,7 @@ fn host_buffers_kept_after_a_resume_go_when_the_host_runs_short_or_when_told() {
     let r = run("pause_self", &[("EXPSEG_TEST_HOST_AVAILABLE", &roomy)]).ok();
     assert_eq!(r.get("after_resume_pause_host_kept_bytes"), kept);
     assert_eq!(r.get("later_pause_host_kept_bytes"), kept);
+    assert_eq!(r.get("freed_paused_pause_host_kept_bytes"), kept);
     // Short of host memory when the resume is done: freed at once.
     let short = file("short", 1 << 30);
     let r = run("pause_self", &[("EXPSEG_TEST_HOST_AVAILABLE", &short)]).ok();
@@ -2988,6 +2989,9 @@ fn host_buffers_kept_after_a_resume_go_when_the_host_runs_short_or_when_told() {
     .ok();
     assert_eq!(r.get("after_resume_pause_host_kept_bytes"), kept);
     assert_eq!(r.get("later_pause_host_kept_bytes"), "0", "{}", r.stderr());
+    // Still short when a paused allocation is freed (its buffer empties outside any pause or
+    // resume): the watcher frees it too.
+    assert_eq!(r.get("freed_paused_pause_host_kept_bytes"), "0");
     // 0: never kept; 1: kept whatever the host has.
     let r = run("pause_self", &[("EXPSEG_PAUSE_KEEP_HOST", "0")]).ok();
     assert_eq!(r.get("after_resume_pause_host_kept_bytes"), "0");

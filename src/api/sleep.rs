@@ -176,6 +176,12 @@ pub fn pause(tag: Option<u32>, discard: bool, by_program: bool) -> Result<Outcom
 /// Resume the paused memory of `tag` (None: all). Err (2: out of memory): what could be made
 /// is resumed (its bytes in the answer), the rest stays paused with its host copy; call again.
 pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
+    if state::forked() {
+        return Err(Failed {
+            code: NOT_PERMITTED,
+            done: Outcome::default(),
+        });
+    }
     let t0 = Instant::now();
     let choose = |t: u32| tag.is_none() || tag == Some(t);
     let mut bytes = 0;

@@ -48,6 +48,11 @@ impl<D: Driver> Coalescer<D> {
         (self.cfg.learn_cuts && self.cuts.learning(LEARNING_ROUNDS)).then_some(LEARNING_AHEAD)
     }
 
+    /// Whether a page the program shared lay in `[va, va+size)` (and learning is on).
+    pub(super) fn shared_at(&self, va: u64, size: u64) -> bool {
+        self.cfg.learn_cuts && self.cuts.shared(va, size)
+    }
+
     /// The pages of `pid` are shared, or about to be: pages mapped there later get handles of
     /// their own, so that sharing them again splits nothing.
     pub(super) fn shared_here(&mut self, pid: u64) {

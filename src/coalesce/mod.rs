@@ -82,11 +82,6 @@ impl<D: Driver> Coalescer<D> {
         self.host.keep = on;
     }
 
-    /// Bytes of host buffers kept for the next pause.
-    pub fn spare_host(&self) -> u64 {
-        self.host.spare_bytes()
-    }
-
     /// Free host buffers kept for the next pause: the bytes freed.
     pub fn release_host(&mut self) -> u64 {
         self.host.release_spare(&mut self.drv)

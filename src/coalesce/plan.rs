@@ -75,7 +75,10 @@ impl<D: Driver> Coalescer<D> {
                     && !lp.single
                     && len.saturating_add(p.size) <= limit.max(p.size)
                     && !self.cuts.at(va)
-                    && (p.props.tag != 0 || (self.known(lva, lp.size) && self.known(va, p.size)))
+                    && (self.known(lva, lp.size) && self.known(va, p.size)
+                        || p.props.tag != 0
+                            && !self.shared_at(lva, lp.size)
+                            && !self.shared_at(va, p.size))
                     && self.same_reservation(r[0].0, va + p.size)
             });
             if extend {

@@ -241,11 +241,6 @@ impl<D: Driver> Pool<D> {
     }
 
     /// Free host buffers kept for the next pause: the bytes freed.
-    /// Bytes of host buffers kept for the next pause.
-    pub fn spare_host(&self) -> u64 {
-        self.host.spare_bytes()
-    }
-
     pub fn release_host(&mut self) -> u64 {
         self.host.release_spare(&mut self.drv)
     }

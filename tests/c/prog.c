@@ -794,7 +794,12 @@ static int pause_self(void) {
   printf("paused_after_free_mib=%lu\n", (unsigned long)(paused_() >> 20));
   CHECK(resume_(0, &n, 0) == 0);
   printf("kv_back=%d\n", holds(kv, 16 * MIB, 5));
+  /* Paused memory freed: its host buffer empties outside any pause or resume. */
+  CHECK(pause_(0, 0, &n, 0) == 0);
+  usleep(300 * 1000); /* a watcher that rests when nothing is kept would be resting now */
   CHECK(cudaFree(kv) == 0);
+  usleep(300 * 1000);
+  print_figure("freed_paused", "pause_host_kept_bytes");
   return 0;
 }
 

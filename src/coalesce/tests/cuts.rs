@@ -188,7 +188,7 @@ fn a_page_shared_before_it_has_memory_is_remembered_as_shared() {
 }
 
 #[test]
-fn while_lifetimes_are_learned_a_handle_grows_at_most_a_page_ahead() {
+fn while_lifetimes_are_learned_a_handle_grows_little_ahead_and_a_new_cut_starts_learning_again() {
     let mut k = learning();
     k.ahead = 8 * PAGE;
     let (mut c, va) = setup(100 * PAGE, k);
@@ -210,8 +210,25 @@ fn while_lifetimes_are_learned_a_handle_grows_at_most_a_page_ahead() {
         rounds += 1;
     }
     // Rounds that learned no cut: learned, the full growth.
-    grow(&mut c, va, 1).unwrap();
+    let hs = grow(&mut c, va, 1).unwrap();
     assert_eq!(c.ahead_bytes(), 8 * PAGE);
+    shrink(&mut c, va, &hs);
+    c.giving_back_ended();
+    // A giving back that learns a cut (page 20 lives on, page 21 goes): learning again.
+    let far = va + 20 * PAGE;
+    let hs = grow(&mut c, far, 2).unwrap();
+    shrink(&mut c, far, &hs);
+    c.giving_back_ended();
+    let hs = grow(&mut c, far, 2).unwrap();
+    shrink(&mut c, far + PAGE, &hs[1..]);
+    c.giving_back_ended();
+    assert!(c.stats().cuts_learned > 0);
+    grow(&mut c, va, 1).unwrap();
+    assert_eq!(
+        c.ahead_bytes(),
+        crate::coalesce::cuts::LEARNING_AHEAD / PAGE * PAGE,
+        "a new cut: learning again"
+    );
     // Off: the full growth at once.
     let mut k = still();
     k.ahead = 8 * PAGE;
@@ -236,4 +253,28 @@ fn tagged_pages_at_new_addresses_share_a_handle_so_a_pause_costs_few_driver_call
     // Untagged pages at new addresses: a handle each.
     grow(&mut c, va + 10 * PAGE, 4).unwrap();
     assert_eq!(c.counts().1 - tagged, 4, "{:?}", c.counts());
+}
+
+#[test]
+fn tagged_pages_where_pages_were_shared_still_get_handles_of_their_own() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let props = crate::gpu::PageProps { tag: 9, ..PROPS };
+    let grow_tagged = |c: &mut Coalescer<FakeDriver>| {
+        let hs: Vec<u64> = (0..3).map(|_| c.create(PAGE, props).unwrap()).collect();
+        for (i, h) in hs.iter().enumerate() {
+            c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+        }
+        assert!(c.set_access(va, 3 * PAGE, &[(0, RW)]).unwrap());
+        hs
+    };
+    let hs = grow_tagged(&mut c);
+    fill(&mut c, va, 3);
+    c.export(hs[1]).unwrap();
+    assert_eq!(c.stats().exports_split, 1, "coalesced at first: one split");
+    shrink(&mut c, va, &hs);
+    // Made again and shared again (a KV cache handed to another process each time): nothing
+    // to split.
+    let hs = grow_tagged(&mut c);
+    c.export(hs[1]).unwrap();
+    assert_eq!(c.stats().exports_split, 1);
 }
