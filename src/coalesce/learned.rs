@@ -119,7 +119,10 @@ impl Cuts {
     }
 
     /// Whether the program's lifetimes are still being learned: a cut was learned in one of
-    /// the last `quiet` giving backs, or fewer than that many have ended.
+    /// the last `quiet` giving backs, or fewer than that many have ended. A program that never
+    /// gives memory back stays learning (only its growth pays: a few more handles); one whose
+    /// cuts outnumber [`MAX_CUTS`] relearns forgotten ones and learns again. Both cost speed,
+    /// never exactness.
     pub(super) fn learning(&self, quiet: u32) -> bool {
         self.quiet < quiet
     }
