@@ -676,6 +676,9 @@ def worker(name):
     res["peak_device"] = max([peak["v"]] + [m[0] for m in res["mem"]])
     res["peak_reserved"] = torch.cuda.max_memory_reserved()
     res["median_step_ms"] = statistics.median(res["step_ms"][1:] or res["step_ms"] or [0])
+    # The steady state alone (a diagnostic beside the median, never instead of it): steps of
+    # the run's second half, after what an allocator learns in the first.
+    res["median_2nd_half_ms"] = statistics.median(res["step_ms"][len(res["step_ms"]) // 2 :] or [0])
     if FLOOR[0]:
         res["floor_ms"], res["floor_gib"] = FLOOR[0].result()
         res["peak_reserved"] = max(res["peak_reserved"], FLOOR[0].max_reserved)
@@ -1109,6 +1112,7 @@ def run_all(args):
                 fig = read_reports(reports, prefix, r.get("pid")) if m.startswith("expseg") else None
                 prev = results.setdefault(w, {}).get(m)
                 runs = (prev or {}).get("run_medians_ms", []) + [round(r.get("median_step_ms", 0), 3)]
+                halves = (prev or {}).get("run_2nd_half_medians_ms", []) + [round(r.get("median_2nd_half_ms", 0), 3)]
                 failed = bool(r.get("oom") or r.get("error"))
                 medians[m] = None if failed else r.get("median_step_ms") or None
                 if r.get("losses"):
@@ -1118,6 +1122,7 @@ def run_all(args):
                 if prev and (prev.get("oom") or prev.get("error")):
                     r = prev  # a failed run stands for the mode
                 r["run_medians_ms"] = runs
+                r["run_2nd_half_medians_ms"] = halves
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1198,6 +1203,7 @@ def summarize(results):
                 "error": bool(r.get("error")),
                 "median_ms": round(r.get("median_step_ms", 0), 2),
                 "run_medians_ms": r.get("run_medians_ms", []),
+                "run_2nd_half_medians_ms": r.get("run_2nd_half_medians_ms", []),
                 "peak_reserved_gib": round(r.get("peak_reserved", 0) / GIB, 3),
                 "peak_device_gib": round(r.get("peak_device", 0) / GIB, 3),
                 **({"floor_driver_ms": r["floor_ms"], "floor_gib": r["floor_gib"]} if r.get("floor_ms") else {}),
