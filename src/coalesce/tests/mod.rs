@@ -57,9 +57,19 @@ pub(super) fn still() -> CoalesceConfig {
 
 /// PyTorch's `map()`: create each page, map each back to back, set access over the range.
 pub(super) fn grow(c: &mut Coalescer<FakeDriver>, at: u64, n: u64) -> DrvResult<Vec<u64>> {
+    grow_props(c, at, n, PROPS)
+}
+
+/// `grow` with pages of `props` (a tag).
+pub(super) fn grow_props(
+    c: &mut Coalescer<FakeDriver>,
+    at: u64,
+    n: u64,
+    props: PageProps,
+) -> DrvResult<Vec<u64>> {
     let mut hs = Vec::new();
     for _ in 0..n {
-        match c.create(PAGE, PROPS) {
+        match c.create(PAGE, props) {
             Ok(h) => hs.push(h),
             Err(e) => {
                 for h in hs {

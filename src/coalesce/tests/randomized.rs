@@ -33,9 +33,20 @@ pub(super) fn grow_live(
     live: &mut BTreeMap<u64, u64>,
     n: u64,
 ) -> DrvResult<()> {
+    grow_live_as(c, va, live, n, PROPS)
+}
+
+/// `grow_live` with pages of `props` (a tag).
+pub(super) fn grow_live_as(
+    c: &mut Coalescer<FakeDriver>,
+    va: u64,
+    live: &mut BTreeMap<u64, u64>,
+    n: u64,
+    props: PageProps,
+) -> DrvResult<()> {
     let start = free_run(live, n);
     let at = va + start * PAGE;
-    let hs = grow(c, at, n)?;
+    let hs = grow_props(c, at, n, props)?;
     fill(c, at, n);
     for (i, h) in hs.into_iter().enumerate() {
         live.insert(start + i as u64, h);

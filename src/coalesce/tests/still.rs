@@ -3,7 +3,7 @@
 //! shared by IPC). Released pages of live handles stay held, and new pages mapped where they
 //! were take them in place.
 
-use super::randomized::{free_run, grow_live, pick, Rng};
+use super::randomized::{free_run, grow_live_as, pick, Rng};
 use super::*;
 
 /// The fake driver watches every page the program has mapped.
@@ -214,7 +214,13 @@ fn randomized_calls_never_unmap_a_page_the_program_has_mapped() {
             match rng.below(12) {
                 0..=3 => {
                     let n = 1 + rng.below(6);
-                    if let Err(e) = grow_live(&mut c, va, &mut live, n) {
+                    // A third of the seeds tag half their batches (expseg.tag(): coalesced
+                    // at new addresses too).
+                    let props = match seed % 3 == 0 && rng.below(2) == 0 {
+                        true => PageProps { tag: 9, ..PROPS },
+                        false => PROPS,
+                    };
+                    if let Err(e) = grow_live_as(&mut c, va, &mut live, n, props) {
                         assert!(e.is_oom(), "{ctx}: {e}");
                     }
                 }
