@@ -11,12 +11,21 @@ use std::path::{Path, PathBuf};
 
 /// Bytes the process can take now; `None` if nothing can be read (then nothing is refused).
 pub fn available() -> Option<u64> {
+    bounded(meminfo_available, cgroup_room)
+}
+
+/// A figure of `/proc/meminfo` (`system`) bounded by one of the process's cgroups (`cgroup`,
+/// given `/proc/self/cgroup` and the cgroup root): the least of those that can be read.
+fn bounded(
+    system: impl Fn(&str) -> Option<u64>,
+    cgroup: impl Fn(&str, &Path) -> Option<u64>,
+) -> Option<u64> {
     let system = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|t| meminfo_available(&t));
+        .and_then(|t| system(&t));
     let cgroup = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
-        .and_then(|t| cgroup_room(&t, Path::new("/sys/fs/cgroup")));
+        .and_then(|t| cgroup(&t, Path::new("/sys/fs/cgroup")));
     match (system, cgroup) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -26,16 +35,7 @@ pub fn available() -> Option<u64> {
 /// The memory the process may use at most: the host's (`MemTotal`), bounded by the
 /// tightest memory limit of its cgroup and their ancestors; `None` if nothing can be read.
 pub fn total() -> Option<u64> {
-    let system = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| meminfo_field(&t, "MemTotal:"));
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|t| cgroup_limit(&t, Path::new("/sys/fs/cgroup")));
-    match (system, cgroup) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+    bounded(|t| meminfo_field(t, "MemTotal:"), cgroup_limit)
 }
 
 /// The tightest memory limit of the cgroup that `/proc/self/cgroup` names (`text`) and its

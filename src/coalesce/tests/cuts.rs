@@ -241,12 +241,7 @@ fn while_lifetimes_are_learned_a_handle_grows_little_ahead_and_a_new_cut_starts_
 #[test]
 fn tagged_pages_at_new_addresses_share_a_handle_so_a_pause_costs_few_driver_calls() {
     let (mut c, va) = setup(100 * PAGE, learning());
-    let props = crate::gpu::PageProps { tag: 9, ..PROPS };
-    let hs: Vec<u64> = (0..4).map(|_| c.create(PAGE, props).unwrap()).collect();
-    for (i, h) in hs.iter().enumerate() {
-        c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
-    }
-    assert!(c.set_access(va, 4 * PAGE, &[(0, RW)]).unwrap());
+    grow_props(&mut c, va, 4, crate::gpu::PageProps { tag: 9, ..PROPS }).unwrap();
     // One handle (with EXPSEG_SPLIT_TAIL the tail page alone): not four.
     let tagged = c.counts().1;
     assert!(tagged <= 2, "{:?}", c.counts());
@@ -259,14 +254,7 @@ fn tagged_pages_at_new_addresses_share_a_handle_so_a_pause_costs_few_driver_call
 fn tagged_pages_where_pages_were_shared_still_get_handles_of_their_own() {
     let (mut c, va) = setup(100 * PAGE, learning());
     let props = crate::gpu::PageProps { tag: 9, ..PROPS };
-    let grow_tagged = |c: &mut Coalescer<FakeDriver>| {
-        let hs: Vec<u64> = (0..3).map(|_| c.create(PAGE, props).unwrap()).collect();
-        for (i, h) in hs.iter().enumerate() {
-            c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
-        }
-        assert!(c.set_access(va, 3 * PAGE, &[(0, RW)]).unwrap());
-        hs
-    };
+    let grow_tagged = |c: &mut Coalescer<FakeDriver>| grow_props(c, va, 3, props).unwrap();
     let hs = grow_tagged(&mut c);
     fill(&mut c, va, 3);
     c.export(hs[1]).unwrap();
