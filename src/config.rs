@@ -424,15 +424,14 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_PAUSE_KEEP_HOST",
         set: |c, v| {
-            if v.trim().eq_ignore_ascii_case("auto") {
-                c.pause_keep_host = KeepHost::Auto;
-                return Ok(());
-            }
-            let mut on = c.pause_keep_host.keeps();
-            set_switch(&mut on, v).map_err(|_| "1/0, true/false, yes/no, on/off or auto")?;
-            if !v.trim().is_empty() {
-                c.pause_keep_host = if on { KeepHost::On } else { KeepHost::Off };
-            }
+            c.pause_keep_host = match v.trim() {
+                "" => return Ok(()),
+                w if w.eq_ignore_ascii_case("auto") => KeepHost::Auto,
+                w => match parse_bool(w).map_err(|_| "1/0, true/false, yes/no, on/off or auto")? {
+                    true => KeepHost::On,
+                    false => KeepHost::Off,
+                },
+            };
             Ok(())
         },
         show: |c| match c.pause_keep_host {
@@ -494,7 +493,7 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_TEST_PANIC",
         set: |c, v| {
-            c.test_panic = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            c.test_panic = text(v);
             Ok(())
         },
         show: |c| c.test_panic.clone().unwrap_or_default(),
@@ -526,7 +525,7 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_TEST_TRACE",
         set: |c, v| {
-            c.test_trace = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            c.test_trace = text(v);
             Ok(())
         },
         show: |c| c.test_trace.clone().unwrap_or_default(),
@@ -534,7 +533,7 @@ const VARS: &[Var] = &[
     Var {
         name: "EXPSEG_TEST_HOST_AVAILABLE",
         set: |c, v| {
-            c.test_host_available = (!v.trim().is_empty()).then(|| v.trim().to_string());
+            c.test_host_available = text(v);
             Ok(())
         },
         show: |c| c.test_host_available.clone().unwrap_or_default(),
@@ -650,6 +649,11 @@ fn parse_bool(v: &str) -> Result<bool, &'static str> {
         "0" | "false" | "no" | "off" => Ok(false),
         _ => Err("1/0, true/false, yes/no or on/off"),
     }
+}
+
+/// A text value, trimmed; empty is as if unset.
+fn text(v: &str) -> Option<String> {
+    Some(v.trim().to_string()).filter(|t| !t.is_empty())
 }
 
 /// Set a switch from its word; an empty value is as if unset (the default stays).

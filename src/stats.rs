@@ -307,28 +307,21 @@ pub fn render_table(s: &Snapshot) -> String {
     }
     // Names longer than the pool's 24 columns widen their section's column.
     let _ = writeln!(o, "\nprocess");
-    let w = s
-        .global
-        .iter()
-        .map(|(n, _)| n.len())
-        .max()
-        .unwrap_or(0)
-        .max(24);
+    let w = name_width(s.global.iter().map(|(n, _)| n.len()));
     for (name, v) in &s.global {
         let _ = writeln!(o, "  {name:<w$} {v:>16}");
     }
     let _ = writeln!(o, "\nconfiguration");
-    let w = s
-        .config
-        .iter()
-        .map(|(n, _)| n.len())
-        .max()
-        .unwrap_or(0)
-        .max(24);
+    let w = name_width(s.config.iter().map(|(n, _)| n.len()));
     for (name, v) in &s.config {
         let _ = writeln!(o, "  {name:<w$} {v}");
     }
     o
+}
+
+/// The column of a report section's names: the longest name, at least the pool's 24.
+fn name_width(lens: impl Iterator<Item = usize>) -> usize {
+    lens.max().unwrap_or(0).max(24)
 }
 
 fn json_str(s: &str) -> String {

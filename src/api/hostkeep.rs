@@ -8,9 +8,7 @@
 //!
 //! The rule is [`room_to_keep`]; the rest fetches the figures and frees the buffers.
 
-use super::state::coalescers;
-use super::state::config;
-use super::state::{self, STATE_STARTED};
+use super::state::{self, coalescers, config, STATE_STARTED};
 use super::trace::record;
 use crate::coalesce::trace::Call;
 use crate::config::KeepHost;
