@@ -170,6 +170,11 @@ def mode_env(mode, lib):
     elif mode in ("floor-now", "floor-late"):
         env["BENCH_NO_EC"] = "1"
         env["BENCH_FLOOR"] = mode.split("-")[1]
+    elif mode == "default" and os.environ.get("BENCH_PROF_LIB"):
+        # BENCH_PROF_LIB=libprof.so (scripts/vmm-cost/profile.c, built by `gcc -O2 -shared -fPIC
+        # -o libprof.so profile.c -ldl`): the default allocator's cudaMalloc/cudaFree timed (two
+        # clock reads a call).
+        env["LD_PRELOAD"] = os.environ["BENCH_PROF_LIB"]
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
@@ -1050,6 +1055,33 @@ def read_reports(folder, prefix, pid=None):
     return out
 
 
+# The allocation calls a process made, timed: an expseg report's VMM hooks (PyTorch's page calls
+# through expseg, the coalescer's driver calls inside them) or profile.c's lines (BENCH_PROF_LIB).
+VMM_NS = ["vmm_create_ns", "vmm_map_ns", "vmm_access_ns", "vmm_unmap_ns", "vmm_release_ns"]
+PROF_CALLS = ["cudaMalloc", "cudaFree", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"]
+
+
+def alloc_call_ms(folder, prefix, pid):
+    """Milliseconds process pid spent in allocation calls during one run, or None."""
+    rep = glob.glob(os.path.join(folder, glob.escape(prefix) + f"*pid{pid}.txt.json"))
+    if rep:
+        try:
+            proc = json.load(open(rep[0])).get("process", {})
+        except (OSError, ValueError):
+            return None
+        return round(sum(proc.get(k, 0) for k in VMM_NS) / 1e6, 3) if any(k in proc for k in VMM_NS) else None
+    try:
+        lines = open(os.path.join(folder, prefix + f"prof-{pid}.txt")).read().splitlines()
+    except OSError:
+        return None
+    total = 0.0
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] in PROF_CALLS:
+            total += float(line.split("total=")[1].split()[0])
+    return round(total, 3)
+
+
 def merge_max(a, b):
     """Two runs' report figures -> the larger of each (a mode's peak over its rounds)."""
     if not a or not b:
@@ -1099,6 +1131,10 @@ def run_all(args):
                 # Every expseg mode writes its exit reports (a table, and JSON beside it), one
                 # per process: stranded bytes come from them.
                 prefix = f"{w}_{m}_{rep}_"
+                profiled = bool(os.environ.get("BENCH_PROF_LIB")) and env.get("LD_PRELOAD") == os.environ["BENCH_PROF_LIB"]
+                if profiled:
+                    os.makedirs(reports, exist_ok=True)
+                    env["PROF_OUT"] = os.path.join(reports, prefix + "prof-%p.txt")
                 if m.startswith("expseg"):
                     os.makedirs(reports, exist_ok=True)
                     for old in glob.glob(os.path.join(reports, glob.escape(prefix) + "*")):
@@ -1123,6 +1159,13 @@ def run_all(args):
                     r = prev  # a failed run stands for the mode
                 r["run_medians_ms"] = runs
                 r["run_2nd_half_medians_ms"] = halves
+                # Allocation-call time a step of the printing process (expseg modes; default with
+                # BENCH_PROF_LIB).
+                call_ms = alloc_call_ms(reports, prefix, r.get("pid")) if r.get("steps") else None
+                if profiled:
+                    r["profiled"] = True
+                r["alloc_call_ms_per_step"] = (prev or {}).get("alloc_call_ms_per_step", []) + (
+                    [round(call_ms / r["steps"], 3)] if call_ms is not None else [])
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1136,6 +1179,7 @@ def run_all(args):
                     f"{w:6} {m:11} steps {r['steps']:4} median {runs[-1]:.2f} ms peak {r['peak_device'] / GIB:.2f} GiB"
                     f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[-300:]}"
                     + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else "")
+                    + (f" alloc calls {r['alloc_call_ms_per_step'][-1]} ms/step" if call_ms is not None else "")
                     + (f" stranded peak {fig['peak_stranded_bytes'] / 2**20:.0f} MiB" if fig else "")
                     + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else ""),
                     flush=True,
@@ -1385,6 +1429,14 @@ def selftest():
         check("figures per device only", read_reports(d, "w_m3_0_")["stranded_of_held"] == 0.01)
         check("no report, or a broken one", read_reports(d, "w_m9_0_") is None and read_reports(d, "w_m4_0_") is None)
         check("merge over rounds", merge_max({"a": 1, "b": 5}, {"a": 3}) == {"a": 3, "b": 5} and merge_max(None, {"a": 1}) == {"a": 1})
+        report("w_c_0_rank0-pid20.txt.json", 20, "0", {"vmm_create_ns": 2_000_000, "vmm_release_ns": 500_000, "allocs": 3})
+        with open(os.path.join(d, "w_p_0_prof-21.txt"), "w") as f:
+            f.write("cudaMalloc             n=       4 total=       3.5 ms mean=  875.00 us bytes=1.0 GiB\n"
+                    "cudaFree               n=       4 total=       1.0 ms mean=  250.00 us bytes=0.0 GiB\n"
+                    "cudaStreamSynchronize  n=       9 total=      50.0 ms mean= 5555.56 us bytes=0.0 GiB\n")
+        check("allocation-call time: expseg report, profile.c lines (syncs not counted), none",
+              alloc_call_ms(d, "w_c_0_", 20) == 2.5 and alloc_call_ms(d, "w_p_0_", 21) == 4.5
+              and alloc_call_ms(d, "w_m_0_", 8) is None and alloc_call_ms(d, "w_x_0_", 5) is None)
     # Three rounds of four modes, end to end.
     with tempfile.TemporaryDirectory() as d:
         WORKLOADS["fake"] = (0, 3)

@@ -1,4 +1,7 @@
-// LD_PRELOAD profiler of the driver VMM calls PyTorch makes (through the runtime's entry point API).
+// LD_PRELOAD profiler of the allocation calls PyTorch makes: the runtime's cudaMalloc/cudaFree
+// (the default allocator's) and the driver VMM calls it reaches through the runtime's entry point
+// API (expandable segments'). PROF_OUT=FILE appends the totals at exit (%p: the pid).
+//   gcc -O2 -shared -fPIC -o libprof.so profile.c -ldl
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
@@ -6,9 +9,10 @@
 #include <stdint.h>
 #include <time.h>
 #include <stdlib.h>
+#include <unistd.h>
 typedef int (*f5)(void*,void*,void*,void*,void*);
-enum { CREATE, MAP, ACCESS, UNMAP, RELEASE, RESERVE, FREEVA, SYNC, NK };
-static const char* names[NK]={"cuMemCreate","cuMemMap","cuMemSetAccess","cuMemUnmap","cuMemRelease","cuMemAddressReserve","cuMemAddressFree","cudaStreamSynchronize"};
+enum { CREATE, MAP, ACCESS, UNMAP, RELEASE, RESERVE, FREEVA, SYNC, MALLOC, FREE, NK };
+static const char* names[NK]={"cuMemCreate","cuMemMap","cuMemSetAccess","cuMemUnmap","cuMemRelease","cuMemAddressReserve","cuMemAddressFree","cudaStreamSynchronize","cudaMalloc","cudaFree"};
 static void* realf[NK]; static double tot[NK]; static long cnt[NK]; static unsigned long long bytes[NK];
 static double now(){ struct timespec t; clock_gettime(CLOCK_MONOTONIC,&t); return t.tv_sec*1e6+t.tv_nsec/1e3; }
 #define W(k, ...) double a=now(); int r=((int(*)())realf[k])(__VA_ARGS__); tot[k]+=now()-a; cnt[k]++; return r;
@@ -32,6 +36,10 @@ int cudaGetDriverEntryPointByVersion(const char* s, void** pfn, unsigned v, unsi
   static int(*n)(const char*,void**,unsigned,unsigned long long,void*); if(!n) n=dlsym(RTLD_NEXT,"cudaGetDriverEntryPointByVersion");
   int r=n(s,pfn,v,fl,st); if(!r && pfn) *pfn=wrap(s,*pfn); return r; }
 int cudaStreamSynchronize(void* s){ static int(*n)(void*); if(!n) n=dlsym(RTLD_NEXT,"cudaStreamSynchronize"); double a=now(); int r=n(s); tot[SYNC]+=now()-a; cnt[SYNC]++; return r; }
-__attribute__((destructor)) static void fin(){ const char* o=getenv("PROF_OUT"); FILE* f=o?fopen(o,"a"):stderr; if(!f) return;
+int cudaMalloc(void** p, size_t s){ static int(*n)(void**,size_t); if(!n) n=dlsym(RTLD_NEXT,"cudaMalloc"); double a=now(); int r=n(p,s); tot[MALLOC]+=now()-a; cnt[MALLOC]++; bytes[MALLOC]+=s; return r; }
+int cudaFree(void* p){ static int(*n)(void*); if(!n) n=dlsym(RTLD_NEXT,"cudaFree"); double a=now(); int r=n(p); tot[FREE]+=now()-a; cnt[FREE]++; return r; }
+__attribute__((destructor)) static void fin(){ const char* o=getenv("PROF_OUT"); char path[512]; FILE* f=stderr;
+  if(o){ const char* q=strstr(o,"%p"); if(q) snprintf(path,sizeof path,"%.*s%d%s",(int)(q-o),o,(int)getpid(),q+2); else snprintf(path,sizeof path,"%s",o); f=fopen(path,"a"); }
+  if(!f) return;
   for(int k=0;k<NK;k++) if(cnt[k]) fprintf(f,"%-22s n=%8ld total=%10.1f ms mean=%7.2f us bytes=%.1f GiB\n",names[k],cnt[k],tot[k]/1e3,tot[k]/cnt[k],bytes[k]/1073741824.0);
   if(f!=stderr) fclose(f); }
