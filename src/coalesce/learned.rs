@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// At most this many cuts a device; the oldest go first.
 pub(super) const MAX_CUTS: usize = 4096;
+/// At most this many tail splits waiting to be judged; the lowest addresses go first.
+const MAX_TAILS: usize = 4096;
 
 /// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
 /// program has mapped pages at, and those of pages it shared. The address sets are merged
@@ -18,6 +20,12 @@ pub(super) struct Cuts {
     shared: Ranges,
     /// Giving backs since the last one that learned a cut.
     quiet: u32,
+    /// Batches whose last page got a handle of its own, not yet judged: the last page's
+    /// address -> the batch's first page's.
+    tails: BTreeMap<u64, u64>,
+    /// Tail splits that kept a batch from stranding: its pages all went back while its last
+    /// page lived.
+    tails_useful: u64,
 }
 
 /// Address ranges, merged: start -> end.
@@ -125,6 +133,36 @@ impl Cuts {
     /// never exactness.
     pub(super) fn learning(&self, quiet: u32) -> bool {
         self.quiet < quiet
+    }
+
+    /// A batch `[first, tail + a page)` got a handle of its own for its last page at `tail`.
+    pub(super) fn split_tail(&mut self, first: u64, tail: u64) {
+        self.tails.insert(tail, first);
+        while self.tails.len() > MAX_TAILS {
+            self.tails.pop_first();
+        }
+    }
+
+    /// At the end of a giving back, judge the tail splits whose batch and last page now
+    /// differ: `mapped(from, to)` tells whether the program has a page mapped in
+    /// `[from, to)`. A batch all gone while its last page lives: the split kept it from
+    /// stranding. Both gone: nothing learned, forgotten. Both mapped: judged later.
+    pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) {
+        let mut useful = 0;
+        self.tails.retain(|&tail, &mut first| {
+            let (batch, last) = (mapped(first, tail), mapped(tail, tail + 1));
+            if batch && last {
+                return true;
+            }
+            useful += u64::from(last && !batch);
+            false
+        });
+        self.tails_useful += useful;
+    }
+
+    /// Whether a tail split ever kept a batch from stranding.
+    pub(super) fn tails_useful(&self) -> bool {
+        self.tails_useful > 0
     }
 
     /// Tests: lifetimes count as learned from now on.

@@ -24,14 +24,18 @@ impl<D: Driver> Coalescer<D> {
         // `split_tail` it gets a handle of its own, so the batch's other pages go back whole
         // when their block does, whatever lives in the tail.
         let tail = inside.last().map(|(va, _)| *va);
+        let split_tail = self.splits_tails();
         for piece in rest {
             for run in self.pending_runs(&piece, self.cfg.max_handle) {
                 match run.split_last() {
                     Some((last, body))
-                        if self.cfg.split_tail && !body.is_empty() && Some(last.0) == tail =>
+                        if split_tail && !body.is_empty() && Some(last.0) == tail =>
                     {
                         self.back_run(body)?;
                         self.back_run(&[*last])?;
+                        if self.cfg.learn_cuts {
+                            self.cuts.split_tail(body[0].0, last.0);
+                        }
                     }
                     _ => self.back_run(&run)?,
                 }

@@ -266,3 +266,61 @@ fn tagged_pages_where_pages_were_shared_still_get_handles_of_their_own() {
     c.export(hs[1]).unwrap();
     assert_eq!(c.stats().exports_split, 1);
 }
+
+#[test]
+fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batch_whole() {
+    let tails = CoalesceConfig {
+        split_tail: true,
+        ..learning()
+    };
+    // One round: the program maps 4 pages at known addresses; `keep_last` keeps the last
+    // page a giving back longer than the others. Returns the handles the batch got.
+    let round = |c: &mut Coalescer<FakeDriver>, va: u64, keep_last: bool| {
+        let before = c.counts().1;
+        let hs = grow(c, va, 4).unwrap();
+        let handles = c.counts().1 - before;
+        fill(c, va, 4);
+        if keep_last {
+            shrink(c, va, &hs[..3]);
+            c.giving_back_ended();
+            assert_eq!(c.stranded(), 0, "the split kept the batch whole");
+            assert!(intact(c, va + 3 * PAGE, 1));
+            shrink(c, va + 3 * PAGE, &hs[3..]);
+        } else {
+            shrink(c, va, &hs);
+        }
+        c.giving_back_ended();
+        assert_eq!(c.driver().used(), 0);
+        handles
+    };
+    // A program whose batches live and go whole (DeepSpeed's): while cuts are learned the
+    // last page is split off; after TAIL_ROUNDS quiet giving backs, no longer.
+    let (mut c, va) = setup(100 * PAGE, tails);
+    round(&mut c, va, false); // first use: a handle a page
+    let mut learning = Vec::new();
+    for _ in 1..crate::coalesce::cuts::TAIL_ROUNDS {
+        learning.push(round(&mut c, va, false));
+    }
+    assert!(learning.iter().all(|&h| h == 2), "{learning:?}");
+    assert_eq!(round(&mut c, va, false), 1, "learned: one handle a batch");
+    assert_eq!(round(&mut c, va, false), 1);
+    // A program whose batch went back while its last page lived: the split was useful, and
+    // stays after the learning.
+    let (mut c, va) = setup(100 * PAGE, tails);
+    round(&mut c, va, false);
+    assert_eq!(round(&mut c, va, true), 2);
+    for _ in 0..crate::coalesce::cuts::TAIL_ROUNDS + 2 {
+        assert_eq!(round(&mut c, va, false), 2, "split for good");
+    }
+    // Without learning, EXPSEG_SPLIT_TAIL alone decides.
+    let (mut c, va) = setup(
+        100 * PAGE,
+        CoalesceConfig {
+            split_tail: true,
+            ..still()
+        },
+    );
+    for _ in 0..crate::coalesce::cuts::TAIL_ROUNDS + 2 {
+        assert_eq!(round(&mut c, va, false), 2);
+    }
+}
