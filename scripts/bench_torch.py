@@ -1251,6 +1251,10 @@ def summarize(results):
                 "peak_reserved_gib": round(r.get("peak_reserved", 0) / GIB, 3),
                 "peak_device_gib": round(r.get("peak_device", 0) / GIB, 3),
                 **({"floor_driver_ms": r["floor_ms"], "floor_gib": r["floor_gib"]} if r.get("floor_ms") else {}),
+                # Allocation-call time a step per run (expseg's VMM hooks; the default
+                # allocator's cudaMalloc/cudaFree where it ran with BENCH_PROF_LIB, "profiled").
+                **({"alloc_call_ms_per_step": r["alloc_call_ms_per_step"]} if r.get("alloc_call_ms_per_step") else {}),
+                **({"profiled": True} if r.get("profiled") else {}),
                 # From the exit reports: peaks over the rounds, of rank 0 (the process that ran
                 # the steps) and the max over every process that wrote one.
                 **(r.get("stranded") or {}),
