@@ -6,8 +6,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// At most this many cuts a device; the oldest go first.
 pub(super) const MAX_CUTS: usize = 4096;
-/// At most this many tail splits waiting to be judged; the lowest addresses go first.
-const MAX_TAILS: usize = 4096;
+/// At most this many tail splits waiting to be judged (each giving back's end looks at every
+/// one: two lookups each); the lowest addresses go first.
+const MAX_TAILS: usize = 1024;
 
 /// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
 /// program has mapped pages at, and those of pages it shared. The address sets are merged
