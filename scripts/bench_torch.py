@@ -170,11 +170,6 @@ def mode_env(mode, lib):
     elif mode in ("floor-now", "floor-late"):
         env["BENCH_NO_EC"] = "1"
         env["BENCH_FLOOR"] = mode.split("-")[1]
-    elif mode == "default" and os.environ.get("BENCH_PROF_LIB"):
-        # BENCH_PROF_LIB=libprof.so (scripts/vmm-cost/profile.c, built by `gcc -O2 -shared -fPIC
-        # -o libprof.so profile.c -ldl`): the default allocator's cudaMalloc/cudaFree timed (two
-        # clock reads a call).
-        env["LD_PRELOAD"] = os.environ["BENCH_PROF_LIB"]
     elif mode == "max_split":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     elif mode == "expseg-preload":
@@ -229,6 +224,15 @@ def mode_env(mode, lib):
         for kv in os.environ.get("BENCH_EXPSEG_ENV", "").split():
             k, _, v = kv.partition("=")
             env[k] = v
+    # Timing (two clock reads a call; scripts/vmm-cost/profile.c): BENCH_PROF_LIB=libprof.so
+    # times the allocation calls and the waits for the device of the default allocator and of
+    # expandable segments (cudaMalloc/cudaFree; PyTorch's VMM calls); BENCH_PROF_SYNC_LIB (the
+    # same built with -DSYNC_ONLY) the waits alone of every mode that preloads expseg, put
+    # before it (expseg's own report times its hooks).
+    if mode in ("default", "expandable") and os.environ.get("BENCH_PROF_LIB"):
+        env["LD_PRELOAD"] = os.environ["BENCH_PROF_LIB"]
+    elif env.get("LD_PRELOAD") and os.environ.get("BENCH_PROF_SYNC_LIB"):
+        env["LD_PRELOAD"] = os.environ["BENCH_PROF_SYNC_LIB"] + ":" + env["LD_PRELOAD"]
     return env, cmd
 
 
@@ -1070,16 +1074,20 @@ def alloc_call_ms(folder, prefix, pid):
         except (OSError, ValueError):
             return None
         return round(sum(proc.get(k, 0) for k in VMM_NS) / 1e6, 3) if any(k in proc for k in VMM_NS) else None
+    return prof_ms(folder, prefix, pid, PROF_CALLS)
+
+
+SYNC_CALLS = ["cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"]
+
+
+def prof_ms(folder, prefix, pid, calls):
+    """Milliseconds process pid spent in `calls` by profile.c's lines, or None."""
     try:
         lines = open(os.path.join(folder, prefix + f"prof-{pid}.txt")).read().splitlines()
     except OSError:
         return None
-    total = 0.0
-    for line in lines:
-        parts = line.split()
-        if parts and parts[0] in PROF_CALLS:
-            total += float(line.split("total=")[1].split()[0])
-    return round(total, 3)
+    ms = [float(l.split("total=")[1].split()[0]) for l in lines if l.split() and l.split()[0] in calls]
+    return round(sum(ms), 3) if ms else None
 
 
 def merge_max(a, b):
@@ -1131,7 +1139,8 @@ def run_all(args):
                 # Every expseg mode writes its exit reports (a table, and JSON beside it), one
                 # per process: stranded bytes come from them.
                 prefix = f"{w}_{m}_{rep}_"
-                profiled = bool(os.environ.get("BENCH_PROF_LIB")) and env.get("LD_PRELOAD") == os.environ["BENCH_PROF_LIB"]
+                profs = [os.environ.get(k) for k in ("BENCH_PROF_LIB", "BENCH_PROF_SYNC_LIB")]
+                profiled = any(p and env.get("LD_PRELOAD", "").split(":")[0] == p for p in profs)
                 if profiled:
                     os.makedirs(reports, exist_ok=True)
                     env["PROF_OUT"] = os.path.join(reports, prefix + "prof-%p.txt")
@@ -1166,6 +1175,10 @@ def run_all(args):
                     r["profiled"] = True
                 r["alloc_call_ms_per_step"] = (prev or {}).get("alloc_call_ms_per_step", []) + (
                     [round(call_ms / r["steps"], 3)] if call_ms is not None else [])
+                # Waits for the device a step (cudaStream/Device/EventSynchronize), where timed.
+                sync_ms = prof_ms(reports, prefix, r.get("pid"), SYNC_CALLS) if profiled and r.get("steps") else None
+                r["sync_ms_per_step"] = (prev or {}).get("sync_ms_per_step", []) + (
+                    [round(sync_ms / r["steps"], 3)] if sync_ms is not None else [])
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1180,6 +1193,7 @@ def run_all(args):
                     f" wall {r['wall_s']} s {'OOM' if r.get('oom') else ''} {r.get('error', '')[-300:]}"
                     + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else "")
                     + (f" alloc calls {r['alloc_call_ms_per_step'][-1]} ms/step" if call_ms is not None else "")
+                    + (f" waits {r['sync_ms_per_step'][-1]} ms/step" if sync_ms is not None else "")
                     + (f" stranded peak {fig['peak_stranded_bytes'] / 2**20:.0f} MiB" if fig else "")
                     + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else ""),
                     flush=True,
@@ -1254,6 +1268,7 @@ def summarize(results):
                 # Allocation-call time a step per run (expseg's VMM hooks; the default
                 # allocator's cudaMalloc/cudaFree where it ran with BENCH_PROF_LIB, "profiled").
                 **({"alloc_call_ms_per_step": r["alloc_call_ms_per_step"]} if r.get("alloc_call_ms_per_step") else {}),
+                **({"sync_ms_per_step": r["sync_ms_per_step"]} if r.get("sync_ms_per_step") else {}),
                 **({"profiled": True} if r.get("profiled") else {}),
                 # From the exit reports: peaks over the rounds, of rank 0 (the process that ran
                 # the steps) and the max over every process that wrote one.
@@ -1438,6 +1453,7 @@ def selftest():
             f.write("cudaMalloc             n=       4 total=       3.5 ms mean=  875.00 us bytes=1.0 GiB\n"
                     "cudaFree               n=       4 total=       1.0 ms mean=  250.00 us bytes=0.0 GiB\n"
                     "cudaStreamSynchronize  n=       9 total=      50.0 ms mean= 5555.56 us bytes=0.0 GiB\n")
+        check("waits for the device from profile.c's lines", prof_ms(d, "w_p_0_", 21, SYNC_CALLS) == 50.0 and prof_ms(d, "w_x_0_", 5, SYNC_CALLS) is None)
         check("allocation-call time: expseg report, profile.c lines (syncs not counted), none",
               alloc_call_ms(d, "w_c_0_", 20) == 2.5 and alloc_call_ms(d, "w_p_0_", 21) == 4.5
               and alloc_call_ms(d, "w_m_0_", 8) is None and alloc_call_ms(d, "w_x_0_", 5) is None)
