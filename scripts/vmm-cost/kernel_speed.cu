@@ -69,16 +69,8 @@ int main(int argc, char** argv) {
   printf("%s, %zu GiB, median of %d\n", prop.name, gib, reps);
   unsigned* out;
   CKRT(cudaMalloc(&out, 4));
-  CUmemAllocationProp P;
-  memset(&P, 0, sizeof P);
-  P.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  P.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  P.location.id = 0;
-  P.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  CUmemAccessDesc A;
-  memset(&A, 0, sizeof A);
-  A.location = P.location;
-  A.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUmemAllocationProp P = pinned_prop(0);
+  CUmemAccessDesc A = rw_access(0);
   const char* names[] = {"cudaMalloc", "one", "20M", "2M"};
   size_t chunks[] = {0, size, 20ull << 20, 2ull << 20};
   printf("%-11s %10s %10s %10s %10s\n", "memory", "handles", "copy ms", "gather ms", "local ms");

@@ -32,6 +32,26 @@ static inline double now_ms() {
     }                                                                             \
   } while (0)
 
+// Properties of pinned device memory of `dev` exportable as a POSIX descriptor (what expseg
+// creates), and read-write access for `dev`.
+static inline CUmemAllocationProp pinned_prop(int dev) {
+  CUmemAllocationProp p;
+  memset(&p, 0, sizeof p);
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = dev;
+  p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return p;
+}
+static inline CUmemAccessDesc rw_access(int dev) {
+  CUmemAccessDesc a;
+  memset(&a, 0, sizeof a);
+  a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  a.location.id = dev;
+  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return a;
+}
+
 // A hold of a stream by one batch of stream memory operations, [write *reached = g; wait until
 // *release >= g]: nothing of another thread falls between the two; the host releases it by
 // writing g at `release` (mapped page-locked host memory).
