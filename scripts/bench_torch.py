@@ -89,8 +89,8 @@ ratios to expandable_segments and default; with rounds or reports a second one: 
 ratios' mean and 95 % interval, peak stranded bytes and their share of peak held), writes
 results.json (each run as it ends: a run cut short keeps what it did) and memory.png to DIR,
 and with --json a summary (device, driver, date, commit; per workload and mode: steps, median
-ms, run medians, peak reserved and device GiB, losses_identical_to_default; vs_default and
-vs_expandable each _per_round, _mean and _ci95 (Student t, mean +- t(0.975, n-1) s/sqrt(n);
+ms, run medians, peak reserved and device GiB, losses_identical_to_default; vs_default,
+vs_expandable and vs_alt (against expseg-alt) each _per_round, _mean and _ci95 (Student t, mean +- t(0.975, n-1) s/sqrt(n);
 null with one round); peak_stranded_bytes, peak_beyond_bytes, peak_held_bytes,
 stranded_of_held and each _max_over_ranks; --append adds to the file of an earlier run of the
 same commit on the same device). Diagnosis: --steps N runs N steps instead of the workload's
@@ -1007,6 +1007,13 @@ def round_ratios(medians):
     return {m: (ratio(v, d), ratio(v, e)) for m, v in medians.items()}
 
 
+def alt_ratios(medians):
+    """{mode: median ms or None} of one round -> {mode: against the expseg-alt run of the round}
+    (the other library: the baseline an issue names), or {} without one."""
+    a = medians.get("expseg-alt")
+    return {m: round(v / a, 4) for m, v in medians.items() if v and a} if "expseg-alt" in medians else {}
+
+
 # Figures of the exit report (EXPSEG_REPORT's JSON, its "process" object; a library that
 # gives them per device only is summed over its devices) -> the names the results use. Only
 # the first is in every library; the other two are newer.
@@ -1200,8 +1207,11 @@ def run_all(args):
                 )
                 json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
             # The round is complete: each mode against the default and expandable runs of it.
+            alt = alt_ratios(medians)
             for m, (vd, ve) in round_ratios(medians).items():
                 entry = {"round": rep, "median_ms": medians[m] and round(medians[m], 3), "vs_default": vd, "vs_expandable": ve}
+                if "expseg-alt" in medians:
+                    entry["vs_alt"] = alt.get(m)
                 if m in same and w in ref_losses:
                     entry["losses_identical_to_default"] = same[m] == ref_losses[w]
                 if figs.get(m):
@@ -1288,7 +1298,7 @@ def summarize(results):
                 o["losses_identical_to_default"] = r["losses"] == d
             # Per round: the ratio to the default and expandable runs of the same round; their
             # mean and 95 % interval (null with one round).
-            for ref in ("default", "expandable"):
+            for ref in ("default", "expandable", "alt"):
                 per = [e.get(f"vs_{ref}") for e in r.get("rounds", [])]
                 if any(x is not None for x in per):
                     o[f"vs_{ref}_per_round"] = per
@@ -1317,8 +1327,8 @@ def table(results):
     # Rounds: each mode's ratios to the default and expandable runs of the same round, their
     # mean and 95 % interval; stranded bytes from the exit reports (peak over the rounds).
     if any(len(r.get("rounds", [])) > 1 or r.get("stranded") for modes in results.values() for r in modes.values()):
-        print("\n| workload | mode | rounds | vs default, mean [95 % interval] | vs expandable, mean [95 % interval] | peak stranded MiB (max over ranks) | of peak held |")
-        print("|---|---|---:|---|---|---:|---:|")
+        print("\n| workload | mode | rounds | vs default, mean [95 % interval] | vs expandable, mean [95 % interval] | vs expseg-alt, mean [95 % interval] | peak stranded MiB (max over ranks) | of peak held |")
+        print("|---|---|---:|---|---|---|---:|---:|")
         for w, modes in results.items():
             if w == "handoff":
                 continue
@@ -1331,7 +1341,7 @@ def table(results):
                 st = r.get("stranded") or {}
                 mib = lambda k: f"{st[k] / 2**20:.0f}" if k in st else "-"
                 held = f"{100 * st['stranded_of_held']:.2f} %" if "stranded_of_held" in st else "-"
-                print(f"| {w} | {m} | {len(r.get('rounds', []))} | {interval('default')} | {interval('expandable')}"
+                print(f"| {w} | {m} | {len(r.get('rounds', []))} | {interval('default')} | {interval('expandable')} | {interval('alt')}"
                       f" | {mib('peak_stranded_bytes')} ({mib('peak_stranded_bytes_max_over_ranks')}) | {held} |")
     for w, modes in results.items():
         d = modes.get("default", {}).get("losses") if w != "handoff" else None
@@ -1424,6 +1434,8 @@ def selftest():
     check("ratios to default and expandable", rr["expseg-preload"] == (1.1, 0.88) and rr["default"] == (1.0, 0.8) and rr["expandable"] == (1.25, 1.0))
     check("a failed run has no ratio", rr["failed"] == (None, None))
     check("no expandable in the round", round_ratios({"default": 100.0, "x": 50.0})["x"] == (0.5, None))
+    check("against the other library", alt_ratios({"expseg-alt": 100.0, "expseg-preload": 103.0, "failed": None}) == {"expseg-alt": 1.0, "expseg-preload": 1.03}
+          and alt_ratios({"default": 1.0}) == {})
     # Exit reports.
     with tempfile.TemporaryDirectory() as d:
         def report(name, pid, rank, process, devices=()):
