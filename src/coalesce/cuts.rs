@@ -65,6 +65,17 @@ impl<D: Driver> Coalescer<D> {
             && (!self.cfg.learn_cuts || self.cuts.learning(TAIL_ROUNDS) || self.cuts.tails_useful())
     }
 
+    /// At the end of a giving back (anything given back, stranded or not): the tail splits
+    /// whose batch and last page now differ are judged (`Cuts::judge_tails`).
+    pub(super) fn judge_tails(&mut self) {
+        if !self.cfg.learn_cuts {
+            return;
+        }
+        let maps = &self.maps;
+        self.cuts
+            .judge_tails(|from, to| maps.range(from..to).next().is_some());
+    }
+
     /// Whether a page the program shared lay in `[va, va+size)` (and learning is on).
     pub(super) fn shared_at(&self, va: u64, size: u64) -> bool {
         self.cfg.learn_cuts && self.cuts.shared(va, size)
@@ -142,9 +153,6 @@ impl<D: Driver> Coalescer<D> {
                 found.push(base + end);
             }
         }
-        let maps = &self.maps;
-        self.cuts
-            .judge_tails(|from, to| maps.range(from..to).next().is_some());
         let mut new = 0;
         for va in found {
             if self.cuts.add(va) {

@@ -184,7 +184,11 @@ impl<D: Driver> Coalescer<D> {
     /// the device's own next call does this.
     pub fn giving_back_ended(&mut self) {
         let gave_back = std::mem::take(&mut self.gave_back);
-        if std::mem::take(&mut self.released_since) {
+        let released = std::mem::take(&mut self.released_since);
+        if gave_back || released {
+            self.judge_tails();
+        }
+        if released {
             self.note_stranded();
             self.learn_cuts();
         } else if gave_back {

@@ -312,6 +312,25 @@ fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batc
     for _ in 0..crate::coalesce::cuts::TAIL_ROUNDS + 2 {
         assert_eq!(round(&mut c, va, false), 2, "split for good");
     }
+    // The same with batches of two pages: the one page before the last goes back alone (a
+    // handle with no page left: nothing stranded, yet the giving back still judges).
+    let (mut c, va) = setup(100 * PAGE, tails);
+    let hs = grow(&mut c, va, 2).unwrap();
+    shrink(&mut c, va, &hs);
+    c.giving_back_ended();
+    let hs = grow(&mut c, va, 2).unwrap();
+    shrink(&mut c, va, &hs[..1]);
+    c.giving_back_ended();
+    assert_eq!(c.stranded(), 0);
+    shrink(&mut c, va + PAGE, &hs[1..]);
+    c.giving_back_ended();
+    for _ in 0..crate::coalesce::cuts::TAIL_ROUNDS + 2 {
+        let before = c.counts().1;
+        let hs = grow(&mut c, va, 2).unwrap();
+        assert_eq!(c.counts().1 - before, 2, "split for good");
+        shrink(&mut c, va, &hs);
+        c.giving_back_ended();
+    }
     // Without learning, EXPSEG_SPLIT_TAIL alone decides.
     let (mut c, va) = setup(
         100 * PAGE,
