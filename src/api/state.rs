@@ -784,6 +784,10 @@ pub(super) mod coalescers {
                 sum(&|s| s.reused_stranded),
             ),
             ("coalesce_cuts_learned", sum(&|s| s.cuts_learned)),
+            (
+                "coalesce_tail_splits_useful",
+                sum(&|s| s.tail_splits_useful),
+            ),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),
             (

@@ -128,6 +128,9 @@ pub struct CoalesceStats {
     pub reused_stranded: u64,
     /// Lifetime boundaries learned from stranded handles (`EXPSEG_LEARN_CUTS`).
     pub cuts_learned: u64,
+    /// Batches whose split-off last page kept them from stranding (all their pages went back
+    /// while it lived): from the first, last pages are split off for good.
+    pub tail_splits_useful: u64,
     /// Bytes of pages served from released handles kept for reuse.
     pub reused_bytes: u64,
     /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).

@@ -72,7 +72,8 @@ impl<D: Driver> Coalescer<D> {
             return;
         }
         let maps = &self.maps;
-        self.cuts
+        self.stats.tail_splits_useful += self
+            .cuts
             .judge_tails(|from, to| maps.range(from..to).next().is_some());
     }
 

@@ -147,8 +147,9 @@ impl Cuts {
     /// At the end of a giving back, judge the tail splits whose batch and last page now
     /// differ: `mapped(from, to)` tells whether the program has a page mapped in
     /// `[from, to)`. A batch all gone while its last page lives: the split kept it from
-    /// stranding. Both gone: nothing learned, forgotten. Both mapped: judged later.
-    pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) {
+    /// stranding. Both gone: nothing learned, forgotten. Both mapped: judged later. Returns
+    /// the useful ones found now.
+    pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) -> u64 {
         let mut useful = 0;
         self.tails.retain(|&tail, &mut first| {
             let (batch, last) = (mapped(first, tail), mapped(tail, tail + 1));
@@ -159,6 +160,7 @@ impl Cuts {
             false
         });
         self.tails_useful += useful;
+        useful
     }
 
     /// Whether a tail split ever kept a batch from stranding.

@@ -304,11 +304,13 @@ fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batc
     assert!(learning.iter().all(|&h| h == 2), "{learning:?}");
     assert_eq!(round(&mut c, va, false), 1, "learned: one handle a batch");
     assert_eq!(round(&mut c, va, false), 1);
+    assert_eq!(c.stats().tail_splits_useful, 0);
     // A program whose batch went back while its last page lived: the split was useful, and
     // stays after the learning.
     let (mut c, va) = setup(100 * PAGE, tails);
     round(&mut c, va, false);
     assert_eq!(round(&mut c, va, true), 2);
+    assert_eq!(c.stats().tail_splits_useful, 1);
     for _ in 0..crate::coalesce::cuts::TAIL_ROUNDS + 2 {
         assert_eq!(round(&mut c, va, false), 2, "split for good");
     }
