@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 /// At most this many cuts a device; the oldest go first.
 pub(super) const MAX_CUTS: usize = 4096;
 /// At most this many tail splits waiting to be judged (each giving back's end looks at every
-/// one: two lookups each); the lowest addresses go first.
+/// one: two lookups each); the oldest go first.
 const MAX_TAILS: usize = 1024;
 
 /// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
@@ -22,8 +22,12 @@ pub(super) struct Cuts {
     /// Giving backs since the last one that learned a cut.
     quiet: u32,
     /// Batches whose last page got a handle of its own, not yet judged: the last page's
-    /// address -> the batch's first page's.
-    tails: BTreeMap<u64, u64>,
+    /// address -> (the batch's first page's, when it was split: a sequence number).
+    tails: BTreeMap<u64, (u64, u64)>,
+    /// The order tails were split in, (address, sequence), to forget the oldest; entries
+    /// judged or split again since are skipped.
+    tail_order: VecDeque<(u64, u64)>,
+    tail_seq: u64,
     /// Tail splits that kept a batch from stranding: its pages all went back while its last
     /// page lived.
     tails_useful: u64,
@@ -138,9 +142,21 @@ impl Cuts {
 
     /// A batch `[first, tail + a page)` got a handle of its own for its last page at `tail`.
     pub(super) fn split_tail(&mut self, first: u64, tail: u64) {
-        self.tails.insert(tail, first);
+        self.tail_seq += 1;
+        self.tails.insert(tail, (first, self.tail_seq));
+        self.tail_order.push_back((tail, self.tail_seq));
         while self.tails.len() > MAX_TAILS {
-            self.tails.pop_first();
+            let Some((t, seq)) = self.tail_order.pop_front() else {
+                break;
+            };
+            if self.tails.get(&t).is_some_and(|v| v.1 == seq) {
+                self.tails.remove(&t);
+            }
+        }
+        if self.tail_order.len() > 4 * MAX_TAILS {
+            let tails = &self.tails;
+            self.tail_order
+                .retain(|(t, seq)| tails.get(t).is_some_and(|v| v.1 == *seq));
         }
     }
 
@@ -151,7 +167,7 @@ impl Cuts {
     /// the useful ones found now.
     pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) -> u64 {
         let mut useful = 0;
-        self.tails.retain(|&tail, &mut first| {
+        self.tails.retain(|&tail, &mut (first, _)| {
             let (batch, last) = (mapped(first, tail), mapped(tail, tail + 1));
             if batch && last {
                 return true;
@@ -161,6 +177,12 @@ impl Cuts {
         });
         self.tails_useful += useful;
         useful
+    }
+
+    /// Tests: the tail splits waiting to be judged.
+    #[cfg(test)]
+    pub(super) fn tails_waiting(&self) -> Vec<u64> {
+        self.tails.keys().copied().collect()
     }
 
     /// Whether a tail split ever kept a batch from stranding.

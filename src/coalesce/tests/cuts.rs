@@ -345,3 +345,23 @@ fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batc
         assert_eq!(round(&mut c, va, false), 2);
     }
 }
+
+#[test]
+fn tail_splits_waiting_to_be_judged_are_forgotten_oldest_first() {
+    let mut cuts = crate::coalesce::learned::Cuts::default();
+    // Batches split at falling addresses: the oldest at the highest.
+    let at = |i: u64| (3000 - i) * PAGE;
+    for i in 0..1100 {
+        cuts.split_tail(at(i) - PAGE, at(i));
+    }
+    let waiting = cuts.tails_waiting();
+    assert_eq!(waiting.len(), 1024);
+    assert!(waiting.contains(&at(1099)), "the newest stays");
+    assert!(!waiting.contains(&at(0)), "the oldest goes");
+    assert!(waiting.contains(&at(76)) && !waiting.contains(&at(75)));
+    // Split again: young again.
+    cuts.split_tail(at(76) - PAGE, at(76));
+    cuts.split_tail(at(2000) - PAGE, at(2000));
+    let waiting = cuts.tails_waiting();
+    assert!(waiting.contains(&at(76)) && !waiting.contains(&at(77)));
+}
