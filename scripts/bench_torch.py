@@ -105,6 +105,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -231,8 +232,10 @@ def mode_env(mode, lib):
     # before it (expseg's own report times its hooks).
     if mode in ("default", "expandable") and os.environ.get("BENCH_PROF_LIB"):
         env["LD_PRELOAD"] = os.environ["BENCH_PROF_LIB"]
-    elif env.get("LD_PRELOAD") and os.environ.get("BENCH_PROF_SYNC_LIB"):
-        env["LD_PRELOAD"] = os.environ["BENCH_PROF_SYNC_LIB"] + ":" + env["LD_PRELOAD"]
+    elif (env.get("LD_PRELOAD") or cmd) and os.environ.get("BENCH_PROF_SYNC_LIB"):
+        # (expseg-run puts libexpseg.so first; expseg defines no synchronize call, so the
+        # order does not matter.)
+        env["LD_PRELOAD"] = ":".join(filter(None, [os.environ["BENCH_PROF_SYNC_LIB"], env.get("LD_PRELOAD")]))
     return env, cmd
 
 
@@ -1093,7 +1096,16 @@ def prof_ms(folder, prefix, pid, calls):
         lines = open(os.path.join(folder, prefix + f"prof-{pid}.txt")).read().splitlines()
     except OSError:
         return None
-    ms = [float(l.split("total=")[1].split()[0]) for l in lines if l.split() and l.split()[0] in calls]
+    ms = []
+    for line in lines:
+        words = line.split()
+        if not words or words[0] not in calls or words[-1] != "GiB":
+            continue  # another call's line, or one cut short
+        f = dict(re.findall(r"(\w+)=\s*([0-9.]+)", line))
+        try:
+            ms.append(float(f["total"]) - float(f.get("first", 0)))
+        except (KeyError, ValueError):
+            continue
     return round(sum(ms), 3) if ms else None
 
 
@@ -1147,9 +1159,11 @@ def run_all(args):
                 # per process: stranded bytes come from them.
                 prefix = f"{w}_{m}_{rep}_"
                 profs = [os.environ.get(k) for k in ("BENCH_PROF_LIB", "BENCH_PROF_SYNC_LIB")]
-                profiled = any(p and env.get("LD_PRELOAD", "").split(":")[0] == p for p in profs)
+                profiled = any(p and p in env.get("LD_PRELOAD", "").split(":") for p in profs)
                 if profiled:
                     os.makedirs(reports, exist_ok=True)
+                    for old in glob.glob(os.path.join(reports, glob.escape(prefix) + "prof-*")):
+                        os.remove(old)  # an earlier invocation's (profile.c appends)
                     env["PROF_OUT"] = os.path.join(reports, prefix + "prof-%p.txt")
                 if m.startswith("expseg"):
                     os.makedirs(reports, exist_ok=True)
@@ -1171,21 +1185,25 @@ def run_all(args):
                     if m == "default" and w not in ref_losses and not failed:
                         ref_losses[w] = r["losses"]
                     same[m] = r["losses"]
+                pid = r.get("pid")
+                steps = r.get("steps") or 0
                 if prev and (prev.get("oom") or prev.get("error")):
                     r = prev  # a failed run stands for the mode
                 r["run_medians_ms"] = runs
                 r["run_2nd_half_medians_ms"] = halves
                 # Allocation-call time a step of the printing process (expseg modes; default with
-                # BENCH_PROF_LIB).
-                call_ms = alloc_call_ms(reports, prefix, r.get("pid")) if r.get("steps") else None
+                # BENCH_PROF_LIB): process totals (setup included; each call's first, which may
+                # make the context, left out) over the steps run; None where not timed, so that
+                # the lists stay in line with run_medians_ms.
+                call_ms = alloc_call_ms(reports, prefix, pid) if steps else None
                 if profiled:
                     r["profiled"] = True
-                r["alloc_call_ms_per_step"] = (prev or {}).get("alloc_call_ms_per_step", []) + (
-                    [round(call_ms / r["steps"], 3)] if call_ms is not None else [])
+                r["alloc_call_ms_per_step"] = (prev or {}).get("alloc_call_ms_per_step", []) + [
+                    round(call_ms / steps, 3) if call_ms is not None else None]
                 # Waits for the device a step (cudaStream/Device/EventSynchronize), where timed.
-                sync_ms = prof_ms(reports, prefix, r.get("pid"), SYNC_CALLS) if profiled and r.get("steps") else None
-                r["sync_ms_per_step"] = (prev or {}).get("sync_ms_per_step", []) + (
-                    [round(sync_ms / r["steps"], 3)] if sync_ms is not None else [])
+                sync_ms = prof_ms(reports, prefix, pid, SYNC_CALLS) if profiled and steps else None
+                r["sync_ms_per_step"] = (prev or {}).get("sync_ms_per_step", []) + [
+                    round(sync_ms / steps, 3) if sync_ms is not None else None]
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1277,8 +1295,7 @@ def summarize(results):
                 **({"floor_driver_ms": r["floor_ms"], "floor_gib": r["floor_gib"]} if r.get("floor_ms") else {}),
                 # Allocation-call time a step per run (expseg's VMM hooks; the default
                 # allocator's cudaMalloc/cudaFree where it ran with BENCH_PROF_LIB, "profiled").
-                **({"alloc_call_ms_per_step": r["alloc_call_ms_per_step"]} if r.get("alloc_call_ms_per_step") else {}),
-                **({"sync_ms_per_step": r["sync_ms_per_step"]} if r.get("sync_ms_per_step") else {}),
+                **{k: r[k] for k in ("alloc_call_ms_per_step", "sync_ms_per_step") if any(x is not None for x in r.get(k, []))},
                 **({"profiled": True} if r.get("profiled") else {}),
                 # From the exit reports: peaks over the rounds, of rank 0 (the process that ran
                 # the steps) and the max over every process that wrote one.
@@ -1466,6 +1483,10 @@ def selftest():
                     "cudaFree               n=       4 total=       1.0 ms mean=  250.00 us bytes=0.0 GiB\n"
                     "cudaStreamSynchronize  n=       9 total=      50.0 ms mean= 5555.56 us bytes=0.0 GiB\n")
         check("waits for the device from profile.c's lines", prof_ms(d, "w_p_0_", 21, SYNC_CALLS) == 50.0 and prof_ms(d, "w_x_0_", 5, SYNC_CALLS) is None)
+        with open(os.path.join(d, "w_f_0_prof-22.txt"), "w") as f:
+            f.write("cudaMalloc             n=       4 total=     303.5 ms mean=75875.00 us first=   300.0 ms bytes=1.0 GiB\n"
+                    "cudaFree               n=       4 total=       1")  # cut short
+        check("a call's first left out, a line cut short skipped", prof_ms(d, "w_f_0_", 22, PROF_CALLS) == 3.5)
         check("allocation-call time: expseg report, profile.c lines (syncs not counted), none",
               alloc_call_ms(d, "w_c_0_", 20) == 2.5 and alloc_call_ms(d, "w_p_0_", 21) == 4.5
               and alloc_call_ms(d, "w_m_0_", 8) is None and alloc_call_ms(d, "w_x_0_", 5) is None)
