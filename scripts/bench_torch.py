@@ -1014,7 +1014,7 @@ def alt_ratios(medians):
     """{mode: median ms or None} of one round -> {mode: against the expseg-alt run of the round}
     (the other library: the baseline an issue names), or {} without one."""
     a = medians.get("expseg-alt")
-    return {m: round(v / a, 4) for m, v in medians.items() if v and a} if "expseg-alt" in medians else {}
+    return {m: round(v / a, 4) for m, v in medians.items() if v and a}
 
 
 # Figures of the exit report (EXPSEG_REPORT's JSON, its "process" object; a library that

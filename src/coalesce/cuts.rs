@@ -59,10 +59,13 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Whether the last page of a batch gets a handle of its own (`EXPSEG_SPLIT_TAIL`, with
-    /// learning: while cuts are learned, then where a split proved useful).
+    /// learning: while cuts are learned, then once a split proved useful: the count of those
+    /// in the stats is what was learned).
     pub(super) fn splits_tails(&self) -> bool {
         self.cfg.split_tail
-            && (!self.cfg.learn_cuts || self.cuts.learning(TAIL_ROUNDS) || self.cuts.tails_useful())
+            && (!self.cfg.learn_cuts
+                || self.cuts.learning(TAIL_ROUNDS)
+                || self.stats.tail_splits_useful > 0)
     }
 
     /// At the end of a giving back (anything given back, stranded or not): the tail splits

@@ -28,9 +28,6 @@ pub(super) struct Cuts {
     /// judged or split again since are skipped.
     tail_order: VecDeque<(u64, u64)>,
     tail_seq: u64,
-    /// Tail splits that kept a batch from stranding: its pages all went back while its last
-    /// page lived.
-    tails_useful: u64,
 }
 
 /// Address ranges, merged: start -> end.
@@ -164,7 +161,7 @@ impl Cuts {
     /// differ: `mapped(from, to)` tells whether the program has a page mapped in
     /// `[from, to)`. A batch all gone while its last page lives: the split kept it from
     /// stranding. Both gone: nothing learned, forgotten. Both mapped: judged later. Returns
-    /// the useful ones found now.
+    /// the useful ones found now (counted in `CoalesceStats::tail_splits_useful`).
     pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) -> u64 {
         let mut useful = 0;
         self.tails.retain(|&tail, &mut (first, _)| {
@@ -175,7 +172,6 @@ impl Cuts {
             useful += u64::from(last && !batch);
             false
         });
-        self.tails_useful += useful;
         useful
     }
 
@@ -183,11 +179,6 @@ impl Cuts {
     #[cfg(test)]
     pub(super) fn tails_waiting(&self) -> Vec<u64> {
         self.tails.keys().copied().collect()
-    }
-
-    /// Whether a tail split ever kept a batch from stranding.
-    pub(super) fn tails_useful(&self) -> bool {
-        self.tails_useful > 0
     }
 
     /// Tests: lifetimes count as learned from now on.
