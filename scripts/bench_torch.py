@@ -40,12 +40,13 @@ filler process that holds the rest of the card:
          every step (150 steps). A checksum mismatch or a CUDA error fails the run (error in
          the results; mismatches and batches_checked in the summary);
   refit  weight refit over CUDA IPC (vLLM-style weight sync): the trainer holds 8 GiB of bf16
-         weights in 246 tensors of 8-64 MiB, bumps one value each step and sends all 246 over a
-         torch.multiprocessing queue (CUDA IPC handles) to a worker process that copies them
-         into its own tensors and sends back the bumped value (checked); the step is the
-         round. The worker runs in the trainer's environment (under expseg when the mode is);
-         refit_plain: the worker runs without LD_PRELOAD (a plain consumer). Not in the
-         default list (--workloads refit refit_plain);
+         weights in 246 tensors of 8-64 MiB, bumps one value each step and sends all 246
+         (torch.multiprocessing's pickling: CUDA IPC handles, over a pipe) to a worker process
+         that opens them, copies them into its own tensors, drops them and sends back the
+         bumped value (checked); the step is the round, and each round's parts are timed
+         (refit_parts_median_ms: share, open, copy, close). The worker runs in the trainer's
+         environment (under expseg when the mode is); refit_plain: the worker runs without
+         LD_PRELOAD (a plain consumer). Not in the default list (--workloads refit refit_plain);
   handoff two processes on the whole card (no filler): a trainer takes 80 % of the free memory,
          frees it, empties its cache and writes one line to a pipe; a second process reads
          the line and at once asks for 70 % of the free memory (one torch.empty).
@@ -135,6 +136,7 @@ WORKLOADS = {  # name: (budget GiB, steps)
 NOT_DEFAULT = ("refit", "refit_plain")
 # The refit workloads' tensors: 246 of 8-64 MiB (8.0 GiB of bf16), as a model's weights.
 REFIT_MIB = [(8, 16, 32, 48, 64, 32)[i % 6] for i in range(246)]
+REFIT_PARTS = ("share", "open", "copy", "close")
 # Workloads of two ranks: torchrun, one GPU a rank, NCCL; rank 0's figures.
 TWO_RANK = ("ddp", "ddp_ec", "fsdp2", "fsdp2_ec", "deepspeed", "deepspeed_ec")
 # The prefetch workload's batches: besides the tokens, this many bytes of other data (images,
@@ -482,17 +484,21 @@ def worker(name):
 
         state["ws"] = [torch.ones(m << 19, dtype=torch.bfloat16, device="cuda") for m in REFIT_MIB]
         ctx = mp.get_context("spawn")
-        state["q_in"], state["q_out"] = ctx.Queue(), ctx.Queue()
+        # A pipe, pickled by hand on both sides, so that a round's parts are timed apart:
+        # sharing (the trainer's pickling: IPC handles), opening (the worker's unpickling),
+        # copying, closing (dropping the opened tensors).
+        state["conn"], theirs = ctx.Pipe()
         # A plain worker: started without the library (spawn's child takes this environment).
         saved = os.environ.pop("LD_PRELOAD", None) if name == "refit_plain" else None
         try:
-            state["proc"] = ctx.Process(target=refit_worker, args=(state["q_in"], state["q_out"]))
+            state["proc"] = ctx.Process(target=refit_worker, args=(theirs,))
             state["proc"].start()
         finally:
             if saved is not None:
                 os.environ["LD_PRELOAD"] = saved
-        assert state["q_out"].get(timeout=300) == "ready"
+        assert state["conn"].poll(300) and state["conn"].recv() == "ready"
         res["refit_mismatches"] = 0
+        res["refit_parts_ms"] = {k: [] for k in REFIT_PARTS}
     if name == "rl":
         torch.manual_seed(0)
         sys.path.insert(0, os.path.join(HERE, "..", "shim-tests"))
@@ -636,10 +642,18 @@ def worker(name):
             with torch.no_grad():
                 ws[i % len(ws)][-1] += 1  # the step's update (bf16 holds small integers exactly)
             want = ws[i % len(ws)][-1].item()
-            state["q_in"].put(("weights", (i % len(ws), ws)))
-            what, got = state["q_out"].get(timeout=300)
+            from multiprocessing.reduction import ForkingPickler
+
+            t0 = time.perf_counter()
+            msg = ForkingPickler.dumps(("weights", (i % len(ws), ws)))
+            share_ms = (time.perf_counter() - t0) * 1e3
+            state["conn"].send_bytes(msg)
+            assert state["conn"].poll(300)
+            what, got, parts = state["conn"].recv()
             if what != "loaded" or got != want:
                 res["refit_mismatches"] += 1
+            for k, v in {"share": share_ms, **parts}.items():
+                res["refit_parts_ms"][k].append(round(v, 3))
 
     # The device memory of the process, sampled every 2 ms by a thread: the true peak, not
     # just the step ends.
@@ -677,8 +691,11 @@ def worker(name):
         res["error"] = f"{res['mismatches']} of {res['batches_checked']} batches differ from their CPU checksums"
     peak["run"] = False
     sampler.join()
-    if name in ("rl", "refit", "refit_plain"):
+    if name == "rl":
         state["q_in"].put(("stop", 0))
+    if name in ("refit", "refit_plain"):
+        state["conn"].send(("stop", 0))
+    if name in ("rl", "refit", "refit_plain"):
         state["proc"].join(timeout=60)
     if name in TWO_RANK:
         dist.barrier()
@@ -911,24 +928,33 @@ def rl_worker(q_in, q_out):
             q_out.put("rolled")
 
 
-def refit_worker(q_in, q_out):
+def refit_worker(conn):
     """The inference side of the refit workloads: its own copy of the weights, loaded from the
-    trainer's tensors over CUDA IPC each round; answers with the value the trainer bumped."""
+    trainer's tensors over CUDA IPC each round; answers with the value the trainer bumped and
+    the round's parts in ms (open: unpickling, which opens the IPC handles; copy; close:
+    dropping the opened tensors, which closes them)."""
     import torch
+    from multiprocessing.reduction import ForkingPickler
 
     mine = [torch.empty(m << 19, dtype=torch.bfloat16, device="cuda") for m in REFIT_MIB]
-    q_out.put("ready")
+    conn.send("ready")
     while True:
-        what, arg = q_in.get()
+        msg = conn.recv_bytes()
+        t0 = time.perf_counter()
+        what, arg = ForkingPickler.loads(msg)
         if what == "stop":
             return
+        t1 = time.perf_counter()
         bumped, theirs = arg
         with torch.no_grad():
             for d, t in zip(mine, theirs):
                 d.copy_(t)
         torch.cuda.synchronize()
+        t2 = time.perf_counter()
         del theirs, arg
-        q_out.put(("loaded", mine[bumped][-1].item()))
+        t3 = time.perf_counter()
+        parts = {"open": (t1 - t0) * 1e3, "copy": (t2 - t1) * 1e3, "close": (t3 - t2) * 1e3}
+        conn.send(("loaded", mine[bumped][-1].item(), parts))
 
 
 def filler(gib):
@@ -1204,6 +1230,12 @@ def run_all(args):
                 sync_ms = prof_ms(reports, prefix, pid, SYNC_CALLS) if profiled and steps else None
                 r["sync_ms_per_step"] = (prev or {}).get("sync_ms_per_step", []) + [
                     round(sync_ms / steps, 3) if sync_ms is not None else None]
+                # The refit workloads: each part's median a round (the first round left out), a
+                # dict a run.
+                parts = r.pop("refit_parts_ms", None)
+                if parts is not None or prev and "refit_parts_median_ms" in prev:
+                    med = {k: round(statistics.median(v[1:] or v), 3) for k, v in (parts or {}).items() if v}
+                    r["refit_parts_median_ms"] = (prev or {}).get("refit_parts_median_ms", []) + [med or None]
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1219,6 +1251,7 @@ def run_all(args):
                     + (f" floor {r['floor_gib']} GiB, driver ms {r['floor_ms']}" if r.get("floor_ms") else "")
                     + (f" alloc calls {r['alloc_call_ms_per_step'][-1]} ms/step" if call_ms is not None else "")
                     + (f" waits {r['sync_ms_per_step'][-1]} ms/step" if sync_ms is not None else "")
+                    + (f" refit parts ms {r['refit_parts_median_ms'][-1]}" if r.get("refit_parts_median_ms") else "")
                     + (f" stranded peak {fig['peak_stranded_bytes'] / 2**20:.0f} MiB" if fig else "")
                     + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else ""),
                     flush=True,
@@ -1302,6 +1335,7 @@ def summarize(results):
                 **(r.get("stranded") or {}),
                 **({"batches_checked": r["batches_checked"], "mismatches": r["mismatches"]} if "mismatches" in r else {}),
                 **({"refit_mismatches": r["refit_mismatches"]} if "refit_mismatches" in r else {}),
+                **({"refit_parts_median_ms": r["refit_parts_median_ms"]} if "refit_parts_median_ms" in r else {}),
             }
             for m, r in modes.items()
         }
