@@ -1,6 +1,6 @@
 //! What placement has learned of the program's lifetimes, as data: cut addresses, the
-//! addresses the program has mapped pages at, and those of pages it shared. The rules that
-//! learn and use them are in `cuts`.
+//! addresses the program has mapped pages at, those of pages it shared, and the batches whose
+//! tail split proved useful or useless. The rules that learn and use them are in `cuts`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -28,6 +28,12 @@ pub(super) struct Cuts {
     /// judged or split again since are skipped.
     tail_order: VecDeque<(u64, u64)>,
     tail_seq: u64,
+    /// The ranges of batches whose tail split proved useful, and of those whose split was
+    /// judged and proved nothing (batch and last page gone together).
+    useful: Ranges,
+    useless: Ranges,
+    /// Giving backs ended so far.
+    rounds: u64,
 }
 
 /// Address ranges, merged: start -> end.
@@ -121,6 +127,7 @@ impl Cuts {
 
     /// A giving back ended having learned `new` cuts.
     pub(super) fn round(&mut self, new: usize) {
+        self.rounds += 1;
         self.quiet = if new > 0 {
             0
         } else {
@@ -160,19 +167,42 @@ impl Cuts {
     /// At the end of a giving back, judge the tail splits whose batch and last page now
     /// differ: `mapped(from, to)` tells whether the program has a page mapped in
     /// `[from, to)`. A batch all gone while its last page lives: the split kept it from
-    /// stranding. Both gone: nothing learned, forgotten. Both mapped: judged later. Returns
+    /// stranding (its range remembered as useful). Both gone: the split proved nothing (its
+    /// range remembered as useless). Both mapped: judged later. Returns
     /// the useful ones found now (counted in `CoalesceStats::tail_splits_useful`).
     pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) -> u64 {
         let mut useful = 0;
-        self.tails.retain(|&tail, &mut (first, _)| {
+        let mut tails = std::mem::take(&mut self.tails);
+        tails.retain(|&tail, &mut (first, _)| {
             let (batch, last) = (mapped(first, tail), mapped(tail, tail + 1));
             if batch && last {
                 return true;
             }
-            useful += u64::from(last && !batch);
+            if last && !batch {
+                useful += 1;
+                self.useful.add(first, tail + 1 - first);
+            } else if !last && !batch {
+                self.useless.add(first, tail + 1 - first);
+            }
             false
         });
+        self.tails = tails;
         useful
+    }
+
+    /// Giving backs ended so far.
+    pub(super) fn rounds(&self) -> u64 {
+        self.rounds
+    }
+
+    /// Whether a tail split proved useful for a batch overlapping `[first, end)`.
+    pub(super) fn useful_near(&self, first: u64, end: u64) -> bool {
+        self.useful.overlaps(first, end - first)
+    }
+
+    /// Whether a tail split was judged useless for a batch overlapping `[first, end)`.
+    pub(super) fn useless_near(&self, first: u64, end: u64) -> bool {
+        self.useless.overlaps(first, end - first)
     }
 
     /// Tests: the tail splits waiting to be judged.

@@ -29,7 +29,10 @@ impl<D: Driver> Coalescer<D> {
             for run in self.pending_runs(&piece, self.cfg.max_handle) {
                 match run.split_last() {
                     Some((last, body))
-                        if split_tail && !body.is_empty() && Some(last.0) == tail =>
+                        if split_tail
+                            && !body.is_empty()
+                            && Some(last.0) == tail
+                            && self.splits_tail_here(body[0].0, last.0 + 1) =>
                     {
                         self.back_run(body)?;
                         self.back_run(&[*last])?;

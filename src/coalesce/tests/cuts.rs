@@ -347,6 +347,58 @@ fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batc
 }
 
 #[test]
+fn after_the_first_giving_backs_a_batch_is_split_only_where_no_split_proved_useless() {
+    use crate::coalesce::cuts::TAIL_LOCAL_ROUNDS;
+    let (mut c, va) = setup(
+        100 * PAGE,
+        CoalesceConfig {
+            split_tail: true,
+            ..learning()
+        },
+    );
+    // One round of 4 pages at `at`; `keep_last` keeps the last page a giving back longer.
+    // Returns the handles the batch got.
+    let round = |c: &mut Coalescer<FakeDriver>, at: u64, keep_last: bool| {
+        let before = c.counts().1;
+        let hs = grow(c, at, 4).unwrap();
+        let handles = c.counts().1 - before;
+        fill(c, at, 4);
+        if keep_last {
+            shrink(c, at, &hs[..3]);
+            c.giving_back_ended();
+            assert_eq!(c.stranded(), 0, "the split kept the batch whole");
+            shrink(c, at + 3 * PAGE, &hs[3..]);
+        } else {
+            shrink(c, at, &hs);
+        }
+        c.giving_back_ended();
+        assert_eq!(c.driver().used(), 0);
+        handles
+    };
+    let (a, b, fresh) = (va, va + 20 * PAGE, va + 40 * PAGE);
+    // At `a` a split keeps a batch whole (so batches' last pages are split for good); at `b`
+    // batches go whole, and their splits prove nothing.
+    round(&mut c, a, false);
+    assert_eq!(round(&mut c, a, true), 2);
+    assert_eq!(c.stats().tail_splits_useful, 1);
+    round(&mut c, b, false);
+    while c.cuts.rounds() < TAIL_LOCAL_ROUNDS {
+        assert_eq!(round(&mut c, b, false), 2, "split everywhere at first");
+    }
+    assert_eq!(
+        round(&mut c, b, false),
+        1,
+        "useless here: one handle a batch"
+    );
+    assert_eq!(round(&mut c, a, false), 2, "useful here: still split");
+    // Addresses where no split was judged yet: split (after the first use's page handles),
+    // until one proves useless there.
+    assert_eq!(round(&mut c, fresh, false), 4, "first use: a handle a page");
+    assert_eq!(round(&mut c, fresh, false), 2);
+    assert_eq!(round(&mut c, fresh, false), 1);
+}
+
+#[test]
 fn tail_splits_waiting_to_be_judged_are_forgotten_oldest_first() {
     let mut cuts = crate::coalesce::learned::Cuts::default();
     // Batches split at falling addresses: the oldest at the highest.
