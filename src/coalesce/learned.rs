@@ -11,7 +11,8 @@ pub(super) const MAX_CUTS: usize = 4096;
 const MAX_TAILS: usize = 1024;
 
 /// Cut addresses, the order they were learned in (to forget the oldest), the addresses the
-/// program has mapped pages at, and those of pages it shared. The address sets are merged
+/// program has mapped pages at, those of pages it shared, and the batches whose tail split
+/// proved useful or useless. The address sets are merged
 /// ranges: they grow with the separate ranges a program ever maps, not with its calls.
 #[derive(Debug, Default)]
 pub(super) struct Cuts {

@@ -347,7 +347,8 @@ fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batc
 }
 
 #[test]
-fn after_the_first_giving_backs_a_batch_is_split_only_where_no_split_proved_useless() {
+fn after_the_first_giving_backs_a_batch_is_split_only_where_no_split_proved_useless_or_when_judged_again(
+) {
     use crate::coalesce::cuts::TAIL_LOCAL_ROUNDS;
     let (mut c, va) = setup(
         100 * PAGE,
@@ -385,17 +386,22 @@ fn after_the_first_giving_backs_a_batch_is_split_only_where_no_split_proved_usel
     while c.cuts.rounds() < TAIL_LOCAL_ROUNDS {
         assert_eq!(round(&mut c, b, false), 2, "split everywhere at first");
     }
-    assert_eq!(
-        round(&mut c, b, false),
-        1,
-        "useless here: one handle a batch"
-    );
+    assert_eq!(c.cuts.rounds(), TAIL_LOCAL_ROUNDS);
+    assert_eq!(round(&mut c, b, false), 2, "every batch judged again");
+    assert_eq!(round(&mut c, b, false), 1, "useless here: one a batch");
     assert_eq!(round(&mut c, a, false), 2, "useful here: still split");
+    assert_eq!(round(&mut c, a, false), 2, "useful and useless here: split");
     // Addresses where no split was judged yet: split (after the first use's page handles),
     // until one proves useless there.
     assert_eq!(round(&mut c, fresh, false), 4, "first use: a handle a page");
     assert_eq!(round(&mut c, fresh, false), 2);
     assert_eq!(round(&mut c, fresh, false), 1);
+    // Every TAIL_LOCAL_ROUNDS-th giving back splits every batch again.
+    while !c.cuts.rounds().is_multiple_of(TAIL_LOCAL_ROUNDS) {
+        round(&mut c, b, false);
+    }
+    assert_eq!(round(&mut c, b, false), 2, "judged again");
+    assert_eq!(round(&mut c, b, false), 1);
 }
 
 #[test]
