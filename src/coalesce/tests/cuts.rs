@@ -267,32 +267,35 @@ fn tagged_pages_where_pages_were_shared_still_get_handles_of_their_own() {
     assert_eq!(c.stats().exports_split, 1);
 }
 
+/// One round of the tail-split tests: the program maps 4 pages at `at` (known addresses) and
+/// gives them back; `keep_last` keeps the last page a giving back longer than the others.
+/// Returns the handles the batch got.
+fn tail_round(c: &mut Coalescer<FakeDriver>, at: u64, keep_last: bool) -> usize {
+    let before = c.counts().1;
+    let hs = grow(c, at, 4).unwrap();
+    let handles = c.counts().1 - before;
+    fill(c, at, 4);
+    if keep_last {
+        shrink(c, at, &hs[..3]);
+        c.giving_back_ended();
+        assert_eq!(c.stranded(), 0, "the split kept the batch whole");
+        assert!(intact(c, at + 3 * PAGE, 1));
+        shrink(c, at + 3 * PAGE, &hs[3..]);
+    } else {
+        shrink(c, at, &hs);
+    }
+    c.giving_back_ended();
+    assert_eq!(c.driver().used(), 0);
+    handles
+}
+
 #[test]
 fn once_learned_a_batch_keeps_its_last_page_unless_a_split_last_page_kept_a_batch_whole() {
     let tails = CoalesceConfig {
         split_tail: true,
         ..learning()
     };
-    // One round: the program maps 4 pages at known addresses; `keep_last` keeps the last
-    // page a giving back longer than the others. Returns the handles the batch got.
-    let round = |c: &mut Coalescer<FakeDriver>, va: u64, keep_last: bool| {
-        let before = c.counts().1;
-        let hs = grow(c, va, 4).unwrap();
-        let handles = c.counts().1 - before;
-        fill(c, va, 4);
-        if keep_last {
-            shrink(c, va, &hs[..3]);
-            c.giving_back_ended();
-            assert_eq!(c.stranded(), 0, "the split kept the batch whole");
-            assert!(intact(c, va + 3 * PAGE, 1));
-            shrink(c, va + 3 * PAGE, &hs[3..]);
-        } else {
-            shrink(c, va, &hs);
-        }
-        c.giving_back_ended();
-        assert_eq!(c.driver().used(), 0);
-        handles
-    };
+    let round = tail_round;
     // A program whose batches live and go whole (DeepSpeed's): while cuts are learned the
     // last page is split off; after TAIL_ROUNDS quiet giving backs, no longer.
     let (mut c, va) = setup(100 * PAGE, tails);
@@ -357,25 +360,7 @@ fn after_the_first_giving_backs_a_batch_is_split_only_where_no_split_proved_usel
             ..learning()
         },
     );
-    // One round of 4 pages at `at`; `keep_last` keeps the last page a giving back longer.
-    // Returns the handles the batch got.
-    let round = |c: &mut Coalescer<FakeDriver>, at: u64, keep_last: bool| {
-        let before = c.counts().1;
-        let hs = grow(c, at, 4).unwrap();
-        let handles = c.counts().1 - before;
-        fill(c, at, 4);
-        if keep_last {
-            shrink(c, at, &hs[..3]);
-            c.giving_back_ended();
-            assert_eq!(c.stranded(), 0, "the split kept the batch whole");
-            shrink(c, at + 3 * PAGE, &hs[3..]);
-        } else {
-            shrink(c, at, &hs);
-        }
-        c.giving_back_ended();
-        assert_eq!(c.driver().used(), 0);
-        handles
-    };
+    let round = tail_round;
     let (a, b, fresh) = (va, va + 20 * PAGE, va + 40 * PAGE);
     // At `a` a split keeps a batch whole (so batches' last pages are split for good); at `b`
     // batches go whole, and their splits prove nothing.
