@@ -11,12 +11,13 @@ recorded on a GPU machine with a library built with `--features test-switches`, 
 
 Prints, per trace and policy: peak stranded / peak held, peak held, handles created, and an
 estimate of the driver time of the trace's second half (its steady state), weighted with the
-mean cost of each call in an H200 report (create 26 us, release 23, map 12, unmap 36, access
-75, mem_get_info 15), relative to the first policy. An estimate to choose what to measure on
-the GPU, not a measurement."""
+mean cost of each call in H200 exit reports (the RL trainer and worker and the small GPT,
+2026-11-27: create 57 us, release 73, map 10, unmap 35, access 80, mem_get_info 15; the costs
+vary 0.5-2x between programs, the ratios between policies little), relative to the first
+policy. An estimate to choose what to measure on the GPU, not a measurement."""
 import argparse, glob, json, os, subprocess, sys
 
-US = dict(create=26, release=23, map=12, unmap=36, set_access=75, meminfo=15)
+US = dict(create=57, release=73, map=10, unmap=35, set_access=80, meminfo=15)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
