@@ -1135,6 +1135,11 @@ def prof_ms(folder, prefix, pid, calls):
     return round(sum(ms), 3) if ms else None
 
 
+def per_run(prev, key, value):
+    """The mode's list of `key`, one entry a run: the earlier rounds' (from prev) and value."""
+    return (prev or {}).get(key, []) + [value]
+
+
 def merge_max(a, b):
     """Two runs' report figures -> the larger of each (a mode's peak over its rounds)."""
     if not a or not b:
@@ -1224,18 +1229,16 @@ def run_all(args):
                 call_ms = alloc_call_ms(reports, prefix, pid) if steps else None
                 if profiled:
                     r["profiled"] = True
-                r["alloc_call_ms_per_step"] = (prev or {}).get("alloc_call_ms_per_step", []) + [
-                    round(call_ms / steps, 3) if call_ms is not None else None]
+                r["alloc_call_ms_per_step"] = per_run(prev, "alloc_call_ms_per_step", call_ms and round(call_ms / steps, 3))
                 # Waits for the device a step (cudaStream/Device/EventSynchronize), where timed.
                 sync_ms = prof_ms(reports, prefix, pid, SYNC_CALLS) if profiled and steps else None
-                r["sync_ms_per_step"] = (prev or {}).get("sync_ms_per_step", []) + [
-                    round(sync_ms / steps, 3) if sync_ms is not None else None]
+                r["sync_ms_per_step"] = per_run(prev, "sync_ms_per_step", sync_ms and round(sync_ms / steps, 3))
                 # The refit workloads: each part's median a round (the first round left out), a
                 # dict a run.
                 parts = r.pop("refit_parts_ms", None)
                 if parts is not None or prev and "refit_parts_median_ms" in prev:
                     med = {k: round(statistics.median(v[1:] or v), 3) for k, v in (parts or {}).items() if v}
-                    r["refit_parts_median_ms"] = (prev or {}).get("refit_parts_median_ms", []) + [med or None]
+                    r["refit_parts_median_ms"] = per_run(prev, "refit_parts_median_ms", med or None)
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig

@@ -173,8 +173,7 @@ impl Cuts {
     /// the useful ones found now (counted in `CoalesceStats::tail_splits_useful`).
     pub(super) fn judge_tails(&mut self, mapped: impl Fn(u64, u64) -> bool) -> u64 {
         let mut useful = 0;
-        let mut tails = std::mem::take(&mut self.tails);
-        tails.retain(|&tail, &mut (first, _)| {
+        self.tails.retain(|&tail, &mut (first, _)| {
             let (batch, last) = (mapped(first, tail), mapped(tail, tail + 1));
             if batch && last {
                 return true;
@@ -187,7 +186,6 @@ impl Cuts {
             }
             false
         });
-        self.tails = tails;
         useful
     }
 
