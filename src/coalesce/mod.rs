@@ -63,7 +63,7 @@ pub use books::{
 pub use sleep::{Choose, Paused};
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
-use books::{end, Page, NEXT_VH, TAG};
+use books::{end, Page, FREE_FRESH_NS, NEXT_VH, TAG};
 use std::time::Instant;
 
 impl<D: Driver> Coalescer<D> {
@@ -263,7 +263,25 @@ impl<D: Driver> Coalescer<D> {
     /// The driver's free memory; 0 if it cannot say (every page is then created at once, so
     /// the answer is still the driver's own).
     fn free_now(&mut self) -> u64 {
-        self.drv.free_memory().unwrap_or(0)
+        match self.drv.free_memory() {
+            Ok(free) => {
+                self.free_seen = Some((self.drv.now_ns(), free, self.made));
+                free
+            }
+            Err(_) => {
+                self.free_seen = None;
+                0
+            }
+        }
+    }
+
+    /// The driver's last answer if it is at most `FREE_FRESH_NS` old, less what this coalescer
+    /// created since. What it gave back since is not added (another process may have taken
+    /// it), so the figure errs low but for other processes' allocations in that time.
+    fn free_recent(&mut self) -> Option<u64> {
+        let (at, free, made) = self.free_seen?;
+        let fresh = self.drv.now_ns().saturating_sub(at) <= FREE_FRESH_NS;
+        fresh.then(|| free.saturating_sub(self.made - made))
     }
 
     /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.
@@ -280,6 +298,11 @@ impl<D: Driver> Coalescer<D> {
             // the driver need not be asked what is free (≈ 30 µs a batch, H100).
             if self.kept_bytes >= size.saturating_add(self.cfg.margin) {
                 self.free_est = 0;
+                self.free_known = false;
+                self.stats.meminfo_skipped += 1;
+            } else if let Some(free) = self.free_recent() {
+                // The last answer, a moment old: a batch that does not fit by it asks again.
+                self.free_est = free;
                 self.free_known = false;
                 self.stats.meminfo_skipped += 1;
             } else {

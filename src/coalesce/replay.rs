@@ -11,7 +11,9 @@
 //! the recorded delay the releaser's calls are replayed where they were recorded (`releaser`
 //! lines); under another delay they are dropped and a kept handle goes back before the first
 //! event that comes the delay or more after the device's last `create`, `unmap` or
-//! `set_access` (the recorded times). Nothing else depends on the clock.
+//! `set_access` (the recorded times). The fake's clock, which says how old the driver's last
+//! answer of free memory is (`FREE_FRESH_NS`), reads the recorded time of each call. Nothing
+//! else depends on the clock.
 //!
 //! The driver's free memory is not recorded: the fake has `capacity` bytes per device, and
 //! only the replayed coalescer's handles use them (near that limit, pages are created at once).
@@ -238,6 +240,8 @@ impl Replay {
         };
         let c = self.coalescer(e.dev);
         c.allow_moves(e.moves);
+        // How old an answer of free memory is: on the recorded clock.
+        c.driver_mut().set_clock(e.t_ns);
         let bytes = |r: DrvResult<u64>| Outcome::from(&r);
         let got = match &e.call {
             Call::Create { size, props } => Outcome::from(&c.create(*size, *props)),

@@ -147,13 +147,17 @@ impl<D: Driver> Coalescer<D> {
     /// Create; on out-of-memory every kept handle goes back and the driver is asked again (a
     /// compaction's move then takes the device path where it can).
     pub(super) fn create_room(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle> {
-        match self.drv.create_as(size, props) {
+        let made = match self.drv.create_as(size, props) {
             Err(e) if e.is_oom() && self.kept_bytes > 0 => {
                 self.release_kept();
                 self.drv.create_as(size, props)
             }
             r => r,
+        };
+        if made.is_ok() {
+            self.made += size;
         }
+        made
     }
 
     /// The largest kept handle of these properties of at most `max` bytes, a multiple of

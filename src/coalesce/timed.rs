@@ -94,6 +94,9 @@ impl<D: Driver> Driver for Timed<D> {
     fn free_memory(&mut self) -> DrvResult<u64> {
         self.count(MEMINFO, |d| d.free_memory())
     }
+    fn now_ns(&mut self) -> u64 {
+        self.inner.now_ns()
+    }
     fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {
         self.count(Op::SetAccess.index(), |d| {
             d.set_access_flags(va, size, descs)

@@ -787,6 +787,12 @@ impl Driver for CudaDriver {
             .map_err(rt)
     }
 
+    fn now_ns(&mut self) -> u64 {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let start = *START.get_or_init(std::time::Instant::now);
+        u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
     fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {
         let descs: Vec<CUmemAccessDesc> = descs
             .iter()

@@ -91,6 +91,10 @@ pub struct FakeDriver {
     /// Host buffers that can still be made, in bytes.
     pub host_capacity: u64,
     inject: Vec<(Op, DrvError)>,
+    /// The clock `now_ns` reads: pinned by `set_clock`, else a second later at every read
+    /// (no answer of `free_memory` is ever recent).
+    clock: Option<u64>,
+    ticks: u64,
 }
 
 /// Where fake host buffers live (far from device addresses).
@@ -126,7 +130,14 @@ impl FakeDriver {
             next_host: HOST_BASE,
             host_capacity: u64::MAX,
             inject: Vec::new(),
+            clock: None,
+            ticks: 0,
         }
+    }
+
+    /// Pin the clock `now_ns` reads (the replay: the recorded time of each call).
+    pub fn set_clock(&mut self, ns: u64) {
+        self.clock = Some(ns);
     }
 
     /// A kernel on the default stream uses `[va, va+size)` until the device is waited for.
@@ -621,6 +632,16 @@ impl Driver for FakeDriver {
 
     fn free_memory(&mut self) -> DrvResult<u64> {
         Ok(self.free_bytes())
+    }
+
+    fn now_ns(&mut self) -> u64 {
+        match self.clock {
+            Some(ns) => ns,
+            None => {
+                self.ticks += 1_000_000_000;
+                self.ticks
+            }
+        }
     }
 
     fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()> {

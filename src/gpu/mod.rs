@@ -251,6 +251,8 @@ pub trait Driver {
     fn create_as(&mut self, size: u64, props: PageProps) -> DrvResult<ChunkHandle>;
     /// Bytes the driver can still give out on the device (`cuMemGetInfo`'s free).
     fn free_memory(&mut self) -> DrvResult<u64>;
+    /// A monotonic clock in nanoseconds: how old an answer of `free_memory` is.
+    fn now_ns(&mut self) -> u64;
     /// Set access to `[va, va+size)` exactly as the program's descriptors say: `(device,
     /// CUmemAccess_flags)`, flags 0 taking access away.
     fn set_access_flags(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<()>;

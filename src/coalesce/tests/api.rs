@@ -391,3 +391,88 @@ fn an_unmap_over_a_hole_is_refused_as_natively() {
     c.release(b).unwrap();
     all_given_back(&mut c);
 }
+
+#[test]
+fn an_answer_of_free_memory_a_moment_old_admits_the_next_batch_without_asking_again() {
+    let (mut c, va) = setup(100 * PAGE, still());
+    c.driver_mut().set_clock(0);
+    let a = grow(&mut c, va, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 1);
+    // 1 ms later: the answer still admits a batch (less the 3 pages made since).
+    c.driver_mut().set_clock(1_000_000);
+    let b = grow(&mut c, va + 3 * PAGE, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 1);
+    assert_eq!(c.stats().meminfo_skipped, 1);
+    // 2.5 ms after the answer: asked again.
+    c.driver_mut().set_clock(3_500_000);
+    let d = grow(&mut c, va + 6 * PAGE, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 2);
+    fill(&mut c, va, 9);
+    assert!(intact(&c, va, 9));
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 3 * PAGE, &b);
+    shrink(&mut c, va + 6 * PAGE, &d);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn a_batch_the_recent_answer_does_not_cover_asks_the_driver_and_is_made_at_once() {
+    // 20 pages, a margin of 4: the first batch (10 pages) leaves 10 by the answer, less
+    // what was made since; the next batch's 7th page passes that.
+    let (mut c, va) = setup(20 * PAGE, still());
+    c.driver_mut().set_clock(0);
+    let a = grow(&mut c, va, 10).unwrap();
+    assert_eq!(meminfo_calls(&c), 1);
+    c.driver_mut().set_clock(1_000_000);
+    let exact = c.stats().exact_creates;
+    let b = grow(&mut c, va + 10 * PAGE, 7).unwrap();
+    assert!(meminfo_calls(&c) >= 2, "asked again");
+    assert!(
+        c.stats().exact_creates > exact,
+        "near the limit: made at once"
+    );
+    fill(&mut c, va, 17);
+    assert!(intact(&c, va, 17));
+    assert_eq!(c.driver().used(), 17 * PAGE);
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 10 * PAGE, &b);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn bytes_given_back_since_the_answer_are_not_counted_free_so_creates_fail_as_natively() {
+    // The program gives its 10 pages back and another process takes 12 of the 20 at once.
+    // Were the 10 counted free again, a batch of 12 would be admitted by the 1 ms old answer
+    // and fail at cuMemSetAccess; as it is, the 7th page asks, and the 9th create is out of
+    // memory, where PyTorch expects it.
+    let (mut c, va) = setup(20 * PAGE, still());
+    c.driver_mut().set_clock(0);
+    let a = grow(&mut c, va, 10).unwrap();
+    shrink(&mut c, va, &a);
+    assert_eq!(c.driver().used(), 0);
+    c.driver_mut().set_capacity(8 * PAGE);
+    c.driver_mut().set_clock(1_000_000);
+    let mut made = Vec::new();
+    let err = loop {
+        match c.create(PAGE, PROPS) {
+            Ok(h) => made.push(h),
+            Err(e) => break e,
+        }
+        assert!(made.len() <= 12);
+    };
+    assert!(err.is_oom());
+    assert_eq!(
+        made.len(),
+        8,
+        "every page that fits, then out of memory at create"
+    );
+    assert!(meminfo_calls(&c) >= 2);
+    for (i, h) in made.iter().enumerate() {
+        c.map(va + i as u64 * PAGE, PAGE, 0, *h).unwrap();
+    }
+    assert!(c.set_access(va, 8 * PAGE, &[(0, RW)]).unwrap());
+    fill(&mut c, va, 8);
+    assert!(intact(&c, va, 8));
+    shrink(&mut c, va, &made);
+    all_given_back(&mut c);
+}
