@@ -66,7 +66,7 @@ pub const AHEAD_SHARE: u64 = 64;
 /// How long the driver's answer of free memory admits new batches of pages (less what the
 /// coalescer created since) before it is asked again: 2 ms. Asking costs 12-15 us
 /// (`cuMemGetInfo`, H200), once a batch, and PyTorch maps in bursts: on the bench's traces
-/// 66-85 % of the batches start within 2 ms of an answer (GPT-2 with `empty_cache()`: 4,289
+/// 66-95 % of the batches start within 2 ms of an answer (GPT-2 with `empty_cache()`: 4,289
 /// asks a run -> 639). Another process's allocations in those 2 ms are what the margin
 /// (`EXPSEG_COALESCE_MARGIN`, 1 GiB) absorbs; a batch that does not fit asks again.
 pub const FREE_FRESH_NS: u64 = 2_000_000;
@@ -152,7 +152,8 @@ pub struct CoalesceStats {
     pub ahead_returned: u64,
     /// `cuMemSetAccess` calls answered without the driver: the mappings already had it.
     pub access_skipped: u64,
-    /// Batches admitted without asking the driver for its free memory (kept handles cover them).
+    /// Batches admitted without asking the driver for its free memory (kept handles cover them,
+    /// or its last answer is at most `FREE_FRESH_NS` old).
     pub meminfo_skipped: u64,
     /// Handles given back from a thread whose current context was not their device's primary
     /// one, after waiting for their device's default stream (`Coalescer::unmap_from`).
