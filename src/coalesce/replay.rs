@@ -43,7 +43,7 @@ pub struct Replay {
     releaser: Option<Releaser>,
     devs: BTreeMap<i32, Coalescer<FakeDriver>>,
     /// Recorded virtual handle -> the replay's.
-    vhs: HashMap<u64, u64>,
+    vhs: HashMap<u64, u64, super::books::BuildKeyHasher>,
     /// Per device, the recorded time of its last call that resets its quiet.
     last_call: BTreeMap<i32, u64>,
     lines: u64,
@@ -112,7 +112,7 @@ impl Replay {
             header: Header::default(),
             releaser: None,
             devs: BTreeMap::new(),
-            vhs: HashMap::new(),
+            vhs: HashMap::default(),
             last_call: BTreeMap::new(),
             lines: 0,
             t_ns: 0,
