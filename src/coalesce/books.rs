@@ -297,6 +297,9 @@ pub struct Coalescer<D: Driver> {
     pub(super) free_est: u64,
     /// Phys with dead bytes.
     pub(super) dirty: BTreeSet<u64>,
+    /// False only while no phys is paused: set when one is, cleared by a look that finds
+    /// none (`any_asleep`), so a program call on awake memory looks at no phys for it.
+    pub(super) maybe_asleep: bool,
     /// Temporary mappings whose teardown failed, retried at the next settle.
     pub(super) stray: Vec<(u64, u64)>,
     /// Handles the driver would not take back (cuMemRelease failed): (handle, size), still
@@ -368,6 +371,7 @@ impl<D: Driver> Coalescer<D> {
             pending_bytes: 0,
             free_est: 0,
             dirty: BTreeSet::new(),
+            maybe_asleep: false,
             stray: Vec::new(),
             unreleased: Vec::new(),
             kept: BTreeMap::new(),

@@ -95,6 +95,7 @@ impl<D: Driver> Coalescer<D> {
             let ph = self.phys.get_mut(&pid).unwrap();
             ph.handle = 0;
             ph.asleep = Some(Sleep { saved, props });
+            self.maybe_asleep = true;
         }
         Ok(out)
     }
@@ -270,8 +271,13 @@ impl<D: Driver> Coalescer<D> {
         self.wake_pids(&pids).map(|_| ())
     }
 
-    pub(super) fn any_asleep(&self) -> bool {
-        self.phys.values().any(|p| p.asleep.is_some())
+    /// Whether any phys is paused (a look at every phys only after a pause, until one finds
+    /// none).
+    pub(super) fn any_asleep(&mut self) -> bool {
+        if self.maybe_asleep {
+            self.maybe_asleep = self.phys.values().any(|p| p.asleep.is_some());
+        }
+        self.maybe_asleep
     }
 
     /// Bytes paused on this device (given back to the driver; on the host where offloaded).
