@@ -132,11 +132,11 @@ impl<D: Driver> Coalescer<D> {
         }
         let mut new = 0;
         for &(va, vh) in inside {
-            if va != 0 {
-                if !self.cuts.seen(va, self.pages[&vh].size) {
-                    new += 1;
-                }
-                self.cuts.see(va, self.pages[&vh].size);
+            let size = self.pages[&vh].size;
+            // A range seen already is inside one merged range: seeing it again changes nothing.
+            if va != 0 && !self.cuts.seen(va, size) {
+                new += 1;
+                self.cuts.see(va, size);
             }
         }
         if new > 0 {
