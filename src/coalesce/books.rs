@@ -33,7 +33,7 @@ pub(super) type PageMap<V> = HashMap<u64, V, BuildKeyHasher>;
 /// One multiply per key (the Fx hash): the counter's low bits spread over the table's
 /// buckets and its high bits into the control bytes.
 #[derive(Default, Clone, Copy)]
-pub struct KeyHasher(u64);
+pub(super) struct KeyHasher(u64);
 
 impl std::hash::Hasher for KeyHasher {
     fn write(&mut self, bytes: &[u8]) {
@@ -49,7 +49,7 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
-pub type BuildKeyHasher = std::hash::BuildHasherDefault<KeyHasher>;
+pub(super) type BuildKeyHasher = std::hash::BuildHasherDefault<KeyHasher>;
 
 /// Tuning.
 #[derive(Clone, Copy, Debug)]

@@ -124,6 +124,31 @@ fn pages_released_while_paused_need_no_memory_and_other_calls_resume_first() {
 }
 
 #[test]
+fn an_access_call_on_paused_pages_resumes_them_after_every_pause() {
+    let (mut c, va) = setup(1 << 40, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    for round in 0..3 {
+        c.pause(&|_| OFFLOAD).unwrap();
+        assert_eq!(c.paused_bytes(), 4 * PAGE, "round {round}");
+        // The program sets access again on its pages: they come back first, bytes intact.
+        assert!(c.set_access(va, 4 * PAGE, &[(0, RW)]).unwrap());
+        assert_eq!(
+            c.paused_bytes(),
+            0,
+            "round {round}: resumed by the access call"
+        );
+        assert!(intact(&c, va, 4), "round {round}");
+        // Calls on awake memory between pauses find nothing to resume.
+        assert!(c.set_access(va, 4 * PAGE, &[(0, RW)]).unwrap());
+        assert!(intact(&c, va, 4));
+    }
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().host_buffers(), (0, 0));
+    all_given_back(&mut c);
+}
+
+#[test]
 fn out_of_memory_on_resume_loses_nothing_and_a_retry_finishes() {
     let mut k = cfg();
     k.max_handle = 2 * PAGE;
