@@ -83,7 +83,9 @@ from the JSON each run records coalesce_peak_stranded_bytes and, where the libra
 coalesce_peak_beyond_bytes (stranded plus bytes grown ahead) and coalesce_peak_held_bytes
 (physical bytes behind PyTorch's pages), with stranded/held: those of the process that ran the
 steps (rank 0), and the max over every process that wrote one (both ranks; rl's inference
-worker too). A mode's figures are the peaks over its rounds.
+worker too). A mode's figures are the peaks over its rounds. Each run also records expseg's own
+work per hook call (own_us_per_hook_call: the report's hook time less its coalescers' driver
+time, over the hook calls; one entry a run).
 
 Prints a table (completed steps or OOM, peak device memory, peak reserved, median step time,
 ratios to expandable_segments and default; with rounds or reports a second one: per-round
@@ -1066,7 +1068,21 @@ def report_figures(rep):
         return None
     if fig.get("peak_held_bytes"):
         fig["stranded_of_held"] = round(fig["peak_stranded_bytes"] / fig["peak_held_bytes"], 5)
+    own = own_us_per_call(proc)
+    if own is not None:
+        fig["own_us_per_call"] = own
     return fig
+
+
+def own_us_per_call(proc):
+    """expseg's own work per hook call of PyTorch's pages (the hooks' time less the coalescers'
+    driver calls, `coalesce_*_ns`, over the hook calls), in microseconds; None without them."""
+    calls = sum(proc.get(k.replace("_ns", "_calls"), 0) for k in VMM_NS)
+    if not calls:
+        return None
+    hooks = sum(proc.get(k, 0) for k in VMM_NS)
+    driver = sum(v for k, v in proc.items() if k.startswith("coalesce_") and k.endswith("_ns"))
+    return round((hooks - driver) / calls / 1e3, 3)
 
 
 def read_reports(folder, prefix, pid=None):
@@ -1239,6 +1255,11 @@ def run_all(args):
                 if parts is not None or prev and "refit_parts_median_ms" in prev:
                     med = {k: round(statistics.median(v[1:] or v), 3) for k, v in (parts or {}).items() if v}
                     r["refit_parts_median_ms"] = per_run(prev, "refit_parts_median_ms", med or None)
+                # expseg's own work per hook call (the report's hooks less its driver calls), a
+                # run each; the peaks below are figures of memory only.
+                own = fig.pop("own_us_per_call", None) if fig else None
+                if m.startswith("expseg"):
+                    r["own_us_per_hook_call"] = per_run(prev, "own_us_per_hook_call", own)
                 r["rounds"] = (prev or {}).get("rounds", [])
                 r["stranded"] = merge_max((prev or {}).get("stranded"), fig)
                 figs[m] = fig
@@ -1256,7 +1277,8 @@ def run_all(args):
                     + (f" waits {r['sync_ms_per_step'][-1]} ms/step" if sync_ms is not None else "")
                     + (f" refit parts ms {r['refit_parts_median_ms'][-1]}" if r.get("refit_parts_median_ms") else "")
                     + (f" stranded peak {fig['peak_stranded_bytes'] / 2**20:.0f} MiB" if fig else "")
-                    + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else ""),
+                    + (f" of held {fig['peak_held_bytes'] / 2**20:.0f} MiB ({100 * fig['stranded_of_held']:.2f} %)" if fig and fig.get("stranded_of_held") is not None else "")
+                    + (f" own {own} us/hook call" if own is not None else ""),
                     flush=True,
                 )
                 json.dump(results, open(os.path.join(args.out, "results.json"), "w"))
@@ -1513,6 +1535,8 @@ def selftest():
         check("an older library: stranded bytes alone", old == {"peak_stranded_bytes": 5, "reports": 1, "peak_stranded_bytes_max_over_ranks": 5})
         check("figures per device only", read_reports(d, "w_m3_0_")["stranded_of_held"] == 0.01)
         check("no report, or a broken one", read_reports(d, "w_m9_0_") is None and read_reports(d, "w_m4_0_") is None)
+        proc = {"vmm_create_ns": 5000, "vmm_create_calls": 3, "vmm_access_ns": 9000, "vmm_access_calls": 1, "coalesce_create_ns": 4000, "coalesce_set_access_ns": 2000, "coalesce_create": 1}
+        check("own work per hook call", own_us_per_call(proc) == 2.0 and own_us_per_call({"coalesce_create_ns": 5}) is None)
         check("merge over rounds", merge_max({"a": 1, "b": 5}, {"a": 3}) == {"a": 3, "b": 5} and merge_max(None, {"a": 1}) == {"a": 1})
         report("w_c_0_rank0-pid20.txt.json", 20, "0", {"vmm_create_ns": 2_000_000, "vmm_release_ns": 500_000, "allocs": 3})
         with open(os.path.join(d, "w_p_0_prof-21.txt"), "w") as f:
