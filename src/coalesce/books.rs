@@ -95,13 +95,23 @@ pub struct CoalesceConfig {
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
 pub const AHEAD_SHARE: u64 = 64;
 
-/// How long the driver's answer of free memory admits new batches of pages (less what the
-/// coalescer created since) before it is asked again: 2 ms. Asking costs 12-15 us
-/// (`cuMemGetInfo`, H200), once a batch, and PyTorch maps in bursts: on the bench's traces
-/// 66-95 % of the batches start within 2 ms of an answer (GPT-2 with `empty_cache()`: 4,289
-/// asks a run -> 639). Another process's allocations in those 2 ms are what the margin
-/// (`EXPSEG_COALESCE_MARGIN`, 1 GiB) absorbs; a batch that does not fit asks again.
+/// For how long the driver's answer of free memory admits new batches of pages as it stands
+/// (less what the coalescer created since): 2 ms. Another process's allocations in those 2 ms
+/// are what the margin (`EXPSEG_COALESCE_MARGIN`, 1 GiB) absorbs.
 pub const FREE_FRESH_NS: u64 = 2_000_000;
+
+/// Past `FREE_FRESH_NS`, the answer still admits a batch, less what other processes could
+/// have taken since at this many bytes a millisecond: 2 GiB, four times what the driver gives
+/// one process (a `cudaMalloc` of 80 GiB took 153 ms in the handoff bench, H200). A batch
+/// that does not fit by that figure asks the driver again. Asking costs 12-15 us alone
+/// (`cuMemGetInfo`, H200) and 34-35 us inside a training loop (train_ec, gpt2_ec: 1,362 and
+/// 708 asks a run with the 2 ms window alone); PyTorch maps in bursts, and replayed, the
+/// bench's traces ask 11-42 times less (train_ec 1,323 -> 98, GPT-2 639 -> 50), placement
+/// unchanged.
+pub const OTHERS_BYTES_PER_MS: u64 = 2 << 30;
+
+/// An answer older than this is never used: 100 ms.
+pub const FREE_STALE_NS: u64 = 100_000_000;
 
 impl Default for CoalesceConfig {
     fn default() -> Self {
@@ -185,7 +195,7 @@ pub struct CoalesceStats {
     /// `cuMemSetAccess` calls answered without the driver: the mappings already had it.
     pub access_skipped: u64,
     /// Batches admitted without asking the driver for its free memory (kept handles cover them,
-    /// or its last answer is at most `FREE_FRESH_NS` old).
+    /// or its last answer does, less what others could have taken since: `free_recent`).
     pub meminfo_skipped: u64,
     /// Handles given back from a thread whose current context was not their device's primary
     /// one, after waiting for their device's default stream (`Coalescer::unmap_from`).

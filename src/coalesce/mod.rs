@@ -63,7 +63,7 @@ pub use books::{
 pub use sleep::{Choose, Paused};
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
-use books::{end, Page, FREE_FRESH_NS, NEXT_VH, TAG};
+use books::{end, Page, FREE_FRESH_NS, FREE_STALE_NS, NEXT_VH, OTHERS_BYTES_PER_MS, TAG};
 use std::time::Instant;
 
 impl<D: Driver> Coalescer<D> {
@@ -275,13 +275,21 @@ impl<D: Driver> Coalescer<D> {
         }
     }
 
-    /// The driver's last answer if it is at most `FREE_FRESH_NS` old, less what this coalescer
-    /// created since. What it gave back since is not added (another process may have taken
-    /// it), so the figure errs low but for other processes' allocations in that time.
+    /// The driver's last answer if it is at most `FREE_STALE_NS` old, less what this coalescer
+    /// created since and what other processes could have taken past its first `FREE_FRESH_NS`
+    /// (`OTHERS_BYTES_PER_MS`). What it gave back since is not added (another process may
+    /// have taken it), so the figure errs low but for other processes' allocations faster
+    /// than that.
     fn free_recent(&mut self) -> Option<u64> {
         let (at, free, made) = self.free_seen?;
-        let fresh = self.drv.now_ns().saturating_sub(at) <= FREE_FRESH_NS;
-        fresh.then(|| free.saturating_sub(self.made - made))
+        let age = self.drv.now_ns().saturating_sub(at);
+        if age > FREE_STALE_NS {
+            return None;
+        }
+        let others =
+            age.saturating_sub(FREE_FRESH_NS) as u128 * OTHERS_BYTES_PER_MS as u128 / 1_000_000;
+        let others = u64::try_from(others).unwrap_or(u64::MAX);
+        Some(free.saturating_sub(self.made - made).saturating_sub(others))
     }
 
     /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.

@@ -12,7 +12,7 @@
 //! lines); under another delay they are dropped and a kept handle goes back before the first
 //! event that comes the delay or more after the device's last `create`, `unmap` or
 //! `set_access` (the recorded times). The fake's clock, which says how old the driver's last
-//! answer of free memory is (`FREE_FRESH_NS`), reads the recorded time of each call. Nothing
+//! answer of free memory is (`free_recent`), reads the recorded time of each call. Nothing
 //! else depends on the clock.
 //!
 //! The driver's free memory is not recorded: the fake has `capacity` bytes per device, and

@@ -2,6 +2,7 @@
 //! handles and ranges, answers as native for calls twice or out of range.
 
 use super::*;
+use crate::coalesce::books::FREE_STALE_NS;
 
 #[test]
 fn a_batch_of_pages_is_one_handle_and_goes_back_whole() {
@@ -403,7 +404,8 @@ fn an_answer_of_free_memory_a_moment_old_admits_the_next_batch_without_asking_ag
     let b = grow(&mut c, va + 3 * PAGE, 3).unwrap();
     assert_eq!(meminfo_calls(&c), 1);
     assert_eq!(c.stats().meminfo_skipped, 1);
-    // 2.5 ms after the answer: asked again.
+    // 3.5 ms after the answer: other processes could have taken 3 GiB in the last 1.5 ms,
+    // more than the card has: asked again.
     c.driver_mut().set_clock(3_500_000);
     let d = grow(&mut c, va + 6 * PAGE, 3).unwrap();
     assert_eq!(meminfo_calls(&c), 2);
@@ -412,6 +414,51 @@ fn an_answer_of_free_memory_a_moment_old_admits_the_next_batch_without_asking_ag
     shrink(&mut c, va, &a);
     shrink(&mut c, va + 3 * PAGE, &b);
     shrink(&mut c, va + 6 * PAGE, &d);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn an_older_answer_admits_a_batch_less_what_other_processes_could_have_taken_since() {
+    // 80 GiB free, a margin of 4 pages: 20 ms after the answer, others could have taken
+    // 36 GiB (2 GiB a ms past the first 2 ms): the batch is admitted without asking; 45 ms
+    // after it, 86 GiB: asked again.
+    let (mut c, va) = setup(4096 * PAGE, still());
+    c.driver_mut().set_clock(0);
+    let a = grow(&mut c, va, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 1);
+    c.driver_mut().set_clock(20_000_000);
+    let b = grow(&mut c, va + 3 * PAGE, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 1, "admitted by the 20 ms old answer");
+    assert_eq!(c.stats().meminfo_skipped, 1);
+    c.driver_mut().set_clock(45_000_000);
+    let d = grow(&mut c, va + 6 * PAGE, 3).unwrap();
+    assert_eq!(meminfo_calls(&c), 2, "86 GiB could be gone: asked");
+    fill(&mut c, va, 9);
+    assert!(intact(&c, va, 9));
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 3 * PAGE, &b);
+    shrink(&mut c, va + 6 * PAGE, &d);
+    all_given_back(&mut c);
+}
+
+#[test]
+fn an_answer_past_its_age_limit_is_asked_again_whatever_is_free() {
+    let (mut c, va) = setup(1 << 40, still());
+    c.driver_mut().set_clock(0);
+    let a = grow(&mut c, va, 2).unwrap();
+    c.driver_mut().set_clock(FREE_STALE_NS - 1);
+    let b = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    assert_eq!(
+        meminfo_calls(&c),
+        1,
+        "a TiB free covers 2 GiB a ms for 100 ms"
+    );
+    c.driver_mut().set_clock(FREE_STALE_NS + 1);
+    let d = grow(&mut c, va + 4 * PAGE, 2).unwrap();
+    assert_eq!(meminfo_calls(&c), 2);
+    shrink(&mut c, va, &a);
+    shrink(&mut c, va + 2 * PAGE, &b);
+    shrink(&mut c, va + 4 * PAGE, &d);
     all_given_back(&mut c);
 }
 
