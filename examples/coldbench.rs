@@ -8,12 +8,35 @@
 //! warm caches. With 16 on session 28's train_ec trace the figures come near what the exit
 //! reports of that workload on the GPU give as expseg's own work per hook call (the hooks'
 //! time less the driver's; shim-tests/RESULTS.md, session 31), so a change to the books can be
-//! judged here before it goes to the GPU. The fake driver's own time is included.
+//! judged here before it goes to the GPU. The fake driver's own time is included, and so are
+//! the replay's own allocations; each kind's heap allocations a call are printed beside its
+//! time (a cold allocator's bins cost misses as the books do).
 use expseg::coalesce::replay::Replay;
 use expseg::coalesce::trace::{self, Call};
 use expseg::coalesce::CoalesceConfig;
 use expseg::config::Config;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+/// Heap allocations made, counted (a cold allocator's bins cost misses like the books do).
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 const KINDS: [&str; 6] = ["create", "release", "map", "unmap", "set_access", "other"];
 
@@ -56,7 +79,7 @@ fn main() {
         140 << 30,
     );
     let mut junk = vec![0u8; mb << 20];
-    let (mut ns, mut n) = ([0u64; 6], [0u64; 6]);
+    let (mut ns, mut n, mut al) = ([0u64; 6], [0u64; 6], [0u64; 6]);
     for (i, line) in text.lines().enumerate() {
         let Some(Ok(e)) = trace::parse(line) else {
             replay.line(line);
@@ -66,9 +89,11 @@ fn main() {
             *b = b.wrapping_add(i as u8);
         }
         let k = kind(&e.call);
+        let a = ALLOCS.load(Ordering::Relaxed);
         let t = Instant::now();
         replay.event(&e);
         ns[k] += t.elapsed().as_nanos() as u64;
+        al[k] += ALLOCS.load(Ordering::Relaxed) - a;
         n[k] += 1;
     }
     let events: u64 = n.iter().sum();
@@ -78,7 +103,12 @@ fn main() {
         total as f64 / events.max(1) as f64 / 1e3
     );
     for k in (0..KINDS.len()).filter(|k| n[*k] > 0) {
-        print!(" {} {:.2}", KINDS[k], ns[k] as f64 / n[k] as f64 / 1e3);
+        print!(
+            " {} {:.2} ({:.2} allocs)",
+            KINDS[k],
+            ns[k] as f64 / n[k] as f64 / 1e3,
+            al[k] as f64 / n[k] as f64
+        );
     }
     // The buffer is read once, so its writes are not optimised away.
     println!(" (us; {})", junk.iter().map(|b| *b as u64).sum::<u64>() % 2);
