@@ -107,8 +107,9 @@ pub const FREE_FRESH_NS: u64 = 2_000_000;
 /// (`cuMemGetInfo`, H200) and 34-35 us inside a training loop (train_ec, gpt2_ec: 1,362 and
 /// 708 asks a run with the 2 ms window alone); PyTorch maps in bursts, and replayed on a
 /// 140 GiB card, the bench's 15 traces ask 2.6-17 times less (train_ec 1,323 -> 99, GPT-2
-/// 639 -> 50, DeepSpeed 44 -> 17), every other driver call and all placement unchanged; on the GPU with 24 GiB to itself, train_ec 1,286-1,393 -> 388-419
-/// (14-18 ms a run instead of 39-51; no step change measurable).
+/// 639 -> 50, DeepSpeed 44 -> 17), every other driver call and all placement unchanged; on
+/// the GPU with 24 GiB to itself, train_ec 1,286-1,393 -> 388-419 (14-18 ms a run instead of
+/// 39-51; no step change measurable).
 pub const OTHERS_BYTES_PER_MS: u64 = 2 << 30;
 
 /// An answer older than this is never used: 100 ms.

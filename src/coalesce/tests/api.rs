@@ -396,18 +396,15 @@ fn an_unmap_over_a_hole_is_refused_as_natively() {
 #[test]
 fn an_answer_of_free_memory_a_moment_old_admits_the_next_batch_without_asking_again() {
     let (mut c, va) = setup(100 * PAGE, still());
-    c.driver_mut().set_clock(0);
-    let a = grow(&mut c, va, 3).unwrap();
+    let a = grow_at(&mut c, 0, va, 3);
     assert_eq!(meminfo_calls(&c), 1);
     // 1 ms later: the answer still admits a batch (less the 3 pages made since).
-    c.driver_mut().set_clock(1_000_000);
-    let b = grow(&mut c, va + 3 * PAGE, 3).unwrap();
+    let b = grow_at(&mut c, 1_000_000, va + 3 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 1);
     assert_eq!(c.stats().meminfo_skipped, 1);
     // 3.5 ms after the answer: other processes could have taken 3 GiB in the last 1.5 ms,
     // more than the card has: asked again.
-    c.driver_mut().set_clock(3_500_000);
-    let d = grow(&mut c, va + 6 * PAGE, 3).unwrap();
+    let d = grow_at(&mut c, 3_500_000, va + 6 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 2);
     fill(&mut c, va, 9);
     assert!(intact(&c, va, 9));
@@ -423,15 +420,12 @@ fn an_older_answer_admits_a_batch_less_what_other_processes_could_have_taken_sin
     // 36 GiB (2 GiB a ms past the first 2 ms): the batch is admitted without asking; 45 ms
     // after it, 86 GiB: asked again.
     let (mut c, va) = setup(4096 * PAGE, still());
-    c.driver_mut().set_clock(0);
-    let a = grow(&mut c, va, 3).unwrap();
+    let a = grow_at(&mut c, 0, va, 3);
     assert_eq!(meminfo_calls(&c), 1);
-    c.driver_mut().set_clock(20_000_000);
-    let b = grow(&mut c, va + 3 * PAGE, 3).unwrap();
+    let b = grow_at(&mut c, 20_000_000, va + 3 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 1, "admitted by the 20 ms old answer");
     assert_eq!(c.stats().meminfo_skipped, 1);
-    c.driver_mut().set_clock(45_000_000);
-    let d = grow(&mut c, va + 6 * PAGE, 3).unwrap();
+    let d = grow_at(&mut c, 45_000_000, va + 6 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 2, "86 GiB could be gone: asked");
     fill(&mut c, va, 9);
     assert!(intact(&c, va, 9));
@@ -444,17 +438,14 @@ fn an_older_answer_admits_a_batch_less_what_other_processes_could_have_taken_sin
 #[test]
 fn an_answer_past_its_age_limit_is_asked_again_whatever_is_free() {
     let (mut c, va) = setup(1 << 40, still());
-    c.driver_mut().set_clock(0);
-    let a = grow(&mut c, va, 2).unwrap();
-    c.driver_mut().set_clock(FREE_STALE_NS - 1);
-    let b = grow(&mut c, va + 2 * PAGE, 2).unwrap();
+    let a = grow_at(&mut c, 0, va, 2);
+    let b = grow_at(&mut c, FREE_STALE_NS - 1, va + 2 * PAGE, 2);
     assert_eq!(
         meminfo_calls(&c),
         1,
         "a TiB free covers 2 GiB a ms for 100 ms"
     );
-    c.driver_mut().set_clock(FREE_STALE_NS + 1);
-    let d = grow(&mut c, va + 4 * PAGE, 2).unwrap();
+    let d = grow_at(&mut c, FREE_STALE_NS + 1, va + 4 * PAGE, 2);
     assert_eq!(meminfo_calls(&c), 2);
     shrink(&mut c, va, &a);
     shrink(&mut c, va + 2 * PAGE, &b);
@@ -467,8 +458,7 @@ fn a_batch_the_recent_answer_does_not_cover_asks_the_driver_and_is_made_at_once(
     // 20 pages, a margin of 4: the first batch (10 pages) leaves 10 by the answer, less
     // what was made since; the next batch's 7th page passes that.
     let (mut c, va) = setup(20 * PAGE, still());
-    c.driver_mut().set_clock(0);
-    let a = grow(&mut c, va, 10).unwrap();
+    let a = grow_at(&mut c, 0, va, 10);
     assert_eq!(meminfo_calls(&c), 1);
     c.driver_mut().set_clock(1_000_000);
     let exact = c.stats().exact_creates;
@@ -522,4 +512,10 @@ fn bytes_given_back_since_the_answer_are_not_counted_free_so_creates_fail_as_nat
     assert!(intact(&c, va, 8));
     shrink(&mut c, va, &made);
     all_given_back(&mut c);
+}
+
+/// A batch of `n` pages at `at`, grown when the fake's clock reads `ns`.
+fn grow_at(c: &mut Coalescer<FakeDriver>, ns: u64, at: u64, n: u64) -> Vec<u64> {
+    c.driver_mut().set_clock(ns);
+    grow(c, at, n).unwrap()
 }
