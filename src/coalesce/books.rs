@@ -2,6 +2,7 @@
 //! kept handles, reservations, and the range queries over them. Nothing here calls the
 //! driver but to read its free memory or name its device.
 
+use super::slots::Slots;
 use super::timed::Timed;
 use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
 use crate::hostcopy::{HostCopies, Saved};
@@ -236,7 +237,7 @@ pub(super) struct Phys {
     /// Where the handle is mapped, whole.
     pub(super) base: Option<u64>,
     /// offset -> page
-    pub(super) slots: BTreeMap<u64, u64>,
+    pub(super) slots: Slots,
     /// Access the program set on any page of it: (device, flags).
     pub(super) access: Vec<(i32, u32)>,
     /// Access set on the mapping at `base` since it was mapped (empty when unmapped).
@@ -575,8 +576,7 @@ impl<D: Driver> Coalescer<D> {
     /// Bytes of a phys that are neither a page's nor grown ahead: released pages.
     pub(super) fn dead(&self, pid: u64) -> u64 {
         let p = &self.phys[&pid];
-        let live: u64 = p.slots.values().map(|vh| self.pages[vh].size).sum();
-        p.size - live - p.ahead
+        p.size - p.slots.live() - p.ahead
     }
 
     /// Whether the program has a page of ours mapped in `[va, va+size)`.
@@ -696,7 +696,7 @@ impl<D: Driver> Coalescer<D> {
                 handle,
                 size,
                 base,
-                slots: BTreeMap::new(),
+                slots: Slots::default(),
                 access,
                 granted,
                 ahead: 0,
@@ -714,7 +714,8 @@ impl<D: Driver> Coalescer<D> {
             self.pending_bytes -= p.size;
         }
         p.slot = Some((pid, off));
-        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+        let size = p.size;
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh, size);
     }
 
     pub(super) fn same_reservation(&self, a: u64, end: u64) -> bool {
@@ -726,7 +727,9 @@ impl<D: Driver> Coalescer<D> {
 
     /// A page moves from one phys to another (no pending accounting involved).
     pub(super) fn attach_moved(&mut self, vh: u64, pid: u64, off: u64) {
-        self.pages.get_mut(&vh).unwrap().slot = Some((pid, off));
-        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh);
+        let p = self.pages.get_mut(&vh).unwrap();
+        p.slot = Some((pid, off));
+        let size = p.size;
+        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh, size);
     }
 }

@@ -184,7 +184,7 @@ impl<D: Driver> Coalescer<D> {
     pub(super) fn groups(&self, pid: u64, singles: bool) -> Vec<Group> {
         let ph = &self.phys[&pid];
         let mut out: Vec<Group> = Vec::new();
-        for (off, vh) in &ph.slots {
+        for (off, vh) in ph.slots.iter() {
             let p = &self.pages[vh];
             let target = p.va;
             let join = !singles && !p.single;

@@ -166,7 +166,7 @@ impl<D: Driver> Coalescer<D> {
             let used = ph.size - ph.ahead;
             // The end of the last live page (0: none yet).
             let mut end = 0;
-            for (&o, vh) in &ph.slots {
+            for (&o, vh) in ph.slots.iter() {
                 if o > end {
                     // Released bytes [end, o): a cut where live pages end before them and
                     // where live pages start after them.

@@ -52,6 +52,7 @@ mod plan;
 pub mod replay;
 mod reuse;
 mod sleep;
+mod slots;
 #[cfg(test)]
 mod tests;
 mod timed;
@@ -552,39 +553,37 @@ impl<D: Driver> Coalescer<D> {
         self.materialize(&inside)?;
         // The driver sets access on whole mappings: the phys behind the pages, those whose
         // mapping lacks some of it (a parked handle taken back in place has it already),
-        // one call per run of them back to back.
-        let mut touched = Vec::new();
-        let mut need: Vec<(u64, u64)> = Vec::new();
+        // one call per run of them back to back. (base, size, phys, lacks access), by base
+        // (mapped phys never share one).
+        let mut touched: Vec<(u64, u64, u64, bool)> = Vec::new();
+        let mut last = None;
         for (_, vh) in &inside {
             let (pid, _) = self.pages[vh].slot.expect("materialized");
-            if touched.contains(&pid) {
+            if last == Some(pid) || touched.iter().any(|t| t.2 == pid) {
                 continue;
             }
-            touched.push(pid);
+            last = Some(pid);
             let ph = &self.phys[&pid];
-            if !descs.iter().all(|d| ph.granted.contains(d)) {
-                need.push((ph.base.expect("mapped"), ph.size));
-            }
+            let lacks = !descs.iter().all(|d| ph.granted.contains(d));
+            touched.push((ph.base.expect("mapped"), ph.size, pid, lacks));
         }
-        need.sort_unstable();
-        let mut ranges: Vec<(u64, u64)> = Vec::new();
-        for (b, sz) in need {
-            match ranges.last_mut() {
+        touched.sort_unstable();
+        let mut run: Option<(u64, u64)> = None;
+        for &(b, sz, _, _) in touched.iter().filter(|t| t.3) {
+            match run.as_mut() {
                 Some(r) if r.0 + r.1 == b => r.1 += sz,
-                _ => ranges.push((b, sz)),
+                _ => {
+                    if let Some((rb, rs)) = run.replace((b, sz)) {
+                        self.set_access_on(va, size, rb, rs, descs)?;
+                    }
+                }
             }
         }
-        if ranges.is_empty() {
-            self.stats.access_skipped += 1;
+        match run {
+            Some((rb, rs)) => self.set_access_on(va, size, rb, rs, descs)?,
+            None => self.stats.access_skipped += 1,
         }
-        for (b, sz) in ranges {
-            log::debug!(
-                "device {}: access {descs:?} at {va:#x}+{size:#x}, set on {b:#x}+{sz:#x}",
-                self.drv.device()
-            );
-            self.drv.set_access_flags(b, sz, descs)?;
-        }
-        for pid in touched {
+        for (_, _, pid, _) in touched {
             let ph = self.phys.get_mut(&pid).unwrap();
             for (d, f) in descs {
                 ph.access.retain(|(x, _)| x != d);
@@ -594,6 +593,22 @@ impl<D: Driver> Coalescer<D> {
             }
         }
         Ok(true)
+    }
+
+    /// The driver's `cuMemSetAccess` on `[b, b+sz)`, for the program's call on `[va, va+size)`.
+    fn set_access_on(
+        &mut self,
+        va: u64,
+        size: u64,
+        b: u64,
+        sz: u64,
+        descs: &[(i32, u32)],
+    ) -> DrvResult<()> {
+        log::debug!(
+            "device {}: access {descs:?} at {va:#x}+{size:#x}, set on {b:#x}+{sz:#x}",
+            self.drv.device()
+        );
+        self.drv.set_access_flags(b, sz, descs)
     }
 
     /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer

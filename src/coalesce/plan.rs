@@ -11,12 +11,17 @@ impl<D: Driver> Coalescer<D> {
     pub(super) fn materialize(&mut self, inside: &[(u64, u64)]) -> DrvResult<()> {
         self.unexact(inside);
         // Parked handles under whole chains of pending pages first (no driver call), then
-        // kept or new handles for the rest, in runs of at most `max_handle`.
-        let mut rest = Vec::new();
-        for chain in self.pending_runs(inside, u64::MAX) {
-            let chain = self.adopt_ahead(&chain);
-            for piece in self.adopt_stranded(&chain)? {
-                rest.extend(self.adopt_parked(&piece));
+        // kept or new handles for the rest, in runs of at most `max_handle`. Runs and pieces
+        // are slices of `inside` (no copies of it).
+        let mut rest: Vec<&[(u64, u64)]> = Vec::new();
+        for (a, b) in self.pending_runs(inside, u64::MAX) {
+            let chain = &inside[a..b];
+            let chain = &chain[self.adopt_ahead(chain)..];
+            for (c, d) in self.adopt_stranded(chain)? {
+                let piece = &chain[c..d];
+                for (e, f) in self.adopt_parked(piece) {
+                    rest.push(&piece[e..f]);
+                }
             }
         }
         // The last page of the program's batch is shared with what it allocates next (PyTorch
@@ -26,7 +31,8 @@ impl<D: Driver> Coalescer<D> {
         let tail = inside.last().map(|(va, _)| *va);
         let split_tail = self.splits_tails();
         for piece in rest {
-            for run in self.pending_runs(&piece, self.cfg.max_handle) {
+            for (a, b) in self.pending_runs(piece, self.cfg.max_handle) {
+                let run = &piece[a..b];
                 match run.split_last() {
                     Some((last, body))
                         if split_tail
@@ -40,7 +46,7 @@ impl<D: Driver> Coalescer<D> {
                             self.cuts.split_tail(body[0].0, last.0);
                         }
                     }
-                    _ => self.back_run(&run)?,
+                    _ => self.back_run(run)?,
                 }
             }
         }
@@ -64,19 +70,22 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Runs of the pending pages in `inside` mapped back to back, within one reservation, of
-    /// the same properties, each at most `limit` bytes (a longer page stands alone).
-    pub(super) fn pending_runs(&self, inside: &[(u64, u64)], limit: u64) -> Vec<Vec<(u64, u64)>> {
-        let mut runs: Vec<Vec<(u64, u64)>> = Vec::new();
+    /// the same properties, each at most `limit` bytes (a longer page stands alone): index
+    /// ranges of `inside` (pages back to back are next to each other there: its mappings are
+    /// in address order and never overlap).
+    pub(super) fn pending_runs(&self, inside: &[(u64, u64)], limit: u64) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut len = 0u64;
-        for &(va, vh) in inside {
+        for (i, &(va, vh)) in inside.iter().enumerate() {
             let p = &self.pages[&vh];
             if p.slot.is_some() {
                 continue;
             }
             let extend = runs.last().is_some_and(|r| {
-                let (lva, lvh) = *r.last().unwrap();
+                let (lva, lvh) = inside[r.1 - 1];
                 let lp = &self.pages[&lvh];
-                lva + lp.size == va
+                r.1 == i
+                    && lva + lp.size == va
                     && lp.props == p.props
                     && !p.single
                     && !lp.single
@@ -86,13 +95,13 @@ impl<D: Driver> Coalescer<D> {
                         || p.props.tag != 0
                             && !self.shared_at(lva, lp.size)
                             && !self.shared_at(va, p.size))
-                    && self.same_reservation(r[0].0, va + p.size)
+                    && self.same_reservation(inside[r.0].0, va + p.size)
             });
             if extend {
-                runs.last_mut().unwrap().push((va, vh));
+                runs.last_mut().unwrap().1 = i + 1;
                 len += p.size;
             } else {
-                runs.push(vec![(va, vh)]);
+                runs.push((i, i + 1));
                 len = p.size;
             }
         }
@@ -105,15 +114,15 @@ impl<D: Driver> Coalescer<D> {
     /// H100), and per new handle its create and release (≈ 200 µs more).
     pub(super) fn plan_cost(
         &self,
-        pieces: &[Vec<(u64, u64)>],
+        pieces: &[&[(u64, u64)]],
         mut sizes: Vec<u64>,
         unit: u64,
     ) -> (u64, u64) {
         sizes.sort_unstable();
         let (mut fresh, mut cost) = (0, 0);
         for piece in pieces {
-            for run in self.pending_runs(piece, self.cfg.max_handle) {
-                let mut want = run.len() as u64 * unit;
+            for (a, b) in self.pending_runs(piece, self.cfg.max_handle) {
+                let mut want = (b - a) as u64 * unit;
                 while let Some(x) = sizes
                     .iter()
                     .rposition(|s| *s <= want && s.is_multiple_of(unit))
@@ -132,8 +141,8 @@ impl<D: Driver> Coalescer<D> {
 
     /// Parked handles that lie wholly under a chain of pending pages of one size, page
     /// aligned, become those pages' memory where they are mapped: no driver call. Returns
-    /// the pieces of the chain still without memory.
-    pub(super) fn adopt_parked(&mut self, chain: &[(u64, u64)]) -> Vec<Vec<(u64, u64)>> {
+    /// the pieces of the chain still without memory (index ranges).
+    pub(super) fn adopt_parked(&mut self, chain: &[(u64, u64)]) -> Vec<(usize, usize)> {
         let (start, first) = chain[0];
         let unit = self.pages[&first].size;
         let props = self.pages[&first].props;
@@ -143,7 +152,7 @@ impl<D: Driver> Coalescer<D> {
             .enumerate()
             .all(|(i, (va, v))| *va == start + i as u64 * unit && self.pages[v].size == unit);
         if !uniform || self.parked.is_empty() {
-            return vec![chain.to_vec()];
+            return vec![(0, chain.len())];
         }
         let hits: Vec<(u64, KeptKey)> = self
             .parked
@@ -157,7 +166,7 @@ impl<D: Driver> Coalescer<D> {
             .map(|(b, k)| (*b, *k))
             .collect();
         if hits.is_empty() {
-            return vec![chain.to_vec()];
+            return vec![(0, chain.len())];
         }
         // Taking them back saves an unmap, a map and an access call each, but splits the
         // chain into more handles: only when the pieces need no more new memory, and no more
@@ -170,7 +179,7 @@ impl<D: Driver> Coalescer<D> {
             .filter(|k| k.0 == kp)
             .map(|k| k.1)
             .collect();
-        let mut whole = self.plan_cost(&[chain.to_vec()], sizes.clone(), unit);
+        let mut whole = self.plan_cost(&[chain], sizes.clone(), unit);
         // Without them, each is unmapped before the chain is mapped (≈ 50 µs).
         whole.1 += 50 * hits.len() as u64;
         let mut pieces = Vec::new();
@@ -179,7 +188,7 @@ impl<D: Driver> Coalescer<D> {
         for (b, k) in &hits {
             let i0 = ((b - start) / unit) as usize;
             if i0 > i {
-                pieces.push(chain[i..i0].to_vec());
+                pieces.push((i, i0));
             }
             i = i0 + (k.1 / unit) as usize;
             if let Some(x) = left.iter().position(|s| *s == k.1) {
@@ -187,11 +196,12 @@ impl<D: Driver> Coalescer<D> {
             }
         }
         if i < chain.len() {
-            pieces.push(chain[i..].to_vec());
+            pieces.push((i, chain.len()));
         }
-        let split = self.plan_cost(&pieces, left, unit);
+        let slices: Vec<&[(u64, u64)]> = pieces.iter().map(|(a, b)| &chain[*a..*b]).collect();
+        let split = self.plan_cost(&slices, left, unit);
         if split.0 > whole.0 || split.1 > whole.1 {
-            return vec![chain.to_vec()];
+            return vec![(0, chain.len())];
         }
         for (b, k) in hits {
             let i0 = ((b - start) / unit) as usize;
@@ -217,18 +227,18 @@ impl<D: Driver> Coalescer<D> {
 
     /// Pending pages mapped where a phys has memory grown ahead (right after its last page)
     /// take it, in order, with no driver call (the mapping has its access already). Returns
-    /// the pages of the chain left without memory.
-    pub(super) fn adopt_ahead(&mut self, chain: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    /// how many of the chain's first pages it served (the rest are left without memory).
+    pub(super) fn adopt_ahead(&mut self, chain: &[(u64, u64)]) -> usize {
         let (va, first) = chain[0];
         let props = self.pages[&first].props;
         let Some((&base, &pid)) = self.bases.range(..=va).next_back() else {
-            return chain.to_vec();
+            return 0;
         };
         let ph = &self.phys[&pid];
         let from = ph.size - ph.ahead;
         let same = ph.slots.values().next().map(|v| self.pages[v].props) == Some(props);
         if ph.ahead == 0 || base + from != va || !same {
-            return chain.to_vec();
+            return 0;
         }
         let mut off = from;
         let mut taken = 0;
@@ -247,7 +257,7 @@ impl<D: Driver> Coalescer<D> {
             "device {}: {taken} pages at {va:#x} served by memory grown ahead",
             self.drv.device()
         );
-        chain[taken..].to_vec()
+        taken
     }
 
     /// Pages created near the limit with a handle of their own (`create_each`), not mapped
@@ -286,13 +296,15 @@ impl<D: Driver> Coalescer<D> {
     /// stranded memory serves the program again without moving a live page: PyTorch maps
     /// new pages into the holes its `empty_cache()` left. Not for handles another process
     /// may have mapped (exported pages): their bytes must not become another tensor's.
-    /// Returns the pieces of the chain still without memory.
+    /// Returns the pieces of the chain still without memory (index ranges).
     pub(super) fn adopt_stranded(
         &mut self,
         chain: &[(u64, u64)],
-    ) -> DrvResult<Vec<Vec<(u64, u64)>>> {
-        let mut pieces: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
-        for &(va, vh) in chain {
+    ) -> DrvResult<Vec<(usize, usize)>> {
+        let mut pieces: Vec<(usize, usize)> = Vec::new();
+        // The first page of the piece under way.
+        let mut start = None;
+        for (i, &(va, vh)) in chain.iter().enumerate() {
             self.loose_out_of_the_way(va, vh)?;
             match self.stranded_room(va, vh) {
                 Some((pid, off)) => {
@@ -311,14 +323,18 @@ impl<D: Driver> Coalescer<D> {
                         0 => self.dirty.remove(&pid),
                         _ => self.dirty.insert(pid),
                     };
-                    if !pieces.last().unwrap().is_empty() {
-                        pieces.push(Vec::new());
+                    if let Some(s) = start.take() {
+                        pieces.push((s, i));
                     }
                 }
-                None => pieces.last_mut().unwrap().push((va, vh)),
+                None => {
+                    start.get_or_insert(i);
+                }
             }
         }
-        pieces.retain(|p| !p.is_empty());
+        if let Some(s) = start {
+            pieces.push((s, chain.len()));
+        }
         Ok(pieces)
     }
 
@@ -499,6 +515,7 @@ impl<D: Driver> Coalescer<D> {
     /// A handle becomes the memory of pending pages, in order: its phys.
     pub(super) fn adopt(&mut self, h: ChunkHandle, size: u64, pages: &[(u64, u64)]) -> u64 {
         let pid = self.add_phys(h, size, None, Vec::new());
+        self.phys.get_mut(&pid).unwrap().slots.reserve(pages.len());
         let mut off = 0;
         for (_, vh) in pages {
             self.attach(*vh, pid, off);
@@ -513,7 +530,7 @@ impl<D: Driver> Coalescer<D> {
         let ph = &self.phys[&pid];
         let mut base = None;
         let mut consistent = true;
-        for (off, vh) in &ph.slots {
+        for (off, vh) in ph.slots.iter() {
             if let Some(va) = self.pages[vh].va {
                 match base {
                     None => base = Some(va - off),

@@ -45,7 +45,7 @@ impl<D: Driver> Coalescer<D> {
             }
             // The live pages' bytes, runs of adjacent pages as one range.
             let mut ranges: Vec<(u64, u64)> = Vec::new();
-            for (off, vh) in &ph.slots {
+            for (off, vh) in ph.slots.iter() {
                 let (a, n) = (base + off, self.pages[vh].size);
                 match ranges.last_mut() {
                     Some(r) if r.0 + r.1 == a => r.1 += n,
