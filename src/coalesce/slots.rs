@@ -133,6 +133,14 @@ mod tests {
                 s.range(..=a).next_back().map(|(o, v)| (*o, *v)),
                 m.range(..=a).next_back().map(|(o, e)| (*o, e.0))
             );
+            assert_eq!(
+                s.range(..b).next_back().map(|(o, v)| (*o, *v)),
+                m.range(..b).next_back().map(|(o, e)| (*o, e.0))
+            );
+            assert_eq!(
+                s.range(a..).next().map(|(o, v)| (*o, *v)),
+                m.range(a..).next().map(|(o, e)| (*o, e.0))
+            );
             assert_eq!(s.live(), m.values().map(|e| e.1).sum::<u64>());
             assert_eq!(s.len(), m.len());
             assert_eq!(s.contains_key(&off), m.contains_key(&off));
