@@ -368,6 +368,14 @@ pub struct Coalescer<D: Driver> {
     pub(super) moves_allowed: bool,
     /// Host buffers of paused handles.
     pub(super) host: HostCopies,
+    /// The pages of the program's unmap or access call under way, and the phys behind them:
+    /// lists kept for their room, so that a hook call allocates nothing for them.
+    pub(super) scratch: Vec<(u64, u64)>,
+    /// The sizes of the phys not paused, and their bytes grown ahead, summed as they change
+    /// ([`Coalescer::remove_phys`] and the places that change them): a batch reads both.
+    pub(super) held_awake: u64,
+    pub(super) ahead_total: u64,
+    pub(super) touched: Vec<(u64, u64, u64, bool)>,
     /// Lifetime boundaries learned from stranded handles ([`super::cuts`]).
     pub(super) cuts: super::learned::Cuts,
     pub(super) stats: CoalesceStats,
@@ -411,6 +419,10 @@ impl<D: Driver> Coalescer<D> {
             gave_back: false,
             moves_allowed: true,
             host: HostCopies::default(),
+            scratch: Vec::new(),
+            held_awake: 0,
+            ahead_total: 0,
+            touched: Vec::new(),
             cuts: Default::default(),
             stats: CoalesceStats::default(),
         }
@@ -494,12 +506,8 @@ impl<D: Driver> Coalescer<D> {
     /// Record the peak of physical bytes behind the program's pages (also what bounds
     /// growing ahead).
     pub(super) fn note_held(&mut self) {
-        let held: u64 = self
-            .phys
-            .values()
-            .filter(|p| p.asleep.is_none())
-            .map(|p| p.size)
-            .sum();
+        let held = self.held_awake;
+        debug_assert_eq!(held, self.awake_summed());
         self.peak_held = self.peak_held.max(held);
         self.stats.peak_held = self.stats.peak_held.max(held);
     }
@@ -540,8 +548,24 @@ impl<D: Driver> Coalescer<D> {
 
     /// Physical bytes held: handles behind pages and handles kept for reuse.
     pub fn physical_bytes(&self) -> u64 {
+        debug_assert_eq!(self.held_awake, self.awake_summed());
+        self.held_awake + self.kept_bytes + self.unreleased_bytes()
+    }
+
+    /// The sizes of the phys not paused, summed over them (what `held_awake` must be).
+    fn awake_summed(&self) -> u64 {
         let awake = self.phys.values().filter(|p| p.asleep.is_none());
-        awake.map(|p| p.size).sum::<u64>() + self.kept_bytes + self.unreleased_bytes()
+        awake.map(|p| p.size).sum()
+    }
+
+    /// Phys `pid` leaves the books: it, if it was there.
+    pub(super) fn remove_phys(&mut self, pid: u64) -> Option<Phys> {
+        let ph = self.phys.remove(&pid)?;
+        if ph.asleep.is_none() {
+            self.held_awake -= ph.size;
+        }
+        self.ahead_total -= ph.ahead;
+        Some(ph)
     }
 
     /// Physical bytes held beyond what the program's pages use: kept handles, released pages
@@ -553,7 +577,11 @@ impl<D: Driver> Coalescer<D> {
 
     /// Bytes grown ahead of the program's pages, not yet used.
     pub fn ahead_bytes(&self) -> u64 {
-        self.phys.values().map(|p| p.ahead).sum()
+        debug_assert_eq!(
+            self.ahead_total,
+            self.phys.values().map(|p| p.ahead).sum::<u64>()
+        );
+        self.ahead_total
     }
 
     /// Whether memory grown ahead waits for the end of the program's giving back (its next
@@ -665,12 +693,13 @@ impl<D: Driver> Coalescer<D> {
         self.pages.get(&vh).map(|p| (p.size, p.props))
     }
 
-    /// The pages the program mapped in `[va, va+size)`: (address, page), in address order.
-    pub(super) fn mapped_in(&self, va: u64, size: u64) -> Vec<(u64, u64)> {
-        self.maps
-            .range(va..end(va, size))
-            .map(|(a, v)| (*a, *v))
-            .collect()
+    /// The pages the program mapped in `[va, va+size)`: (address, page), in address order, in
+    /// the scratch list (`self.scratch = ` it after use).
+    pub(super) fn take_mapped_in(&mut self, va: u64, size: u64) -> Vec<(u64, u64)> {
+        let mut inside = std::mem::take(&mut self.scratch);
+        inside.clear();
+        inside.extend(self.maps.range(va..end(va, size)).map(|(a, v)| (*a, *v)));
+        inside
     }
 
     pub(super) fn add_phys(
@@ -690,6 +719,7 @@ impl<D: Driver> Coalescer<D> {
             Some(_) => access.clone(),
             None => Vec::new(),
         };
+        self.held_awake += size;
         self.phys.insert(
             pid,
             Phys {

@@ -366,7 +366,7 @@ impl<D: Driver> Coalescer<D> {
             .iter()
             .map(|(o, v)| (*o, *v))
             .collect();
-        self.phys.remove(&pid);
+        self.remove_phys(pid);
         self.dirty.remove(&pid);
         self.stats.phys_released += 1;
         self.stats.compactions += 1;
@@ -640,7 +640,7 @@ impl<D: Driver> Coalescer<D> {
             self.phys.get_mut(&pid).unwrap().base = None;
         }
         self.drv.release(self.phys[&pid].handle)?;
-        self.phys.remove(&pid);
+        self.remove_phys(pid);
         self.dirty.remove(&pid);
         self.stats.phys_released += 1;
         Ok(())

@@ -135,10 +135,10 @@ impl<D: Driver> Coalescer<D> {
         for pid in grown {
             let ph = self.phys.get_mut(&pid).unwrap();
             self.stats.ahead_returned += ph.ahead;
-            ph.ahead = 0;
+            self.ahead_total -= std::mem::take(&mut ph.ahead);
             self.dirty.insert(pid);
         }
-        self.grown = self.phys.values().any(|p| p.ahead > 0);
+        self.grown = self.ahead_bytes() > 0;
     }
 
     /// `trim` for a caller outside the program's own calls (another process asking for memory,
@@ -501,16 +501,30 @@ impl<D: Driver> Coalescer<D> {
     /// unmap runs under the kernels still using the memory: an illegal address, issue 24).
     pub fn unmap_from(&mut self, va: u64, size: u64, caller: Option<i32>) -> DrvResult<bool> {
         self.last_call = Instant::now();
+        let inside = self.take_mapped_in(va, size);
+        let r = match inside.is_empty() {
+            true => self.none_of_the_programs(va, size),
+            false => self.unmap_pages(&inside, va, size, caller),
+        };
+        self.scratch = inside;
+        r
+    }
+
+    /// `unmap_from` of the pages `inside` (address, page), those the program mapped in the
+    /// range, in address order.
+    fn unmap_pages(
+        &mut self,
+        inside: &[(u64, u64)],
+        va: u64,
+        size: u64,
+        caller: Option<i32>,
+    ) -> DrvResult<bool> {
         let elsewhere = caller != Some(self.drv.device());
-        let inside = self.mapped_in(va, size);
-        if inside.is_empty() {
-            return self.none_of_the_programs(va, size);
-        }
         // Whole mappings back to back from `va` to its end, as the driver requires (before
         // 2026-11-25 only the sizes were added up, so a range with a hole passed and the page
         // after it was unmapped past the range's end).
         let mut at = va;
-        for (a, v) in &inside {
+        for (a, v) in inside {
             if *a != at {
                 return Err(INVALID);
             }
@@ -525,7 +539,7 @@ impl<D: Driver> Coalescer<D> {
         // The program gives memory back: memory grown ahead goes with it (below, or when
         // the giving back ends).
         self.giving_back |= self.grown;
-        for (a, vh) in inside {
+        for &(a, vh) in inside {
             self.maps.remove(&a);
             let p = self.pages.get_mut(&vh).unwrap();
             p.va = None;
@@ -545,19 +559,34 @@ impl<D: Driver> Coalescer<D> {
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
         self.giving_back_ended();
         self.last_call = Instant::now();
-        let inside = self.mapped_in(va, size);
-        if inside.is_empty() {
-            return self.none_of_the_programs(va, size);
-        }
+        let inside = self.take_mapped_in(va, size);
+        let r = match inside.is_empty() {
+            true => self.none_of_the_programs(va, size),
+            false => self.set_access_pages(&inside, va, size, descs),
+        };
+        self.scratch = inside;
+        r
+    }
+
+    /// `set_access` on the pages `inside` (address, page), those the program mapped in the
+    /// range, in address order.
+    fn set_access_pages(
+        &mut self,
+        inside: &[(u64, u64)],
+        va: u64,
+        size: u64,
+        descs: &[(i32, u32)],
+    ) -> DrvResult<bool> {
         self.wake_in(va, size)?;
-        self.materialize(&inside)?;
+        self.materialize(inside)?;
         // The driver sets access on whole mappings: the phys behind the pages, those whose
         // mapping lacks some of it (a parked handle taken back in place has it already),
         // one call per run of them back to back. (base, size, phys, lacks access), by base
         // (mapped phys never share one).
-        let mut touched: Vec<(u64, u64, u64, bool)> = Vec::new();
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.clear();
         let mut last = None;
-        for (_, vh) in &inside {
+        for (_, vh) in inside {
             let (pid, _) = self.pages[vh].slot.expect("materialized");
             if last == Some(pid) || touched.iter().any(|t| t.2 == pid) {
                 continue;
@@ -583,7 +612,7 @@ impl<D: Driver> Coalescer<D> {
             Some((rb, rs)) => self.set_access_on(va, size, rb, rs, descs)?,
             None => self.stats.access_skipped += 1,
         }
-        for (_, _, pid, _) in touched {
+        for &(_, _, pid, _) in &touched {
             let ph = self.phys.get_mut(&pid).unwrap();
             for (d, f) in descs {
                 ph.access.retain(|(x, _)| x != d);
@@ -592,6 +621,7 @@ impl<D: Driver> Coalescer<D> {
                 ph.granted.push((*d, *f));
             }
         }
+        self.touched = touched;
         Ok(true)
     }
 
@@ -801,7 +831,9 @@ impl<D: Driver> Coalescer<D> {
             self.forget_asleep(pid);
             return;
         }
-        self.stats.ahead_returned += std::mem::take(&mut ph.ahead);
+        let ahead = std::mem::take(&mut ph.ahead);
+        self.stats.ahead_returned += ahead;
+        self.ahead_total -= ahead;
         if !ph.slots.is_empty() {
             self.dirty.insert(pid);
             self.released_since = true;
@@ -842,7 +874,7 @@ impl<D: Driver> Coalescer<D> {
         let (handle, size) = (ph.handle, ph.size);
         match self.dispose(handle, size, props) {
             Ok(()) => {
-                self.phys.remove(&pid);
+                self.remove_phys(pid);
                 self.dirty.remove(&pid);
                 self.settle_released();
             }

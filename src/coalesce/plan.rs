@@ -249,6 +249,7 @@ impl<D: Driver> Coalescer<D> {
             }
             self.attach(vh, pid, off);
             self.phys.get_mut(&pid).unwrap().ahead -= size;
+            self.ahead_total -= size;
             self.stats.ahead_used += size;
             off += size;
             taken += 1;
@@ -280,7 +281,7 @@ impl<D: Driver> Coalescer<D> {
                 log::warn!("giving back a handle made near the limit failed ({e}); kept");
                 continue;
             }
-            self.phys.remove(&pid);
+            self.remove_phys(pid);
             self.dirty.remove(&pid);
             self.stats.phys_released += 1;
             let p = self.pages.get_mut(&vh).unwrap();
@@ -315,6 +316,7 @@ impl<D: Driver> Coalescer<D> {
                         // Into the bytes grown ahead: what lies before the page is dead now.
                         let ahead = ph.size - (off + size);
                         self.stats.ahead_used += ph.ahead - ahead;
+                        self.ahead_total -= ph.ahead - ahead;
                         ph.ahead = ahead;
                     }
                     self.stats.reused_stranded += size;
@@ -481,6 +483,7 @@ impl<D: Driver> Coalescer<D> {
             if let Ok(h) = self.create_fresh(total + ahead, props) {
                 let pid = self.adopt(h, total + ahead, rest);
                 self.phys.get_mut(&pid).unwrap().ahead = ahead;
+                self.ahead_total += ahead;
                 self.grown = true;
                 self.note_stranded();
                 log::debug!(
@@ -579,7 +582,7 @@ impl<D: Driver> Coalescer<D> {
     /// An unmapped phys's pages get memory anew (its handle goes back): they are pending
     /// again and backed as a run.
     fn back_again(&mut self, pid: u64) -> DrvResult<()> {
-        let ph = self.phys.remove(&pid).expect("a phys");
+        let ph = self.remove_phys(pid).expect("a phys");
         self.dirty.remove(&pid);
         let mut run = Vec::new();
         for vh in ph.slots.values() {

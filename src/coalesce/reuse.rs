@@ -101,7 +101,7 @@ impl<D: Driver> Coalescer<D> {
     /// A phys that is still mapped and has no page left: kept where it is (parked). Pages
     /// mapped at the same place again take it back with no driver call at all.
     pub(super) fn park(&mut self, pid: u64, props: PageProps) {
-        let ph = self.phys.remove(&pid).unwrap();
+        let ph = self.remove_phys(pid).unwrap();
         let b = ph.base.expect("parked handles are mapped");
         self.bases.remove(&b);
         self.dirty.remove(&pid);

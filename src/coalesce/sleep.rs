@@ -88,6 +88,8 @@ impl<D: Driver> Coalescer<D> {
             // handle comes back without them, and they are not counted as paused.
             let ph = self.phys.get_mut(&pid).unwrap();
             let ahead = std::mem::take(&mut ph.ahead);
+            self.held_awake -= ph.size;
+            self.ahead_total -= ahead;
             ph.size -= ahead;
             self.stats.ahead_returned += ahead;
             out.bytes += size - ahead;
@@ -175,6 +177,7 @@ impl<D: Driver> Coalescer<D> {
             let ph = self.phys.get_mut(&pid).unwrap();
             ph.handle = h;
             bytes += ph.size;
+            self.held_awake += ph.size;
             if let Some(s) = ph.asleep.take().and_then(|s| s.saved) {
                 self.host.done(&mut self.drv, s);
             }
@@ -220,7 +223,7 @@ impl<D: Driver> Coalescer<D> {
         if !self.phys[&pid].slots.is_empty() {
             return;
         }
-        let ph = self.phys.remove(&pid).unwrap();
+        let ph = self.remove_phys(pid).unwrap();
         if let Some(b) = ph.base {
             self.bases.remove(&b);
         }
