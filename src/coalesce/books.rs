@@ -693,13 +693,24 @@ impl<D: Driver> Coalescer<D> {
         self.pages.get(&vh).map(|p| (p.size, p.props))
     }
 
-    /// The pages the program mapped in `[va, va+size)`: (address, page), in address order, in
-    /// the scratch list (`self.scratch = ` it after use).
-    pub(super) fn take_mapped_in(&mut self, va: u64, size: u64) -> Vec<(u64, u64)> {
+    /// A program call on `[va, va+size)`: `call` on the pages the program mapped there
+    /// ((address, page), in address order, listed in the books' scratch list), or, where it
+    /// mapped none, [`none_of_the_programs`](Self::none_of_the_programs).
+    pub(super) fn on_mapped_in(
+        &mut self,
+        va: u64,
+        size: u64,
+        call: impl FnOnce(&mut Self, &[(u64, u64)]) -> DrvResult<bool>,
+    ) -> DrvResult<bool> {
         let mut inside = std::mem::take(&mut self.scratch);
         inside.clear();
         inside.extend(self.maps.range(va..end(va, size)).map(|(a, v)| (*a, *v)));
-        inside
+        let r = match inside.is_empty() {
+            true => self.none_of_the_programs(va, size),
+            false => call(self, &inside),
+        };
+        self.scratch = inside;
+        r
     }
 
     pub(super) fn add_phys(

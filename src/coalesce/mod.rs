@@ -501,13 +501,9 @@ impl<D: Driver> Coalescer<D> {
     /// unmap runs under the kernels still using the memory: an illegal address, issue 24).
     pub fn unmap_from(&mut self, va: u64, size: u64, caller: Option<i32>) -> DrvResult<bool> {
         self.last_call = Instant::now();
-        let inside = self.take_mapped_in(va, size);
-        let r = match inside.is_empty() {
-            true => self.none_of_the_programs(va, size),
-            false => self.unmap_pages(&inside, va, size, caller),
-        };
-        self.scratch = inside;
-        r
+        self.on_mapped_in(va, size, |c, inside| {
+            c.unmap_pages(inside, va, size, caller)
+        })
     }
 
     /// `unmap_from` of the pages `inside` (address, page), those the program mapped in the
@@ -559,13 +555,9 @@ impl<D: Driver> Coalescer<D> {
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
         self.giving_back_ended();
         self.last_call = Instant::now();
-        let inside = self.take_mapped_in(va, size);
-        let r = match inside.is_empty() {
-            true => self.none_of_the_programs(va, size),
-            false => self.set_access_pages(&inside, va, size, descs),
-        };
-        self.scratch = inside;
-        r
+        self.on_mapped_in(va, size, |c, inside| {
+            c.set_access_pages(inside, va, size, descs)
+        })
     }
 
     /// `set_access` on the pages `inside` (address, page), those the program mapped in the
