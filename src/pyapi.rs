@@ -138,7 +138,7 @@ pub unsafe extern "C" fn expseg_resume(
 /// Bytes paused now, every device.
 #[no_mangle]
 pub extern "C" fn expseg_paused_bytes() -> u64 {
-    catch_unwind(api::sleep::paused_bytes).unwrap_or(0)
+    catch_unwind(|| api::sleep::paused_bytes(true)).unwrap_or(0)
 }
 
 /// The calling thread's allocations from now on carry tag `tag` (null: none). 0, or 1 for

@@ -602,7 +602,8 @@ pub fn live_report_json(library: &str) -> String {
     snap.global.extend(vmm::report_rows());
     snap.global
         .push(("held_beyond_live_bytes", trim::held_beyond_live()));
-    snap.global.push(("paused_bytes", sleep::paused_bytes()));
+    snap.global
+        .push(("paused_bytes", sleep::paused_bytes(false)));
     snap.global
         .push(("pause_host_kept_bytes", hostkeep::kept()));
     stats::render_live_json(&snap, why.as_deref(), library)

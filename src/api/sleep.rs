@@ -48,17 +48,28 @@ pub fn current_tag() -> u32 {
     CURRENT.with(|c| c.get())
 }
 
-/// Bytes of physical memory paused now, every device. Never waits: 0 for a device whose
-/// lock is busy elsewhere.
-pub fn paused_bytes() -> u64 {
+/// Bytes of physical memory paused now, every device. `wait`: the locks are taken as a
+/// program call takes them (the program's own query, `expseg status` on the socket thread:
+/// an answer read while another thread held a lock was 0, which a test met under load).
+/// Without: never waits, 0 for a device whose lock is busy elsewhere (the exit report, which
+/// may run from a signal handler).
+pub fn paused_bytes(wait: bool) -> u64 {
     let mut n = 0;
     if STATE_STARTED.load(Ordering::Acquire) {
-        if let Ok(mut st) = state::STATE.try_lock() {
+        let st = match wait {
+            true => Some(state::lock()),
+            false => state::STATE.try_lock().ok(),
+        };
+        if let Some(mut st) = st {
             n += st.open_pools().map(|(_, p)| p.paused_bytes()).sum::<u64>();
         }
     }
     if coalescers::started() {
-        if let Ok(mut v) = coalescers::VMM.try_lock() {
+        let v = match wait {
+            true => Some(coalescers::books()),
+            false => coalescers::VMM.try_lock().ok(),
+        };
+        if let Some(mut v) = v {
             n += v.all().map(|c| c.paused_bytes()).sum::<u64>();
         }
     }
@@ -233,7 +244,7 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
         Some(e) => {
             log::error!(
                 "resume: {bytes} bytes resumed, {} still paused: CUresult {e} (nothing is lost; resume again when memory is free)",
-                paused_bytes()
+                paused_bytes(false)
             );
             Err(Failed { code: e, done: out })
         }

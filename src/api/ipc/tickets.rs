@@ -284,7 +284,7 @@ fn control(c: Control) -> Reply {
         Control::Pause { tag, discard } => crate::api::sleep::pause(tag, discard, false),
         Control::Resume { tag } => crate::api::sleep::resume(tag),
         Control::Query => Ok(crate::api::sleep::Outcome {
-            bytes: crate::api::sleep::paused_bytes(),
+            bytes: crate::api::sleep::paused_bytes(true),
             ..Default::default()
         }),
     };
