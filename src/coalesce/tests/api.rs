@@ -406,12 +406,7 @@ fn an_answer_of_free_memory_a_moment_old_admits_the_next_batch_without_asking_ag
     // more than the card has: asked again.
     let d = grow_at(&mut c, 3_500_000, va + 6 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 2);
-    fill(&mut c, va, 9);
-    assert!(intact(&c, va, 9));
-    shrink(&mut c, va, &a);
-    shrink(&mut c, va + 3 * PAGE, &b);
-    shrink(&mut c, va + 6 * PAGE, &d);
-    all_given_back(&mut c);
+    intact_then_given_back(&mut c, va, &[&a, &b, &d]);
 }
 
 #[test]
@@ -427,12 +422,7 @@ fn an_older_answer_admits_a_batch_less_what_other_processes_could_have_taken_sin
     assert_eq!(c.stats().meminfo_skipped, 1);
     let d = grow_at(&mut c, 45_000_000, va + 6 * PAGE, 3);
     assert_eq!(meminfo_calls(&c), 2, "86 GiB could be gone: asked");
-    fill(&mut c, va, 9);
-    assert!(intact(&c, va, 9));
-    shrink(&mut c, va, &a);
-    shrink(&mut c, va + 3 * PAGE, &b);
-    shrink(&mut c, va + 6 * PAGE, &d);
-    all_given_back(&mut c);
+    intact_then_given_back(&mut c, va, &[&a, &b, &d]);
 }
 
 #[test]
@@ -447,10 +437,7 @@ fn an_answer_past_its_age_limit_is_asked_again_whatever_is_free() {
     );
     let d = grow_at(&mut c, FREE_STALE_NS + 1, va + 4 * PAGE, 2);
     assert_eq!(meminfo_calls(&c), 2);
-    shrink(&mut c, va, &a);
-    shrink(&mut c, va + 2 * PAGE, &b);
-    shrink(&mut c, va + 4 * PAGE, &d);
-    all_given_back(&mut c);
+    intact_then_given_back(&mut c, va, &[&a, &b, &d]);
 }
 
 #[test]
@@ -518,4 +505,18 @@ fn bytes_given_back_since_the_answer_are_not_counted_free_so_creates_fail_as_nat
 fn grow_at(c: &mut Coalescer<FakeDriver>, ns: u64, at: u64, n: u64) -> Vec<u64> {
     c.driver_mut().set_clock(ns);
     grow(c, at, n).unwrap()
+}
+
+/// Batches of pages grown back to back from `va`: filled, found intact, each given back, and
+/// nothing left in the driver.
+fn intact_then_given_back(c: &mut Coalescer<FakeDriver>, va: u64, batches: &[&[u64]]) {
+    let n: u64 = batches.iter().map(|b| b.len() as u64).sum();
+    fill(c, va, n);
+    assert!(intact(c, va, n));
+    let mut at = va;
+    for b in batches {
+        shrink(c, at, b);
+        at += b.len() as u64 * PAGE;
+    }
+    all_given_back(c);
 }
