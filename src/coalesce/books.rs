@@ -251,6 +251,9 @@ pub(super) struct Phys {
     /// Made near the limit for a page not mapped yet (`create_each`): it holds no bytes of
     /// the program's, so it may be given back for other memory of the page's.
     pub(super) blank: bool,
+    /// How many of its pages the program has mapped (`va` set): kept by `attach`,
+    /// `attach_moved`, `map`, `unmap` and `unslot`, so an unmap need not look at every page.
+    pub(super) mapped: u32,
 }
 
 /// What a range query at an address of ours should see ([`Coalescer::query`]).
@@ -540,10 +543,15 @@ impl<D: Driver> Coalescer<D> {
     /// Whether the program has a page of `pid` mapped: moving it could meet another
     /// thread's work.
     pub(super) fn has_mapped_page(&self, pid: u64) -> bool {
-        self.phys[&pid]
-            .slots
-            .values()
-            .any(|v| self.pages[v].va.is_some())
+        let ph = &self.phys[&pid];
+        debug_assert_eq!(
+            ph.mapped as usize,
+            ph.slots
+                .values()
+                .filter(|v| self.pages[v].va.is_some())
+                .count()
+        );
+        ph.mapped > 0
     }
 
     /// Physical bytes held: handles behind pages and handles kept for reuse.
@@ -743,6 +751,7 @@ impl<D: Driver> Coalescer<D> {
                 ahead: 0,
                 asleep: None,
                 blank: false,
+                mapped: 0,
             },
         );
         self.stats.phys_created += 1;
@@ -755,8 +764,10 @@ impl<D: Driver> Coalescer<D> {
             self.pending_bytes -= p.size;
         }
         p.slot = Some((pid, off));
-        let size = p.size;
-        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh, size);
+        let (size, mapped) = (p.size, p.va.is_some());
+        let ph = self.phys.get_mut(&pid).unwrap();
+        ph.slots.insert(off, vh, size);
+        ph.mapped += u32::from(mapped);
     }
 
     pub(super) fn same_reservation(&self, a: u64, end: u64) -> bool {
@@ -770,7 +781,31 @@ impl<D: Driver> Coalescer<D> {
     pub(super) fn attach_moved(&mut self, vh: u64, pid: u64, off: u64) {
         let p = self.pages.get_mut(&vh).unwrap();
         p.slot = Some((pid, off));
-        let size = p.size;
-        self.phys.get_mut(&pid).unwrap().slots.insert(off, vh, size);
+        let (size, mapped) = (p.size, p.va.is_some());
+        let ph = self.phys.get_mut(&pid).unwrap();
+        ph.slots.insert(off, vh, size);
+        ph.mapped += u32::from(mapped);
+    }
+
+    /// Take page `vh` out of its phys's slots (its `slot` is left to the caller).
+    pub(super) fn unslot(&mut self, vh: u64) {
+        let p = &self.pages[&vh];
+        let Some((pid, off)) = p.slot else { return };
+        let mapped = p.va.is_some();
+        let ph = self.phys.get_mut(&pid).unwrap();
+        ph.slots.remove(&off);
+        ph.mapped -= u32::from(mapped);
+    }
+
+    /// The program mapped (`true`) or unmapped page `vh`: its phys's count of mapped pages.
+    pub(super) fn note_mapped(&mut self, vh: u64, mapped: bool) {
+        let Some((pid, _)) = self.pages[&vh].slot else {
+            return;
+        };
+        let ph = self.phys.get_mut(&pid).unwrap();
+        match mapped {
+            true => ph.mapped += 1,
+            false => ph.mapped -= 1,
+        }
     }
 }

@@ -438,7 +438,7 @@ impl<D: Driver> Coalescer<D> {
             self.drop_tmp(t, sz);
         }
         let h = w.new[0].0;
-        self.phys.get_mut(&pid).unwrap().slots.remove(&off);
+        self.unslot(vh);
         self.dirty.insert(pid);
         let npid = self.add_phys(h, size, None, Vec::new());
         self.attach_moved(vh, npid, 0);

@@ -483,6 +483,7 @@ impl<D: Driver> Coalescer<D> {
         }
         self.maps.insert(va, vh);
         self.pages.get_mut(&vh).unwrap().va = Some(va);
+        self.note_mapped(vh, true);
         Ok(())
     }
 
@@ -537,6 +538,7 @@ impl<D: Driver> Coalescer<D> {
         self.giving_back |= self.grown;
         for &(a, vh) in inside {
             self.maps.remove(&a);
+            self.note_mapped(vh, false);
             let p = self.pages.get_mut(&vh).unwrap();
             p.va = None;
             if let Some((pid, _)) = p.slot {
@@ -739,10 +741,7 @@ impl<D: Driver> Coalescer<D> {
     /// wait (the context already in error) is logged; the unmap goes on as it would natively.
     fn wait_before_unmap(&mut self, pid: u64) {
         let ph = &self.phys[&pid];
-        if ph.base.is_none()
-            || ph.asleep.is_some()
-            || ph.slots.values().any(|v| self.pages[v].va.is_some())
-        {
+        if ph.base.is_none() || ph.asleep.is_some() || self.has_mapped_page(pid) {
             return;
         }
         self.stats.cross_device_waits += 1;
@@ -764,7 +763,7 @@ impl<D: Driver> Coalescer<D> {
         }
         let ph = &self.phys[&pid];
         let Some(base) = ph.base else { return };
-        if ph.slots.values().any(|v| self.pages[v].va.is_some()) {
+        if self.has_mapped_page(pid) {
             return;
         }
         let size = ph.size;
@@ -813,11 +812,11 @@ impl<D: Driver> Coalescer<D> {
         // Memory another process may have imported is never kept for new pages: it goes
         // back to the driver, which keeps it for the importer.
         let shared = p.single;
+        self.unslot(vh);
         self.pages.remove(&vh);
         let Some((pid, off)) = slot else { return };
         self.gave_back = true;
         let ph = self.phys.get_mut(&pid).unwrap();
-        ph.slots.remove(&off);
         if ph.asleep.is_some() {
             // Paused: the driver holds nothing of it; only the books and the host copy change.
             self.forget_asleep(pid);
