@@ -33,7 +33,8 @@
 //!
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
 //! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver`,
-//! `real::primary` and `real::python`), `pyapi`, `gpu::cuda`, `gpu::fence` and `ipc::transport`.
+//! `real::primary` and `real::python`), `pyapi`, `gpu::cuda`, `gpu::fence` and `ipc::transport`
+//! (and, in test builds, `test_alloc`, the counting allocator).
 #![deny(unsafe_code)]
 
 pub mod api;
@@ -55,5 +56,8 @@ pub mod real;
 pub mod stats;
 #[allow(unsafe_code)]
 pub mod syscall_hook;
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod test_alloc;
 #[allow(unsafe_code)]
 pub mod vmm_hooks;

@@ -2,6 +2,7 @@
 //! compaction (data checked granule by granule), its faults, exact out-of-memory answers,
 //! export, and randomized sequences with exact accounting.
 
+mod allocs;
 mod api;
 mod compact;
 mod cuts;
