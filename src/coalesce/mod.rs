@@ -100,12 +100,13 @@ impl<D: Driver> Coalescer<D> {
             false => self.trim_unmoved(),
         };
         self.drv.synchronize()?;
-        let access: Vec<(i32, u32)> = self
+        let mut access: Vec<(i32, u32)> = self
             .phys
             .values()
             .filter(|p| p.base.is_some() && p.asleep.is_none())
             .flat_map(|p| p.access.iter().copied())
             .collect();
+        access.sort_unstable();
         self.wait_for_peers(&access)?;
         self.sleep(choose)
     }
@@ -151,7 +152,7 @@ impl<D: Driver> Coalescer<D> {
     pub fn trim_unmoved(&mut self) -> u64 {
         let before = self.physical_bytes();
         self.retry_leftovers();
-        let idle: Vec<u64> = self
+        let mut idle: Vec<u64> = self
             .phys
             .iter()
             .filter(|(pid, p)| {
@@ -161,6 +162,7 @@ impl<D: Driver> Coalescer<D> {
             })
             .map(|(pid, _)| *pid)
             .collect();
+        idle.sort_unstable();
         for pid in idle {
             let ahead = self.phys[&pid].ahead;
             match self.release_idle(pid) {

@@ -17,7 +17,8 @@ impl<D: Driver> Coalescer<D> {
         let mut out = Paused::default();
         let mut offload: Vec<(u64, Vec<(u64, u64)>)> = Vec::new();
         let mut discard: Vec<u64> = Vec::new();
-        for (pid, ph) in &self.phys {
+        for pid in self.pids(|p| p.base.is_some() && p.asleep.is_none()) {
+            let ph = &self.phys[&pid];
             let (Some(base), None) = (ph.base, &ph.asleep) else {
                 continue;
             };
@@ -40,7 +41,7 @@ impl<D: Driver> Coalescer<D> {
                 continue;
             }
             if drop {
-                discard.push(*pid);
+                discard.push(pid);
                 continue;
             }
             // The live pages' bytes, runs of adjacent pages as one range.
@@ -52,7 +53,7 @@ impl<D: Driver> Coalescer<D> {
                     _ => ranges.push((a, n)),
                 }
             }
-            offload.push((*pid, ranges));
+            offload.push((pid, ranges));
         }
         let items: Vec<Vec<(u64, u64)>> = offload.iter().map(|(_, r)| r.clone()).collect();
         let saved = self.host.save(&mut self.drv, &items)?;
@@ -106,12 +107,7 @@ impl<D: Driver> Coalescer<D> {
     /// as it was, bytes copied back. On failure (out of memory) what was made stays resumed
     /// and the rest stays paused, host copies kept: a later resume goes on. The bytes resumed.
     pub(super) fn wake(&mut self, choose: &dyn Fn(u32) -> bool) -> DrvResult<u64> {
-        let pids: Vec<u64> = self
-            .phys
-            .iter()
-            .filter(|(_, p)| p.asleep.as_ref().is_some_and(|s| choose(s.props.tag)))
-            .map(|(pid, _)| *pid)
-            .collect();
+        let pids = self.pids(|p| p.asleep.as_ref().is_some_and(|s| choose(s.props.tag)));
         self.wake_pids(&pids)
     }
 
