@@ -24,9 +24,9 @@ pub use record::released;
 use super::state::config;
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, AskError};
-use record::{identity, EXPORTED, GETFD_ID, KEPT_MAX};
-use std::collections::HashMap;
+use record::{identity, Exports, ANY_EXPORTED, EXPORTED, GETFD_ID, KEPT_MAX};
 use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
 
 /// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
 /// remember it, and make sure the socket serves (nothing with `EXPSEG_PIDFD_RESCUE=0`).
@@ -37,12 +37,13 @@ pub fn exported(fd: i32, handle: u64) {
     let Some(id) = identity(fd) else { return };
     {
         let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
-        let map = g.get_or_insert_with(HashMap::new);
+        let map = g.get_or_insert_with(Exports::default);
         if map.len() >= KEPT_MAX {
-            map.retain(|f, (_, i)| identity(*f) == Some(*i));
+            map.retain(|f, i| identity(f) == Some(i));
         }
         if map.len() < KEPT_MAX {
-            map.insert(fd, (handle, id));
+            map.insert(fd, handle, id);
+            ANY_EXPORTED.store(true, Ordering::Release);
         }
     }
     super::ipc::tickets::ensure_server();

@@ -6,6 +6,7 @@ use crate::ipc::{Grant, Refusal};
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 /// The ticket id that means "a descriptor PyTorch exported" (ticket ids count up from 1).
@@ -17,8 +18,67 @@ pub(super) const KEPT_MAX: usize = 1 << 16;
 /// Device and inode of an open file.
 type FileId = (u64, u64);
 
-/// Exported descriptor number -> (page handle, the file it named then).
-pub(super) static EXPORTED: Mutex<Option<HashMap<i32, (u64, FileId)>>> = Mutex::new(None);
+/// The descriptors exported so far, and whether there ever was one (every `cuMemRelease`
+/// asks; a process that never shared a page does not take the lock for it).
+pub(super) static EXPORTED: Mutex<Option<Exports>> = Mutex::new(None);
+pub(super) static ANY_EXPORTED: AtomicBool = AtomicBool::new(false);
+
+/// Exported descriptor number -> (page handle, the file it named then), and each page's
+/// numbers, so a release forgets its page's in the time of one lookup (a scan of every
+/// descriptor took each of PyTorch's releases through all the shared pages' entries).
+#[derive(Default, Debug)]
+pub(super) struct Exports {
+    by_fd: HashMap<i32, (u64, FileId)>,
+    by_handle: HashMap<u64, Vec<i32>>,
+}
+
+impl Exports {
+    pub(super) fn len(&self) -> usize {
+        self.by_fd.len()
+    }
+
+    /// Descriptor `fd` names page `handle`'s file `id` (a number PyTorch closed and reused
+    /// names the new page's).
+    pub(super) fn insert(&mut self, fd: i32, handle: u64, id: FileId) {
+        if let Some((old, _)) = self.by_fd.insert(fd, (handle, id)) {
+            if old == handle {
+                return;
+            }
+            self.unlink(old, fd);
+        }
+        self.by_handle.entry(handle).or_default().push(fd);
+    }
+
+    /// The file descriptor `fd` named when it was exported.
+    pub(super) fn get(&self, fd: i32) -> Option<FileId> {
+        self.by_fd.get(&fd).map(|(_, id)| *id)
+    }
+
+    /// Page `handle` is released: its descriptors are served no more.
+    pub(super) fn release(&mut self, handle: u64) {
+        for fd in self.by_handle.remove(&handle).unwrap_or_default() {
+            self.by_fd.remove(&fd);
+        }
+    }
+
+    /// Keep only the descriptors `open` still finds naming their file.
+    pub(super) fn retain(&mut self, open: impl Fn(i32, FileId) -> bool) {
+        self.by_fd.retain(|fd, (_, id)| open(*fd, *id));
+        self.by_handle.clear();
+        for (fd, (h, _)) in &self.by_fd {
+            self.by_handle.entry(*h).or_default().push(*fd);
+        }
+    }
+
+    fn unlink(&mut self, handle: u64, fd: i32) {
+        if let Some(fds) = self.by_handle.get_mut(&handle) {
+            fds.retain(|f| *f != fd);
+            if fds.is_empty() {
+                self.by_handle.remove(&handle);
+            }
+        }
+    }
+}
 
 /// Device and inode of the open file `fd` names, if it is open.
 pub(super) fn identity(fd: i32) -> Option<FileId> {
@@ -33,9 +93,12 @@ pub(super) fn identity(fd: i32) -> Option<FileId> {
 
 /// PyTorch releases page `handle`: its descriptors are closed with it and never served again.
 pub fn released(handle: u64) {
+    if !ANY_EXPORTED.load(Ordering::Acquire) {
+        return;
+    }
     let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(map) = g.as_mut() {
-        map.retain(|_, (h, _)| *h != handle);
+        map.release(handle);
     }
 }
 
@@ -50,7 +113,7 @@ pub fn serve(fd: u64) -> Decision {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
-        .and_then(|m| m.get(&fd).map(|(_, id)| *id));
+        .and_then(|m| m.get(fd));
     match known {
         Some(id) if identity(fd) == Some(id) => {}
         Some(_) => return Err(Refusal::Stale),
@@ -82,4 +145,55 @@ fn dup(fd: i32) -> Option<OwnedFd> {
     // fails cleanly (EBADF) if it was closed meanwhile.
     let b = unsafe { BorrowedFd::borrow_raw(fd) };
     b.try_clone_to_owned().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_release_forgets_its_pages_descriptors_and_no_other() {
+        let mut e = Exports::default();
+        e.insert(10, 1, (0, 100));
+        e.insert(11, 1, (0, 101));
+        e.insert(12, 2, (0, 102));
+        e.insert(10, 1, (0, 100)); // exported again under the same number
+        assert_eq!(e.len(), 3);
+        e.release(1);
+        assert_eq!(
+            (e.get(10), e.get(11), e.get(12)),
+            (None, None, Some((0, 102)))
+        );
+        e.release(1);
+        assert_eq!(e.len(), 1);
+    }
+
+    #[test]
+    fn a_number_reused_for_another_page_belongs_to_that_page_only() {
+        let mut e = Exports::default();
+        e.insert(10, 1, (0, 100));
+        // PyTorch closed 10 and a new export of page 2 got the number.
+        e.insert(10, 2, (0, 200));
+        e.release(1);
+        assert_eq!(
+            e.get(10),
+            Some((0, 200)),
+            "page 1's release leaves page 2's descriptor"
+        );
+        e.release(2);
+        assert_eq!(e.get(10), None);
+        assert!(e.by_handle.is_empty());
+    }
+
+    #[test]
+    fn keeping_the_open_ones_keeps_their_pages_index() {
+        let mut e = Exports::default();
+        for fd in 0..6 {
+            e.insert(fd, u64::from(fd as u32 % 2), (0, fd as u64));
+        }
+        e.retain(|fd, _| fd >= 3);
+        assert_eq!(e.len(), 3);
+        e.release(1);
+        assert_eq!((e.get(3), e.get(4), e.get(5)), (None, Some((0, 4)), None));
+    }
 }
