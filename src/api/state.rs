@@ -455,11 +455,17 @@ pub fn write_exit_report() {
     }
 }
 
+/// Whether a foreign run was ever shared (set under the lock before its share is recorded):
+/// until then an unmap of PyTorch's pages takes no lock to look for shares.
+pub static FOREIGN_SEEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The program unmapped `[va, va+size)`: shares of foreign runs that start there are over
 /// (their tickets go stale, their mirrors are freed once no refresh uses them), and a run it
 /// cuts after its start is shared up to the cut from now on (`IpcState::unmapped`).
 pub fn forget_foreign_range(va: u64, size: u64) {
-    if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire) {
+    if !STATE_STARTED.load(std::sync::atomic::Ordering::Acquire)
+        || !FOREIGN_SEEN.load(std::sync::atomic::Ordering::Acquire)
+    {
         return;
     }
     let mut st = lock();

@@ -159,6 +159,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                         (false, None) => unreachable!("no mirror only with tickets"),
                     }
                 );
+                crate::api::state::FOREIGN_SEEN.store(true, std::sync::atomic::Ordering::Release);
                 st.ipc.foreign.insert(
                     base,
                     ForeignShare {
