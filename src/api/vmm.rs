@@ -160,7 +160,8 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
             return None;
         }
         // Whose stream the caller waited on: its current primary context's device, asked (for
-        // pages of ours only) before `in_context` makes the memory's device current.
+        // pages of ours only) before `in_context` makes the memory's device current; one
+        // `cuCtxGetCurrent` where it is the memory's device's (the common case).
         let caller = std::cell::OnceCell::new();
         let mut v = lock();
         if v.frozen_maps_in(va, size) {
@@ -168,11 +169,11 @@ pub fn unmap(va: u64, size: u64) -> Option<u32> {
         }
         let mut answer = None;
         for c in v.all().filter(|c| c.maps_in(va, size)) {
-            allocator::call_on(c.driver().device());
+            let dev = c.driver().device();
+            allocator::call_on(dev);
             let who = *caller.get_or_init(|| {
-                crate::real::driver()
-                    .ok()
-                    .and_then(crate::gpu::cuda::primary_device)
+                let t = crate::real::driver().ok()?;
+                crate::gpu::cuda::primary_device_likely(t, dev)
             });
             let r = in_context(c, |c| c.unmap_from(va, size, who));
             let call = Call::Unmap {

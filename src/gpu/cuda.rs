@@ -5,8 +5,8 @@
 
 use super::{ChunkHandle, Driver, DrvError, DrvResult, Held, IpcHandle};
 pub use crate::real::primary::{
-    current_is_primary, make_primary_current, pop_primary, primary_device, push_primary,
-    synchronize_primary, synchronize_primary_default_stream, with_primary,
+    current_is_primary, make_primary_current, pop_primary, primary_device, primary_device_likely,
+    push_primary, synchronize_primary, synchronize_primary_default_stream, with_primary,
 };
 use crate::real::{runtime, DriverTable};
 use cudarc::driver::sys::{

@@ -32,6 +32,20 @@ pub fn primary_device(t: &DriverTable) -> Option<i32> {
     (find_primary(t, dev).ok()? == cur).then_some(dev)
 }
 
+/// [`primary_device`] for a caller that most likely runs in `dev`'s primary context (a
+/// device's own allocator thread): one `cuCtxGetCurrent` when that context, seen before, is
+/// the current one, as [`current_is_primary`] answers; the full check otherwise.
+pub fn primary_device_likely(t: &DriverTable, dev: i32) -> Option<i32> {
+    if let Some(c) = cached_primary(dev) {
+        let mut cur: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        if unsafe { (t.cuCtxGetCurrent)(&mut cur) } == 0 && cur == c {
+            return Some(dev);
+        }
+    }
+    primary_device(t)
+}
+
 /// Whether the calling thread's current context is `dev`'s primary context: `None` when it
 /// has no context. One `cuCtxGetCurrent` where the primary context was seen before.
 pub fn current_is_primary(t: &DriverTable, dev: i32) -> Option<bool> {
