@@ -3523,6 +3523,9 @@ fn pages_freed_with_their_own_device_current_add_no_wait() {
         let r = inflight(whole, &[("INFLIGHT_GUARDED", "1")]);
         assert_eq!(r.get("illegal_address"), "0", "{}", r.stdout());
         assert_eq!(r.get("waits"), "0", "{}", r.stdout());
+        // Which context the caller runs in: one cuCtxGetCurrent against the primary context
+        // seen before, not a look at its state each unmap (three driver calls until 2026-11-27).
+        assert_eq!(r.get("state_calls"), "0", "{}", r.stdout());
     }
 }
 

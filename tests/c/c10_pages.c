@@ -201,7 +201,7 @@ static int two_inflight(void) {
   }
   int from = whole ? 0 : 2, bad = 0;
   for (int d = 0; d < 2; d++) fakecu_launch(d, seg[d] + from * PAGE, (4 - from) * PAGE);
-  long w0 = fakecu_count("legacy_sync");
+  long w0 = fakecu_count("legacy_sync"), s0 = fakecu_count("cuDevicePrimaryCtxGetState");
   for (int d = 0; d < 2; d++) {
     if (guarded) cudaSetDevice(d);
     cudaStreamSynchronize(0); /* PyTorch's wait: the legacy stream of the current device (0) */
@@ -209,6 +209,8 @@ static int two_inflight(void) {
   }
   size_t fr, tot;
   long waits = fakecu_count("legacy_sync") - w0;
+  /* Driver calls made to learn which context the caller runs in, beyond cuCtxGetCurrent. */
+  long state_calls = fakecu_count("cuDevicePrimaryCtxGetState") - s0;
   for (int d = 0; d < 2; d++) { cudaSetDevice(d); cudaMemGetInfo(&fr, &tot); } /* torch.cuda.mem_get_info(d) */
   cudaSetDevice(0);
   usleep(20 * 1000); /* quiet: a releaser thread (kept handles) has its turn */
@@ -221,7 +223,7 @@ static int two_inflight(void) {
   for (int d = 1; d >= 0; d--) { cudaSetDevice(d); cudaDeviceSynchronize(); }
   for (int d = 0; d < 2; d++) for (int i = 0; i < from; i++) if (unmap(seg[d] + i * PAGE, PAGE) || release(hh[d][i])) bad++;
   cudaMemGetInfo(&fr, &tot);
-  printf("inflight_bad=%d illegal_address=%ld live_intact=%d used_end=%ld wrong_context=%ld waits=%ld\n", bad, faults, intact, fakecu_used(), fakecu_count("wrong_context"), waits);
+  printf("inflight_bad=%d illegal_address=%ld live_intact=%d used_end=%ld wrong_context=%ld waits=%ld state_calls=%ld\n", bad, faults, intact, fakecu_used(), fakecu_count("wrong_context"), waits, state_calls);
   return 0;
 }
 

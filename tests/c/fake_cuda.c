@@ -27,7 +27,7 @@ typedef struct { struct { int type; int id; } location; int flags; } CUmemAccess
 
 #define GRAN (2u << 20)
 static int initialised = 0;
-enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_PRIMARY_RETAIN, C_PRIMARY_RELEASE, C_EXPORT, C_NCOUNT };
+enum { C_CREATE, C_RELEASE, C_RESERVE, C_FREEVA, C_MAP, C_UNMAP, C_ACCESS, C_ALLOC, C_FREE, C_ALLOC_V1, C_SYNC, C_INFO, C_PITCH, C_IPC_GET, C_WRONG_CTX, C_FAULT, C_LEGACY_SYNC, C_LAUNCH, C_FENCE_DEADLOCK, C_GRAPH, C_STALE_READ, C_PRIMARY_RETAIN, C_PRIMARY_RELEASE, C_EXPORT, C_PRIMARY_STATE, C_NCOUNT };
 static long counts[C_NCOUNT];
 static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
                               "cuMemAlloc_v2", "cuMemFree_v2", "cuMemAlloc", "cuCtxSynchronize", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuIpcGetMemHandle",
@@ -48,7 +48,10 @@ static const char* names[] = {"cuMemCreate", "cuMemRelease", "cuMemAddressReserv
                                * device still has work in flight on: on a GPU it may miss that work's writes */
                               "stale_read",
                               /* references taken and given back on primary contexts */
-                              "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuMemExportToShareableHandle"};
+                              "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuMemExportToShareableHandle",
+                              /* looks at a primary context's state (what expseg asks before trusting or
+                               * retaining one) */
+                              "cuDevicePrimaryCtxGetState"};
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
 static long envl(const char* n, long d) { const char* v = getenv(n); return v ? atol(v) : d; }
@@ -110,7 +113,7 @@ CUresult cuCtxGetId(CUcontext c, unsigned long long* id) {
   if (ms) usleep((useconds_t)ms * 1000);
   return 0;
 }
-CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; *flags = 0; *active = initialised; return 0; }
+CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned* flags, int* active) { if (d < 0 || d >= ndev()) return 101; count(C_PRIMARY_STATE); *flags = 0; *active = initialised; return 0; }
 /* Peer access between contexts: only counted and checked (the fake's memory is host memory). */
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned flags) {
   (void)flags;
