@@ -776,16 +776,13 @@ impl<D: Driver> Coalescer<D> {
         pid
     }
 
+    /// A page gets memory at `off` of `pid` (a pending page's bytes are pending no more).
     pub(super) fn attach(&mut self, vh: u64, pid: u64, off: u64) {
-        let p = self.pages.get_mut(&vh).unwrap();
+        let p = &self.pages[&vh];
         if p.slot.is_none() && p.refs > 0 {
             self.pending_bytes -= p.size;
         }
-        p.slot = Some((pid, off));
-        let (size, mapped) = (p.size, p.va.is_some());
-        let ph = self.phys.get_mut(&pid).unwrap();
-        ph.slots.insert(off, vh, size);
-        ph.mapped += u32::from(mapped);
+        self.attach_moved(vh, pid, off);
     }
 
     pub(super) fn same_reservation(&self, a: u64, end: u64) -> bool {

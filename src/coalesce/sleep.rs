@@ -19,9 +19,7 @@ impl<D: Driver> Coalescer<D> {
         let mut discard: Vec<u64> = Vec::new();
         for pid in self.pids(|p| p.base.is_some() && p.asleep.is_none()) {
             let ph = &self.phys[&pid];
-            let (Some(base), None) = (ph.base, &ph.asleep) else {
-                continue;
-            };
+            let base = ph.base.expect("mapped and awake: chosen so");
             // Pages of several tags share a handle only where a page of another tag was
             // mapped onto its released or grown-ahead bytes (`adopt_stranded`): paused only if
             // the pause takes every tag in it alike.

@@ -36,14 +36,21 @@ pub fn primary_device(t: &DriverTable) -> Option<i32> {
 /// device's own allocator thread): one `cuCtxGetCurrent` when that context, seen before, is
 /// the current one, as [`current_is_primary`] answers; the full check otherwise.
 pub fn primary_device_likely(t: &DriverTable, dev: i32) -> Option<i32> {
-    if let Some(c) = cached_primary(dev) {
-        let mut cur: CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
-        if unsafe { (t.cuCtxGetCurrent)(&mut cur) } == 0 && cur == c {
-            return Some(dev);
-        }
+    match current_is_cached_primary(t, dev) {
+        true => Some(dev),
+        false => primary_device(t),
     }
-    primary_device(t)
+}
+
+/// Whether `dev`'s primary context, seen before, is the current one: one `cuCtxGetCurrent`
+/// (false where it was not seen yet).
+fn current_is_cached_primary(t: &DriverTable, dev: i32) -> bool {
+    let Some(c) = cached_primary(dev) else {
+        return false;
+    };
+    let mut cur: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    unsafe { (t.cuCtxGetCurrent)(&mut cur) == 0 && cur == c }
 }
 
 /// Whether the calling thread's current context is `dev`'s primary context: `None` when it
@@ -148,12 +155,8 @@ pub fn make_primary_current(t: &DriverTable, dev: i32) -> u32 {
 pub fn push_primary(t: &DriverTable, dev: i32) -> Result<bool, u32> {
     // The common case first, for one `cuCtxGetCurrent`: the primary context seen before is
     // the current one.
-    if let Some(c) = cached_primary(dev) {
-        let mut cur: CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
-        if unsafe { (t.cuCtxGetCurrent)(&mut cur) } == 0 && cur == c {
-            return Ok(false);
-        }
+    if current_is_cached_primary(t, dev) {
+        return Ok(false);
     }
     if primary_device(t) == Some(dev) {
         return Ok(false);
