@@ -43,7 +43,10 @@ for arch in ${EXPSEG_ARCHES:-x86_64 aarch64}; do
   if [ "$arch" = x86_64 ]; then
     cp "$out/libexpseg.so" "$out/expseg" "$out/expseg-ipc-check" scripts/expseg-run scripts/expseg-srun scripts/expseg-report-merge dist/
   fi
-  # The wheel of these very files (setup.py's hook takes them from EXPSEG_PREBUILT).
+  # The wheel of these very files (setup.py's hook takes them from EXPSEG_PREBUILT). A build/
+  # left by another wheel (scripts/test-wheel.sh's) goes first: setuptools copies a file into it
+  # only when newer than the copy there, and a portable build older than that wheel was skipped.
+  rm -rf build
   plat=manylinux_${glibc/./_}_$arch
   # Offline with the setuptools at hand where it is new enough, else pip fetches it.
   EXPSEG_PREBUILT=$out EXPSEG_WHEEL_PLAT=$plat python3 -m pip wheel --quiet --no-deps --no-build-isolation -w dist . >/dev/null 2>&1 ||
