@@ -64,11 +64,11 @@ pub struct Global {
     pub reclaim_asks: Counter,
     pub reclaimed_bytes: Counter,
     pub given_back_bytes: Counter,
-    /// PyTorch's VMM calls on coalesced pages: calls and wall nanoseconds per call
-    /// ([`VMM_CALLS`] order), lock waits and driver calls included: the hooks' own cost is
-    /// this less the coalescer's driver time.
+    /// PyTorch's VMM calls on coalesced pages: calls and wall time per call in clock ticks
+    /// ([`crate::clock`]; nanoseconds in the report), [`VMM_CALLS`] order, lock waits and
+    /// driver calls included: the hooks' own cost is this less the coalescer's driver time.
     pub vmm_calls: [Counter; VMM_CALLS.len()],
-    pub vmm_ns: [Counter; VMM_CALLS.len()],
+    pub vmm_ticks: [Counter; VMM_CALLS.len()],
 }
 
 /// The VMM calls timed in [`Global::vmm_calls`], and their indices there.
@@ -102,15 +102,15 @@ pub static GLOBAL: Global = Global {
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
     vmm_calls: [const { Counter::new() }; VMM_CALLS.len()],
-    vmm_ns: [const { Counter::new() }; VMM_CALLS.len()],
+    vmm_ticks: [const { Counter::new() }; VMM_CALLS.len()],
 };
 
 /// Time `f` as one VMM call of kind `k` (an index into [`VMM_CALLS`]).
 pub fn time_vmm<T>(k: usize, f: impl FnOnce() -> T) -> T {
-    let t = std::time::Instant::now();
+    let t = crate::clock::ticks();
     let r = f();
     GLOBAL.vmm_calls[k].add(1);
-    GLOBAL.vmm_ns[k].add(t.elapsed().as_nanos() as u64);
+    GLOBAL.vmm_ticks[k].add(crate::clock::since(t));
     r
 }
 
@@ -168,7 +168,7 @@ impl Global {
         for k in 0..VMM_CALLS.len() {
             if self.vmm_calls[k].get() > 0 {
                 rows.push((CALLS[k], self.vmm_calls[k].get()));
-                rows.push((NS[k], self.vmm_ns[k].get()));
+                rows.push((NS[k], crate::clock::ns(self.vmm_ticks[k].get())));
             }
         }
         rows

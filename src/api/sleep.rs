@@ -224,7 +224,7 @@ pub fn resume(tag: Option<u32>) -> Result<Outcome, Failed> {
             }
             bytes += before.0 - c.paused_bytes();
             for (i, op) in Op::ALL.iter().enumerate() {
-                ns[i] += c.driver_calls()[op.index()].1 - before.1[op.index()].1;
+                ns[i] += crate::clock::ns(c.driver_calls()[op.index()].1 - before.1[op.index()].1);
             }
         }
     }

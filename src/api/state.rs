@@ -854,7 +854,7 @@ pub(super) mod coalescers {
             let calls: u64 = all.iter().map(|a| a.5[i].0).sum();
             if calls > 0 {
                 rows.push((NAMES[i], calls));
-                rows.push((NS[i], all.iter().map(|a| a.5[i].1).sum()));
+                rows.push((NS[i], crate::clock::ns(all.iter().map(|a| a.5[i].1).sum())));
             }
         }
         rows

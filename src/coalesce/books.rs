@@ -444,7 +444,8 @@ impl<D: Driver> Coalescer<D> {
         &mut self.drv.inner
     }
 
-    /// Driver calls and nanoseconds per operation (`Op::ALL` order, then `cuMemGetInfo`).
+    /// Driver calls and their time in clock ticks per operation (`Op::ALL` order, then
+    /// `cuMemGetInfo`; [`crate::clock::ns`] makes nanoseconds of a sum).
     pub fn driver_calls(&self) -> &[(u64, u64)] {
         &self.drv.calls
     }
@@ -467,9 +468,17 @@ impl<D: Driver> Coalescer<D> {
         self.kept_bytes
     }
 
-    /// How long the program has made no call.
+    /// How long the program has made no call (kept only where released handles are parked:
+    /// elsewhere nothing asks, and a hook saves the clock read).
     pub fn idle_for(&self) -> std::time::Duration {
         self.last_call.elapsed()
+    }
+
+    /// The program called (`create`, `map`, `set_access`): the time, for [`Self::idle_for`].
+    pub(super) fn note_call(&mut self) {
+        if self.parking() {
+            self.last_call = Instant::now();
+        }
     }
 
     pub(super) fn parking(&self) -> bool {

@@ -65,7 +65,6 @@ pub use sleep::{Choose, Paused};
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
 use books::{end, Page, FREE_FRESH_NS, FREE_STALE_NS, NEXT_VH, OTHERS_BYTES_PER_MS, TAG};
-use std::time::Instant;
 
 impl<D: Driver> Coalescer<D> {
     /// Give back now everything held beyond the program's pages (stranded pages compacted,
@@ -297,7 +296,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// `cuMemCreate` of a page. `dev_free` is not needed: the driver is asked.
     pub fn create(&mut self, size: u64, props: PageProps) -> DrvResult<u64> {
-        self.last_call = Instant::now();
+        self.note_call();
         let gran = self.drv.granularity();
         if size == 0 || !size.is_multiple_of(gran) {
             return Err(INVALID);
@@ -503,7 +502,7 @@ impl<D: Driver> Coalescer<D> {
     /// waits for this device's default stream before it leaves its address (natively that
     /// unmap runs under the kernels still using the memory: an illegal address, issue 24).
     pub fn unmap_from(&mut self, va: u64, size: u64, caller: Option<i32>) -> DrvResult<bool> {
-        self.last_call = Instant::now();
+        self.note_call();
         self.on_mapped_in(va, size, |c, inside| {
             c.unmap_pages(inside, va, size, caller)
         })
@@ -558,7 +557,7 @@ impl<D: Driver> Coalescer<D> {
     /// map what is not mapped yet, and set access. Ok(false): nothing of ours (pass through).
     pub fn set_access(&mut self, va: u64, size: u64, descs: &[(i32, u32)]) -> DrvResult<bool> {
         self.giving_back_ended();
-        self.last_call = Instant::now();
+        self.note_call();
         self.on_mapped_in(va, size, |c, inside| {
             c.set_access_pages(inside, va, size, descs)
         })

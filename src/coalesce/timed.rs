@@ -1,11 +1,10 @@
 //! The driver as the coalescer sees it: every call counted and timed per operation, for the
-//! exit report (calls and nanoseconds per `Op`, then `cuMemGetInfo`).
+//! exit report (calls and clock ticks per `Op`, then `cuMemGetInfo`; [`crate::clock`]).
 
 use crate::gpu::{ChunkHandle, Driver, DrvResult, Held, IpcHandle, Op, PageProps};
 use std::os::fd::OwnedFd;
-use std::time::Instant;
 
-/// The driver, with calls and nanoseconds counted per operation (`Op::ALL` order; the last
+/// The driver, with calls and clock ticks counted per operation (`Op::ALL` order; the last
 /// slot is `cuMemGetInfo`).
 pub struct Timed<D> {
     pub(super) inner: D,
@@ -14,11 +13,11 @@ pub struct Timed<D> {
 
 impl<D> Timed<D> {
     fn count<T>(&mut self, slot: usize, f: impl FnOnce(&mut D) -> T) -> T {
-        let t = Instant::now();
+        let t = crate::clock::ticks();
         let r = f(&mut self.inner);
         let c = &mut self.calls[slot];
         c.0 += 1;
-        c.1 += t.elapsed().as_nanos() as u64;
+        c.1 += crate::clock::since(t);
         r
     }
 }
