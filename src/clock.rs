@@ -1,5 +1,5 @@
-//! The clock the hooks are timed with: the CPU's time-stamp counter where it ticks at a constant
-//! rate (x86-64 with an invariant TSC), read from a register; nanoseconds elsewhere.
+//! The clock the hooks are timed with: the CPU's time-stamp counter on x86-64, read from a
+//! register; nanoseconds elsewhere.
 //!
 //! Every hook call is timed for the exit report (`vmm_*_ns`, and `coalesce_*_ns` around the
 //! driver's calls). `Instant::now()` reads the kernel's clock page: warm that costs ~50 ns, but
@@ -7,40 +7,47 @@
 //! the page and the vDSO's code, cost 975-1,033 cycles against 124 warm (2.6 GHz x86-64, 16 MiB
 //! written between reads: `scripts/vmm-cost/clock_cost.c`), and it falls before the timed span, so
 //! the report never showed it. `rdtsc` touches no memory. Ticks become nanoseconds only when a
-//! report is made ([`ns`]), scaled by the ticks and the `Instant` time elapsed since the first
-//! reading, so the rate needs no calibration loop in the program's process. Seen from the
+//! report is made ([`ns`]), scaled by the ticks and the `Instant` time elapsed since the library
+//! loaded, so the rate needs no calibration loop in the program's process. Seen from the
 //! caller with the caches evicted between calls (`scripts/vmm-cost/hook_cold.c`, the preload
-//! tests' fake driver), a create or map hook costs 1,590-1,770 cycles against 1,850-2,390 with
-//! `Instant` (and no clock read for parked handles' quiet, [`crate::coalesce`]), an unmap or a
-//! release 5-10 % less.
+//! tests' fake driver, median of 5 runs), with no clock read for parked handles' quiet either
+//! ([`crate::coalesce`]) and a hook's two counters on one line ([`crate::stats::Timing`]): a
+//! create 2,236 -> 1,716 cycles, a map 1,950 -> 1,586, an unmap 3,458 -> 3,042, a release
+//! equal within the runs' spread.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-/// How [`ticks`] reads: not yet decided, the TSC, or nanoseconds since [`ORIGIN`].
-const UNSET: u8 = 0;
-const TSC: u8 = 1;
-const NANOS: u8 = 2;
-static MODE: AtomicU8 = AtomicU8::new(UNSET);
-
-/// The first reading: the `Instant` and the TSC (0 where it is not used) at the same moment.
+/// A reading of both clocks at one moment, taken when the library loads ([`START`]): the
+/// baseline [`ns`] scales ticks by.
 static ORIGIN: OnceLock<(Instant, u64)> = OnceLock::new();
+
+fn origin() -> (Instant, u64) {
+    *ORIGIN.get_or_init(|| (Instant::now(), tsc()))
+}
+
+extern "C" fn take_origin() {
+    origin();
+}
+
+/// Taken at load, so that a hook's reading touches no memory at all (not even a flag).
+#[used]
+#[link_section = ".init_array"]
+static START: extern "C" fn() = take_origin;
 
 /// Now, in ticks. Only differences of two readings mean anything; [`ns`] turns a sum of them
 /// into nanoseconds.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 pub fn ticks() -> u64 {
-    match MODE.load(Ordering::Relaxed) {
-        TSC => tsc(),
-        NANOS => since_origin(),
-        _ => {
-            let tsc_ok = invariant_tsc();
-            ORIGIN.get_or_init(|| (Instant::now(), if tsc_ok { tsc() } else { 0 }));
-            MODE.store(if tsc_ok { TSC } else { NANOS }, Ordering::Relaxed);
-            ticks()
-        }
-    }
+    tsc()
+}
+
+/// Now, in ticks: nanoseconds since the first reading where there is no TSC to read.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+pub fn ticks() -> u64 {
+    u64::try_from(origin().0.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Ticks since `start` (a [`ticks`] reading), 0 if the clock seems to have gone back (a thread
@@ -50,25 +57,20 @@ pub fn since(start: u64) -> u64 {
     ticks().saturating_sub(start)
 }
 
-/// `t` ticks in nanoseconds, at the rate the TSC ran since the first reading (exact for
-/// nanosecond ticks).
+/// `t` ticks in nanoseconds, at the TSC's mean rate since the library loaded. Where CPUID does
+/// not call the TSC invariant (some virtual machines do not say so of one that is) the rate may
+/// have varied with the core's frequency and the figure is that mean: for the report only.
 pub fn ns(t: u64) -> u64 {
-    match (MODE.load(Ordering::Relaxed), ORIGIN.get()) {
-        (TSC, Some(&(at, tsc0))) => {
-            let elapsed = at.elapsed().as_nanos();
-            let counted = u128::from(tsc().saturating_sub(tsc0));
-            if counted == 0 {
-                return t;
-            }
-            u64::try_from(u128::from(t) * elapsed / counted).unwrap_or(u64::MAX)
-        }
-        _ => t,
+    if cfg!(not(target_arch = "x86_64")) {
+        return t;
     }
-}
-
-fn since_origin() -> u64 {
-    let at = ORIGIN.get_or_init(|| (Instant::now(), 0)).0;
-    u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    let (at, tsc0) = origin();
+    let elapsed = at.elapsed().as_nanos();
+    let counted = u128::from(tsc().saturating_sub(tsc0));
+    if counted == 0 {
+        return t;
+    }
+    u64::try_from(u128::from(t) * elapsed / counted).unwrap_or(u64::MAX)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -85,24 +87,6 @@ fn tsc() -> u64 {
 #[inline]
 fn tsc() -> u64 {
     0
-}
-
-/// Whether the TSC ticks at a constant rate whatever the core's frequency and sleep states
-/// (CPUID 0x80000007, EDX bit 8), as the kernel's own TSC clock requires.
-#[cfg(target_arch = "x86_64")]
-fn invariant_tsc() -> bool {
-    use core::arch::x86_64::__cpuid;
-    // SAFETY: `cpuid` reads identification registers; leaf 0x80000000 says which extended
-    // leaves exist before 0x80000007 is asked.
-    #[allow(unsafe_code, unused_unsafe)]
-    unsafe {
-        __cpuid(0x8000_0000).eax >= 0x8000_0007 && (__cpuid(0x8000_0007).edx >> 8) & 1 == 1
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn invariant_tsc() -> bool {
-    false
 }
 
 #[cfg(test)]

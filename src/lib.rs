@@ -24,7 +24,7 @@
 //! | lookup | [`real::lookup`] | the only `dlsym`/`dlvsym` code: glibc's own `dlsym`, never redirected |
 //! | beside | [`config`] | the `EXPSEG_*` table |
 //! | beside | [`stats`] | counters and the exit report |
-//! | beside | [`clock`] | the clock hook calls are timed with (the CPU's time-stamp counter where it is invariant) |
+//! | beside | [`clock`] | the clock hook calls are timed with (the CPU's time-stamp counter, read from a register) |
 //! | beside | [`elf`] | the glibc requirement of an ELF file |
 //! | beside | [`hostmem`] | host memory the process can take without the OOM killer (meminfo, cgroup limits) |
 //!
@@ -35,7 +35,7 @@
 //! `unsafe` is denied crate-wide and allowed only in the modules that touch C: `hooks`,
 //! `vmm_hooks`, `dlsym`, `syscall_hook`, `real` (with `real::lookup`, `real::driver`,
 //! `real::primary` and `real::python`), `pyapi`, `gpu::cuda`, `gpu::fence`, `ipc::transport` and
-//! `clock` (`rdtsc` and `cpuid`)
+//! `clock` (`rdtsc`)
 //! (and, in test builds, `test_alloc`, the counting allocator).
 #![deny(unsafe_code)]
 

@@ -14,6 +14,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// One process-wide counter, padded so threads counting different things do not contend.
 pub struct Counter(CachePadded<AtomicU64>);
 
+/// Calls of one kind and their time, side by side: a hook updates both, so they share a cache
+/// line (one miss a hook where two counters of their own cost two).
+pub struct Timing(CachePadded<[AtomicU64; 2]>);
+
+impl Timing {
+    const fn new() -> Self {
+        Timing(CachePadded::new([AtomicU64::new(0), AtomicU64::new(0)]))
+    }
+
+    /// One call that took `ticks` ([`crate::clock`]).
+    pub fn add(&self, ticks: u64) {
+        self.0[0].fetch_add(1, Ordering::Relaxed);
+        self.0[1].fetch_add(ticks, Ordering::Relaxed);
+    }
+
+    pub fn calls(&self) -> u64 {
+        self.0[0].load(Ordering::Relaxed)
+    }
+
+    pub fn ticks(&self) -> u64 {
+        self.0[1].load(Ordering::Relaxed)
+    }
+}
+
 impl Counter {
     const fn new() -> Self {
         Counter(CachePadded::new(AtomicU64::new(0)))
@@ -67,11 +91,10 @@ pub struct Global {
     /// PyTorch's VMM calls on coalesced pages: calls and wall time per call in clock ticks
     /// ([`crate::clock`]; nanoseconds in the report), [`VMM_CALLS`] order, lock waits and
     /// driver calls included: the hooks' own cost is this less the coalescer's driver time.
-    pub vmm_calls: [Counter; VMM_CALLS.len()],
-    pub vmm_ticks: [Counter; VMM_CALLS.len()],
+    pub vmm: [Timing; VMM_CALLS.len()],
 }
 
-/// The VMM calls timed in [`Global::vmm_calls`], and their indices there.
+/// The VMM calls timed in [`Global::vmm`], and their indices there.
 pub const VMM_CALLS: [&str; 5] = ["create", "map", "access", "unmap", "release"];
 pub const VMM_CREATE: usize = 0;
 pub const VMM_MAP: usize = 1;
@@ -101,16 +124,14 @@ pub static GLOBAL: Global = Global {
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
-    vmm_calls: [const { Counter::new() }; VMM_CALLS.len()],
-    vmm_ticks: [const { Counter::new() }; VMM_CALLS.len()],
+    vmm: [const { Timing::new() }; VMM_CALLS.len()],
 };
 
 /// Time `f` as one VMM call of kind `k` (an index into [`VMM_CALLS`]).
 pub fn time_vmm<T>(k: usize, f: impl FnOnce() -> T) -> T {
     let t = crate::clock::ticks();
     let r = f();
-    GLOBAL.vmm_calls[k].add(1);
-    GLOBAL.vmm_ticks[k].add(crate::clock::since(t));
+    GLOBAL.vmm[k].add(crate::clock::since(t));
     r
 }
 
@@ -166,9 +187,10 @@ impl Global {
             "vmm_release_ns",
         ];
         for k in 0..VMM_CALLS.len() {
-            if self.vmm_calls[k].get() > 0 {
-                rows.push((CALLS[k], self.vmm_calls[k].get()));
-                rows.push((NS[k], crate::clock::ns(self.vmm_ticks[k].get())));
+            let n = self.vmm[k].calls();
+            if n > 0 {
+                rows.push((CALLS[k], n));
+                rows.push((NS[k], crate::clock::ns(self.vmm[k].ticks())));
             }
         }
         rows
