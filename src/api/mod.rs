@@ -96,6 +96,10 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
 /// (`Config::keeps`), other expseg processes' reclaims (`trim::trim_gpu`).
 pub fn serve_reclaims() {
     static ONCE: std::sync::Once = std::sync::Once::new();
+    // Served already (every allocation after the first): one load, not the configuration's.
+    if ONCE.is_completed() {
+        return;
+    }
     if (config().keeps() || config().control) && !bypass() {
         ONCE.call_once(|| {
             ipc::tickets::ensure_server();
