@@ -474,7 +474,7 @@ impl<D: Driver> Coalescer<D> {
         self.last_call.elapsed()
     }
 
-    /// The program called (`create`, `map`, `set_access`): the time, for [`Self::idle_for`].
+    /// The program called (`create`, `unmap`, `set_access`): the time, for [`Self::idle_for`].
     pub(super) fn note_call(&mut self) {
         if self.parking() {
             self.last_call = Instant::now();
