@@ -556,11 +556,11 @@ impl<D: Driver> Coalescer<D> {
 
     /// The numbers of the phys `keep` takes, in creation order (the map's own order is its
     /// buckets').
-    pub(super) fn pids(&self, keep: impl Fn(&Phys) -> bool) -> Vec<u64> {
+    pub(super) fn pids(&self, keep: impl Fn(u64, &Phys) -> bool) -> Vec<u64> {
         let mut pids: Vec<u64> = self
             .phys
             .iter()
-            .filter(|(_, p)| keep(p))
+            .filter(|(pid, p)| keep(**pid, p))
             .map(|(pid, _)| *pid)
             .collect();
         pids.sort_unstable();
@@ -601,6 +601,14 @@ impl<D: Driver> Coalescer<D> {
         }
         self.ahead_total -= ph.ahead;
         Some(ph)
+    }
+
+    /// Phys `pid`'s bytes grown ahead become `ahead` (their total with them): the bytes it had.
+    pub(super) fn set_ahead(&mut self, pid: u64, ahead: u64) -> u64 {
+        let ph = self.phys.get_mut(&pid).unwrap();
+        let was = std::mem::replace(&mut ph.ahead, ahead);
+        self.ahead_total = self.ahead_total - was + ahead;
+        was
     }
 
     /// Physical bytes held beyond what the program's pages use: kept handles, released pages

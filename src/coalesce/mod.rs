@@ -133,9 +133,7 @@ impl<D: Driver> Coalescer<D> {
             .filter(|pid| self.cfg.move_live || !self.has_mapped_page(*pid))
             .collect();
         for pid in grown {
-            let ph = self.phys.get_mut(&pid).unwrap();
-            self.stats.ahead_returned += ph.ahead;
-            self.ahead_total -= std::mem::take(&mut ph.ahead);
+            self.stats.ahead_returned += self.set_ahead(pid, 0);
             self.dirty.insert(pid);
         }
         self.grown = self.ahead_bytes() > 0;
@@ -151,17 +149,9 @@ impl<D: Driver> Coalescer<D> {
     pub fn trim_unmoved(&mut self) -> u64 {
         let before = self.physical_bytes();
         self.retry_leftovers();
-        let mut idle: Vec<u64> = self
-            .phys
-            .iter()
-            .filter(|(pid, p)| {
-                p.slots.is_empty()
-                    && p.asleep.is_none()
-                    && (p.ahead > 0 || self.dirty.contains(pid))
-            })
-            .map(|(pid, _)| *pid)
-            .collect();
-        idle.sort_unstable();
+        let idle = self.pids(|pid, p| {
+            p.slots.is_empty() && p.asleep.is_none() && (p.ahead > 0 || self.dirty.contains(&pid))
+        });
         for pid in idle {
             let ahead = self.phys[&pid].ahead;
             match self.release_idle(pid) {
@@ -817,16 +807,13 @@ impl<D: Driver> Coalescer<D> {
         self.pages.remove(&vh);
         let Some((pid, off)) = slot else { return };
         self.gave_back = true;
-        let ph = self.phys.get_mut(&pid).unwrap();
-        if ph.asleep.is_some() {
+        if self.phys[&pid].asleep.is_some() {
             // Paused: the driver holds nothing of it; only the books and the host copy change.
             self.forget_asleep(pid);
             return;
         }
-        let ahead = std::mem::take(&mut ph.ahead);
-        self.stats.ahead_returned += ahead;
-        self.ahead_total -= ahead;
-        if !ph.slots.is_empty() {
+        self.stats.ahead_returned += self.set_ahead(pid, 0);
+        if !self.phys[&pid].slots.is_empty() {
             self.dirty.insert(pid);
             self.released_since = true;
             if !self.parking() {

@@ -248,8 +248,7 @@ impl<D: Driver> Coalescer<D> {
                 break;
             }
             self.attach(vh, pid, off);
-            self.phys.get_mut(&pid).unwrap().ahead -= size;
-            self.ahead_total -= size;
+            self.set_ahead(pid, self.phys[&pid].ahead - size);
             self.stats.ahead_used += size;
             off += size;
             taken += 1;
@@ -310,14 +309,11 @@ impl<D: Driver> Coalescer<D> {
             match self.stranded_room(va, vh) {
                 Some((pid, off)) => {
                     let size = self.pages[&vh].size;
-                    let ph = self.phys.get_mut(&pid).unwrap();
-                    let tail = ph.size - ph.ahead;
-                    if off + size > tail {
+                    let ph = &self.phys[&pid];
+                    if off + size > ph.size - ph.ahead {
                         // Into the bytes grown ahead: what lies before the page is dead now.
                         let ahead = ph.size - (off + size);
-                        self.stats.ahead_used += ph.ahead - ahead;
-                        self.ahead_total -= ph.ahead - ahead;
-                        ph.ahead = ahead;
+                        self.stats.ahead_used += self.set_ahead(pid, ahead) - ahead;
                     }
                     self.stats.reused_stranded += size;
                     self.attach(vh, pid, off);
@@ -482,8 +478,7 @@ impl<D: Driver> Coalescer<D> {
             // Memory short for the bytes ahead is no failure: without them, as before.
             if let Ok(h) = self.create_fresh(total + ahead, props) {
                 let pid = self.adopt(h, total + ahead, rest);
-                self.phys.get_mut(&pid).unwrap().ahead = ahead;
-                self.ahead_total += ahead;
+                self.set_ahead(pid, ahead);
                 self.grown = true;
                 self.note_stranded();
                 log::debug!(

@@ -17,7 +17,7 @@ impl<D: Driver> Coalescer<D> {
         let mut out = Paused::default();
         let mut offload: Vec<(u64, Vec<(u64, u64)>)> = Vec::new();
         let mut discard: Vec<u64> = Vec::new();
-        for pid in self.pids(|p| p.base.is_some() && p.asleep.is_none()) {
+        for pid in self.pids(|_, p| p.base.is_some() && p.asleep.is_none()) {
             let ph = &self.phys[&pid];
             let base = ph.base.expect("mapped and awake: chosen so");
             // Pages of several tags share a handle only where a page of another tag was
@@ -85,10 +85,9 @@ impl<D: Driver> Coalescer<D> {
             }
             // Bytes grown ahead (the handle's end, never a page's) went back for good: the
             // handle comes back without them, and they are not counted as paused.
+            let ahead = self.set_ahead(pid, 0);
             let ph = self.phys.get_mut(&pid).unwrap();
-            let ahead = std::mem::take(&mut ph.ahead);
             self.held_awake -= ph.size;
-            self.ahead_total -= ahead;
             ph.size -= ahead;
             self.stats.ahead_returned += ahead;
             out.bytes += size - ahead;
@@ -105,7 +104,7 @@ impl<D: Driver> Coalescer<D> {
     /// as it was, bytes copied back. On failure (out of memory) what was made stays resumed
     /// and the rest stays paused, host copies kept: a later resume goes on. The bytes resumed.
     pub(super) fn wake(&mut self, choose: &dyn Fn(u32) -> bool) -> DrvResult<u64> {
-        let pids = self.pids(|p| p.asleep.as_ref().is_some_and(|s| choose(s.props.tag)));
+        let pids = self.pids(|_, p| p.asleep.as_ref().is_some_and(|s| choose(s.props.tag)));
         self.wake_pids(&pids)
     }
 
