@@ -1,8 +1,11 @@
-//! A review, as a test: every `extern "C" fn` the library defines (exported hooks, entry
+//! Two reviews, as tests, of the functions the library hands to C (exported hooks, entry
 //! points handed out by lookups, `atexit` and signal handlers, host functions, load-time
-//! constructors) runs its Rust code inside a panic boundary. A panic that leaves such a function
-//! aborts the process it is loaded into; so a new one without a boundary fails here until it
-//! gets one, or a line in `EXEMPT` saying why it needs none.
+//! constructors):
+//! - every one runs its Rust code inside a panic boundary. A panic that leaves such a function
+//!   aborts the process it is loaded into; so a new one without a boundary fails here until it
+//!   gets one, or a line in `EXEMPT` saying why it needs none;
+//! - every public one (an exported hook, or one handed out in place of the driver's) has a row
+//!   in docs/contract.md's tables, which say what expseg does with each intercepted call.
 
 use std::path::{Path, PathBuf};
 
@@ -195,4 +198,60 @@ fn the_scan_sees_definitions_and_bodies_but_not_types_or_literals() {
     assert_eq!(names, ["hook", "bare"]);
     assert!(defs[0].1.contains("boundary(") && !defs[0].1.contains("catch_unwind("));
     assert!(defs[0].1.ends_with('}') && defs[1].1.contains("work()"));
+}
+
+/// The names of the public `extern "C"` functions `code` defines (`code_only`'s output).
+fn public_names(code: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for key in ["pub extern \"\" fn ", "pub unsafe extern \"\" fn "] {
+        let mut from = 0;
+        while let Some(at) = code[from..].find(key) {
+            from += at + key.len();
+            let name: String = code[from..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            names.push(name);
+        }
+    }
+    names
+}
+
+#[test]
+fn every_public_c_function_has_a_row_in_the_contract() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/contract.md")).unwrap();
+    let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| ")).collect();
+    let mut files = Vec::new();
+    sources(&root.join("src"), &mut files);
+    let mut names = Vec::new();
+    for file in files {
+        names.extend(public_names(&code_only(
+            &std::fs::read_to_string(&file).unwrap(),
+        )));
+    }
+    names.sort();
+    names.dedup();
+    // A row names a call as `cudaFree(p)`, `cuMemMap` or a C signature, `char *expseg_version(void)`.
+    let named = |row: &str, name: &str| {
+        row.match_indices(name).any(|(at, _)| {
+            let before = row[..at].chars().next_back();
+            let after = row[at + name.len()..].chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                && matches!(after, Some('(' | '`' | ',' | ' '))
+        })
+    };
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|n| !rows.iter().any(|r| named(r, n)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "public extern \"C\" functions without a row in docs/contract.md: {missing:?}"
+    );
+    assert!(
+        names.len() >= 40,
+        "only {} public functions found",
+        names.len()
+    );
 }
