@@ -70,8 +70,8 @@ pub fn check_ticketed_handle(
     Err("the check in a child process timed out".into())
 }
 
-/// A 64-bit random number from the kernel (the nonce source).
-/// A random 64-bit value, or `None` where the kernel has no random source.
+/// A 64-bit random number from the kernel (the nonce source), or `None` where the kernel has
+/// no random source.
 pub fn random_u64() -> Option<u64> {
     let mut b = [0u8; 8];
     transport::fill_random(&mut b).ok()?;
@@ -98,6 +98,61 @@ mod tests {
             "bytes 24..64 are the driver's"
         );
         assert_eq!(Ticket::read(&[0u8; 64]), None);
+    }
+
+    #[test]
+    fn the_ticket_and_the_refusal_codes_are_as_docs_ipc_handle_md_lays_them_out() {
+        let doc = include_str!("../../docs/ipc-handle.md");
+        let t = Ticket {
+            pid: 0x1111_2222,
+            uid: 0x3333_4444,
+            id: 0x5555_6666,
+            nonce: 0x7777_8888_9999_aaaa,
+        };
+        let mut h = [0u8; 64];
+        t.stamp(&mut h);
+        let table = &doc[doc.find("### Ticket layout").unwrap()..];
+        let rows: Vec<(usize, usize, &str)> = table
+            .lines()
+            .skip_while(|l| !l.starts_with("| bytes |"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                let (a, b) = cells[0].split_once('–').unwrap();
+                (a.parse().unwrap(), b.parse().unwrap(), cells[1])
+            })
+            .collect();
+        assert_eq!(rows.len(), 5, "the table's rows: {rows:?}");
+        for (from, to, field) in rows {
+            let want: Vec<u8> = if field.starts_with("magic `XSG1`") {
+                MAGIC.to_vec()
+            } else if field.starts_with("producer pid") {
+                t.pid.to_le_bytes().to_vec()
+            } else if field.starts_with("producer uid") {
+                t.uid.to_le_bytes().to_vec()
+            } else if field.starts_with("ticket id") {
+                t.id.to_le_bytes().to_vec()
+            } else if field.starts_with("nonce") {
+                t.nonce.to_le_bytes().to_vec()
+            } else {
+                panic!("a field the code does not write: {field}")
+            };
+            assert_eq!(h[from..=to], want[..], "bytes {from}-{to} ({field})");
+        }
+        let said: String = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        let codes = "(1 unknown, 2 stale, 3 forbidden, 4 failed, 5 no memory)";
+        assert!(said.contains(codes), "docs/ipc-handle.md lists {codes}");
+        for (code, r) in [
+            (1, Refusal::Unknown),
+            (2, Refusal::Stale),
+            (3, Refusal::Forbidden),
+            (4, Refusal::Failed),
+            (5, Refusal::NoMemory),
+        ] {
+            assert_eq!(r as u32, code);
+            assert_eq!(Refusal::from_code(code), r);
+        }
     }
 
     #[test]
