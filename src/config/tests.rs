@@ -268,3 +268,18 @@ fn host_buffers_are_kept_while_the_host_has_room_unless_told_otherwise() {
     assert!(bad[0].contains("auto"), "{bad:?}");
     assert_eq!(c.pause_keep_host, KeepHost::Auto);
 }
+
+#[test]
+fn every_variable_but_the_test_switches_is_in_docs_configuration_md() {
+    let doc = include_str!("../../docs/configuration.md");
+    let missing: Vec<&str> = VARS
+        .iter()
+        .map(|v| v.name)
+        .filter(|n| !n.starts_with(TEST_SWITCH) && !doc.contains(&format!("`{n}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not in docs/configuration.md: {missing:?}"
+    );
+    assert!(VARS.len() >= 30);
+}
