@@ -27,6 +27,18 @@ pub(super) const PROPS: PageProps = PageProps {
     tag: 0,
 };
 
+/// The seeds of a randomized test: `1..=base`, times `EXPSEG_TEST_SOAK` (default 1) for a longer
+/// search (`EXPSEG_TEST_SOAK=200 cargo test --release --lib randomized`). What a test asserts
+/// its seeds reach (coverage, not correctness) holds for the first `base` only.
+pub(super) fn seeds(base: u64) -> std::ops::RangeInclusive<u64> {
+    let soak = std::env::var("EXPSEG_TEST_SOAK")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1)
+        .max(1);
+    1..=base.saturating_mul(soak)
+}
+
 pub(super) fn setup(capacity: u64, cfg: CoalesceConfig) -> (Coalescer<FakeDriver>, u64) {
     let mut c = Coalescer::new(FakeDriver::new(0, G, capacity), cfg);
     let va = c.driver_mut().reserve(4000 * PAGE).unwrap();

@@ -93,7 +93,7 @@ pub(super) fn program_maps_its_own(c: &mut Coalescer<FakeDriver>, at: u64) {
 
 #[test]
 fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
-    for seed in 1..=12u64 {
+    for seed in seeds(12) {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut k = cfg();
         k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
@@ -207,17 +207,18 @@ fn randomized_batches_partial_releases_and_faults_keep_data_and_books_exact() {
             shrink(&mut c, va + s * PAGE, &[h]);
         }
         c.settle(true);
-        if seed % 2 == 0 {
+        // What the first seeds reach (EXPSEG_TEST_SOAK's further ones may not).
+        if seed % 2 == 0 && seed <= 12 {
             assert!(
                 c.stats().reused_in_place > 0,
                 "seed {seed}: handles taken back in place"
             );
         }
         // (Learned placement grows nothing ahead at new addresses, so it may never grow.)
-        if k.ahead > 0 && !k.learn_cuts {
+        if k.ahead > 0 && !k.learn_cuts && seed <= 12 {
             assert!(c.stats().ahead_used > 0, "seed {seed}: pages grown into");
         }
-        if seed % 4 == 3 {
+        if seed % 4 == 3 && seed <= 12 {
             // Odd seeds keep nothing: only a recent answer admits without asking.
             assert!(
                 c.stats().meminfo_skipped > 0,
@@ -285,7 +286,7 @@ pub(super) fn books_match_driver(c: &Coalescer<FakeDriver>, ctx: &str) {
 /// match the driver's mappings, live data is intact and every byte is accounted for.
 #[test]
 pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
-    for seed in 1..=40u64 {
+    for seed in seeds(40) {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut k = delayed();
         k.strand_max = [0, 3 * PAGE, u64::MAX][seed as usize % 3];
@@ -433,7 +434,7 @@ pub(super) fn randomized_parking_keeps_books_equal_to_the_drivers_mappings() {
 /// holds start, everything put off goes back.
 #[test]
 fn randomized_peer_holds_that_may_not_start_never_move_pages_unheld_to_give_bytes_back() {
-    for seed in 1..=8u64 {
+    for seed in seeds(8) {
         let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
         let k = CoalesceConfig {
             peer_hold: crate::config::PeerHold::On,

@@ -244,7 +244,7 @@ fn a_failed_copy_pauses_nothing() {
 #[test]
 fn randomized_pauses_between_the_programs_calls_keep_data_and_books_exact() {
     use super::randomized::{grow_live, release_random_run, Rng};
-    for seed in 1..=8u64 {
+    for seed in seeds(8) {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut k = cfg();
         k.max_handle = [4, 16][seed as usize % 2] * PAGE;

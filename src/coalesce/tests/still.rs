@@ -194,7 +194,7 @@ fn an_unmapped_page_mapped_elsewhere_is_copied_out_alone() {
 #[test]
 fn randomized_calls_never_unmap_a_page_the_program_has_mapped() {
     let mut reused = 0;
-    for seed in 1..=16u64 {
+    for seed in seeds(16) {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut k = still();
         k.max_handle = [4, 16, 64][seed as usize % 3] * PAGE;
