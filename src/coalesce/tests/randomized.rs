@@ -489,7 +489,11 @@ fn randomized_peer_holds_that_may_not_start_never_move_pages_unheld_to_give_byte
                 "{ctx}: every byte is live, stranded, kept or grown ahead"
             );
         }
-        assert!(c.stats().moves_put_off > 0, "seed {seed}: the test tested");
+        // Coverage, of the base seeds (EXPSEG_TEST_SOAK's seed 5127 puts off no move).
+        assert!(
+            seed > 8 || c.stats().moves_put_off > 0,
+            "seed {seed}: the test tested"
+        );
         c.driver_mut().peer_holds_start = true;
         c.settle(true);
         assert_eq!(c.stranded(), 0, "seed {seed}: given back once held");
