@@ -202,19 +202,15 @@ fn the_scan_sees_definitions_and_bodies_but_not_types_or_literals() {
 
 /// The names of the public `extern "C"` functions `code` defines (`code_only`'s output).
 fn public_names(code: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    for key in ["pub extern \"\" fn ", "pub unsafe extern \"\" fn "] {
-        let mut from = 0;
-        while let Some(at) = code[from..].find(key) {
-            from += at + key.len();
-            let name: String = code[from..]
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            names.push(name);
-        }
-    }
-    names
+    definitions(code)
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| {
+            ["pub extern \"\" fn ", "pub unsafe extern \"\" fn "]
+                .iter()
+                .any(|key| code.contains(&format!("{key}{name}(")))
+        })
+        .collect()
 }
 
 #[test]
