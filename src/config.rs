@@ -35,6 +35,20 @@ pub enum PeerHold {
     SelfTest,
 }
 
+/// Which mirrors (the standard copies a consumer without expseg opens) are brought up to date
+/// when the program synchronizes or records an interprocess event (`EXPSEG_IPC_MIRROR_SYNC`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MirrorSync {
+    /// Only at each handle request (a consumer that takes a handle once reads stale data).
+    Off,
+    /// Mirrors of memory no consumer running expseg has opened through its ticket (the
+    /// default): such a consumer maps the memory itself, and the copies would be wasted.
+    Plain,
+    /// Every mirror, also of memory consumers running expseg opened (a plain consumer of the
+    /// same handle besides them).
+    Always,
+}
+
 /// Whether the page-locked host buffers of a pause stay after the resume, for the next pause
 /// (`EXPSEG_PAUSE_KEEP_HOST`): page-locking is most of a pause's time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +110,10 @@ pub struct Config {
     /// PyTorch (when it is a Python process using PyTorch), else the run of mappings. `run`:
     /// always the run of mappings from the page on.
     pub ipc_extent_torch: bool,
+    /// `EXPSEG_IPC_MIRROR_SYNC`: which mirrors are copied again when the program synchronizes
+    /// (a device, stream or event synchronize) or records an interprocess event, so that a
+    /// consumer without expseg reads what the producer ordered before it, as natively.
+    pub ipc_mirror_sync: MirrorSync,
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
@@ -217,6 +235,7 @@ impl Default for Config {
             // the rest of the segment (280 GiB of mirrors against 2.8 GiB of tensors for a
             // trained model's 7 parameters, H100, 2026-11-24, shim-tests/ipc_reach.py).
             ipc_extent_torch: true,
+            ipc_mirror_sync: MirrorSync::Plain,
             ipc_allow_uids: Vec::new(),
             pidfd_rescue: true,
             coalesce: Coalesce::Torch,
@@ -454,6 +473,27 @@ const VARS: &[Var] = &[
             parse_choice(v, ["run", "torch"], true, "torch or run").map(|b| c.ipc_extent_torch = b)
         },
         show: |c| if c.ipc_extent_torch { "torch" } else { "run" }.to_string(),
+    },
+    Var {
+        name: "EXPSEG_IPC_MIRROR_SYNC",
+        set: |c, v| {
+            c.ipc_mirror_sync = match v.trim() {
+                "" => return Ok(()),
+                "plain" => MirrorSync::Plain,
+                "always" => MirrorSync::Always,
+                "off" => MirrorSync::Off,
+                _ => return Err("plain, always or off"),
+            };
+            Ok(())
+        },
+        show: |c| {
+            match c.ipc_mirror_sync {
+                MirrorSync::Off => "off",
+                MirrorSync::Plain => "plain",
+                MirrorSync::Always => "always",
+            }
+            .to_string()
+        },
     },
     Var {
         name: "EXPSEG_IPC_ALLOW_UIDS",

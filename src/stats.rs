@@ -74,6 +74,11 @@ pub struct Global {
     pub ipc_tickets_refused: Counter,
     /// Handles issued with a ticket and no mirror because there was no memory for one.
     pub ipc_ticket_only: Counter,
+    /// Mirrors copied again after a synchronize of the program's, and before a record of an
+    /// interprocess event (`EXPSEG_IPC_MIRROR_SYNC`), and the bytes of both.
+    pub ipc_mirror_sync_copies: Counter,
+    pub ipc_mirror_event_copies: Counter,
+    pub ipc_mirror_sync_bytes: Counter,
     /// Mirrors of other allocators' memory (PyTorch's pages): bytes held now, bytes made in all.
     pub foreign_mirror_bytes: Counter,
     pub foreign_mirror_bytes_made: Counter,
@@ -116,6 +121,9 @@ pub static GLOBAL: Global = Global {
     ipc_tickets_granted: Counter::new(),
     ipc_tickets_refused: Counter::new(),
     ipc_ticket_only: Counter::new(),
+    ipc_mirror_sync_copies: Counter::new(),
+    ipc_mirror_event_copies: Counter::new(),
+    ipc_mirror_sync_bytes: Counter::new(),
     foreign_mirror_bytes: Counter::new(),
     foreign_mirror_bytes_made: Counter::new(),
     foreign_mirrors_bounded: Counter::new(),
@@ -154,6 +162,12 @@ impl Global {
             ("ipc_tickets_granted", self.ipc_tickets_granted.get()),
             ("ipc_tickets_refused", self.ipc_tickets_refused.get()),
             ("ipc_ticket_only", self.ipc_ticket_only.get()),
+            ("ipc_mirror_sync_copies", self.ipc_mirror_sync_copies.get()),
+            (
+                "ipc_mirror_event_copies",
+                self.ipc_mirror_event_copies.get(),
+            ),
+            ("ipc_mirror_sync_bytes", self.ipc_mirror_sync_bytes.get()),
             ("foreign_mirror_bytes", self.foreign_mirror_bytes.get()),
             (
                 "foreign_mirror_bytes_made",

@@ -211,21 +211,23 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     r
 }
 
-/// The real handle behind `h` for a call that names the memory by its handle and keeps using
-/// it (`cuMulticastBindMem`): a page of ours gets a handle of its own that never moves, as for
-/// an export; anything else is the driver's handle already.
-fn real_handle(name: &str, h: u64) -> Result<u64, u32> {
-    match catch_unwind(|| vmm::export(h)) {
+/// The real handle behind `h` and the offset of `h`'s memory in it, for a call that names the
+/// memory by a handle and an offset and keeps using it (`cuMulticastBindMem`): a page of ours
+/// is bound inside its coalesced handle, which never moves from then on (nothing moves now);
+/// anything else is the driver's handle already, at offset 0.
+fn real_handle(name: &str, h: u64) -> Result<(u64, u64), u32> {
+    match catch_unwind(|| vmm::bind_handle(h)) {
         Ok(Some(r)) => r,
-        Ok(None) => Ok(h),
+        Ok(None) => Ok((h, 0)),
         Err(_) => Err(unknown(name)),
     }
 }
 
 /// Before a call that binds the memory mapped at `[va, ..)` for good (`cuMulticastBindAddr`):
-/// the coalesced pages of the run there get handles that never move (as for IPC).
+/// the handles behind the coalesced pages of the run there never move again (as for IPC);
+/// nothing moves now (the driver binds what is mapped at the address, whatever handle).
 fn pin_pages(name: &str, va: u64) -> Result<(), u32> {
-    match catch_unwind(|| vmm::isolate_run(va)) {
+    match catch_unwind(|| vmm::share_run(va)) {
         Ok(r) => r,
         Err(_) => Err(unknown(name)),
     }
@@ -245,7 +247,7 @@ pub unsafe extern "C" fn cuMulticastBindMem(
         return NO_DRIVER;
     };
     match real_handle("cuMulticastBindMem", h) {
-        Ok(h) => f(mc, mc_offset, h, offset, size, flags),
+        Ok((h, at)) => f(mc, mc_offset, h, offset + at as size_t, size, flags),
         Err(e) => e,
     }
 }

@@ -32,7 +32,25 @@ const EXEMPT: &[(&str, &str, &str)] = &[
     ("hooks/query.rs", "cuPointerGetAttributes", "expseg's part runs in ours(), foreign_mapping() and legacy_ipc_capable(), which catch; the rest is the driver's call"),
     ("vmm_hooks.rs", "cuMulticastBindMem", "expseg's part runs in real_handle(), which catches"),
     ("vmm_hooks.rs", "cuMulticastBindAddr", "expseg's part runs in pin_pages(), which catches"),
+    ("hooks/order.rs", "ctx_sync_slot", ORDER),
+    ("hooks/order.rs", "stream_sync_slot", ORDER),
+    ("hooks/order.rs", "event_sync_slot", ORDER),
+    ("hooks/order.rs", "record_slot", ORDER),
+    ("hooks/order.rs", "record_flags_slot", ORDER),
+    ("hooks/order.rs", "ipc_event_slot", ORDER),
+    ("hooks/order.rs", "cuCtxSynchronize", ORDER),
+    ("hooks/order.rs", "cuStreamSynchronize", ORDER),
+    ("hooks/order.rs", "cuStreamSynchronize_ptsz", ORDER),
+    ("hooks/order.rs", "cuEventSynchronize", ORDER),
+    ("hooks/order.rs", "cuEventRecord", ORDER),
+    ("hooks/order.rs", "cuEventRecord_ptsz", ORDER),
+    ("hooks/order.rs", "cuEventRecordWithFlags", ORDER),
+    ("hooks/order.rs", "cuEventRecordWithFlags_ptsz", ORDER),
+    ("hooks/order.rs", "cuIpcGetEventHandle", ORDER),
 ];
+
+/// Why the ordering hooks (src/hooks/order.rs) need no boundary of their own.
+const ORDER: &str = "expseg's part runs in synchronized(), recording() or shared_event(), which catch (around_real); the rest is the driver's call";
 
 /// The source without comments and with string and character literals emptied (their braces
 /// and words are not code).

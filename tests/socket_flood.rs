@@ -54,19 +54,13 @@ fn decide(id: u32, nonce: u64, _peer: u32) -> Reply {
     let grant = |n: u64| -> Reply {
         let source: FdSource = Box::new(|| Ok(std::fs::File::open("/dev/null")?.into()));
         Ok((
-            Grant {
-                size: 2 << 20,
-                chunks: (0..n).map(|_| 2 << 20).collect(),
-            },
+            Grant::new(2 << 20, (0..n).map(|_| 2 << 20).collect()),
             source,
         ))
     };
     match (id, nonce) {
         (FIRST_REQUEST_ID, n) => Ok((
-            Grant {
-                size: n,
-                chunks: vec![],
-            },
+            Grant::new(n, vec![]),
             expseg::ipc::transport::fds_of(vec![]),
         )),
         (3, 99) => grant(3),

@@ -773,6 +773,7 @@ pub(super) mod coalescers {
             ),
             ("coalesce_access_fallbacks", sum(&|s| s.access_fallbacks)),
             ("coalesce_exports_split", sum(&|s| s.exports_split)),
+            ("coalesce_splits_refused", sum(&|s| s.splits_refused)),
             (
                 "coalesce_cross_device_waits",
                 sum(&|s| s.cross_device_waits),

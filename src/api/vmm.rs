@@ -23,21 +23,30 @@ pub fn begin_read(base: u64, size: u64) -> super::reads::Reading {
     super::reads::begin(base, size)
 }
 
-/// [`begin_read`] for a ticket's export of `[base, base+size)`, unless a page of the range is
-/// parked by a coalescer (released by the program, kept mapped by expseg): then None, as the
-/// run is gone. Checked under the coalescers' lock once the read is registered, so no
-/// coalescer call can reuse or give back a parked handle between the check and the end of
-/// the read (the lock's own wait for reads is not taken: this thread's read would be one).
-pub fn begin_read_unparked(base: u64, size: u64) -> Option<super::reads::Reading> {
+/// The program's run of coalesced pages from an address: its start and the pages' sizes (None:
+/// no coalesced page there).
+pub type Run = Option<(u64, Vec<u64>)>;
+
+/// A registered read of `[base, base+size)` (an IPC export or a mirror's copy of a run of
+/// another allocator's pages), and the program's run from `base` as the coalescers see it
+/// then (`Coalescer::program_run`, at most `max` pages; None where no coalesced page lies at
+/// `base`: the driver's mappings are the program's, and the caller asks the driver). None
+/// instead of a read where a page of the range is parked by a coalescer (released by the
+/// program, kept mapped by expseg): the run is gone. Checked under the coalescers' lock once
+/// the read is registered, so no coalescer call can unmap, reuse or give back a handle of
+/// the range between the check and the end of the read (the lock's own wait for reads is not
+/// taken: this thread's read would be one).
+pub fn begin_read_run(base: u64, size: u64, max: usize) -> Option<(super::reads::Reading, Run)> {
     if !started() {
-        return Some(super::reads::begin(base, size));
+        return Some((super::reads::begin(base, size), None));
     }
     let mut g = books();
     let reading = super::reads::begin(base, size);
     if g.all().any(|c| c.parked_in_range(base, size)) {
         return None;
     }
-    Some(reading)
+    let run = g.all().find_map(|c| c.program_run(base, max));
+    Some((reading, run))
 }
 
 /// A range past the end of the address space: nothing of expseg's is there (the driver
@@ -258,22 +267,55 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
     Some(r.map_err(|e| e.0))
 }
 
-/// Before the memory of the run starting at `ptr` is shared with another process: page-sized
-/// handles that never move. Only the device of `ptr`'s memory is touched (the run never
-/// leaves it): another device's paused pages stay paused and its handles stay where they are.
-pub fn isolate_run(ptr: u64) -> Result<(), u32> {
-    isolate(ptr, Coalescer::isolate_run, Call::IsolateRun { ptr })
+/// `cuMulticastBindMem` of a page: the real handle and the page's offset in it (nothing moves).
+pub fn bind_handle(vh: u64) -> Option<Result<(ChunkHandle, u64), u32>> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    if v.frozen_owns(vh) {
+        return Some(Err(FROZEN_USED));
+    }
+    let c = v.owner(vh)?;
+    let r = in_context(c, |c| c.bind_handle(vh));
+    record(c, Call::Bind { vh }, &r.map(|(h, _)| h));
+    Some(r.map_err(|e| e.0))
 }
 
-/// As [`isolate_run`] for the handle behind `ptr`'s page alone (a caller that retains that
-/// page's handle).
+/// Before the memory of the program's run starting at `ptr` is shared with another process:
+/// the handles behind it are awake and never move again; nothing moves now
+/// (`Coalescer::share_run`). Only the device of `ptr`'s memory is touched (the run never
+/// leaves it): another device's paused pages stay paused and its handles stay where they are.
+pub fn share_run(ptr: u64) -> Result<(), u32> {
+    isolate(
+        ptr,
+        |c, p| c.share_run(p, crate::ipc::transport::MAX_CHUNKS),
+        Call::ShareRun { ptr },
+    )
+}
+
+/// The handle behind `ptr`'s page alone gets a handle of its own that never moves (a caller
+/// that retains that page's handle): a coalesced handle is split, its live pages moved.
 pub fn isolate_page(ptr: u64) -> Result<(), u32> {
     isolate(ptr, Coalescer::isolate_page, Call::IsolatePage { ptr })
 }
 
+/// The program's run of pages from `ptr`'s, as the driver would report it natively (one
+/// mapping a page): `(start, sizes, device)`. None: no coalesced page at `ptr` (the driver's
+/// own mappings are the program's). Never under a registered read (the lock waits for reads).
+pub fn program_run(ptr: u64, max: usize) -> Option<(u64, Vec<u64>, i32)> {
+    if !started() {
+        return None;
+    }
+    lock().all().find_map(|c| {
+        c.program_run(ptr, max)
+            .map(|(b, s)| (b, s, c.driver().device()))
+    })
+}
+
 fn isolate(
     ptr: u64,
-    how: fn(&mut Coalescer<crate::gpu::cuda::CudaDriver>, u64) -> crate::gpu::DrvResult<()>,
+    how: impl FnOnce(&mut Coalescer<crate::gpu::cuda::CudaDriver>, u64) -> crate::gpu::DrvResult<()>,
     call: Call<'_>,
 ) -> Result<(), u32> {
     if !started() {

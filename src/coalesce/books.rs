@@ -169,6 +169,8 @@ pub struct CoalesceStats {
     pub compaction_failures: u64,
     pub access_fallbacks: u64,
     pub exports_split: u64,
+    /// Page-sized handles refused for pages of memory shared whole (it would have moved).
+    pub splits_refused: u64,
     /// Released pages' bytes held inside handles that still have live pages: the most at
     /// once, and the most together with bytes grown ahead (all that is held beyond the
     /// program's pages but kept handles).
@@ -251,8 +253,9 @@ pub(super) struct Phys {
     /// Paused (`sleep`): the handle is given back, `base` and `granted` say where and how
     /// it comes back.
     pub(super) asleep: Option<Sleep>,
-    /// Made near the limit for a page not mapped yet (`create_each`): it holds no bytes of
-    /// the program's, so it may be given back for other memory of the page's.
+    /// Made near the limit for pages not mapped yet (`create_each`, `create_batch`), never
+    /// mapped since: it holds no bytes of the program's, so it may be given back for other
+    /// memory of its pages' (`unexact`).
     pub(super) blank: bool,
     /// How many of its pages the program has mapped (`va` set): kept by `attach`,
     /// `attach_moved`, `map`, `unmap` and `unslot`, so an unmap need not look at every page.

@@ -104,14 +104,19 @@ impl<D: Driver> Coalescer<D> {
         if !self.cfg.move_live && !force {
             return;
         }
-        let mut stranded = self.stranded();
+        // Bytes stranded in shared handles are not counted against the bound: those handles
+        // never move (another process may map them whole); their released bytes go back with
+        // their last page, or serve pages mapped there (`adopt_stranded`).
+        let mut stranded = self.stranded() - self.stranded_shared();
         if !force && stranded <= self.cfg.strand_max {
             return;
         }
         let mut order: Vec<(u64, u64)> = self
             .dirty
             .iter()
-            .filter(|p| self.cfg.move_live || !self.has_mapped_page(**p))
+            .filter(|p| {
+                !self.shared_phys(**p) && (self.cfg.move_live || !self.has_mapped_page(**p))
+            })
             .map(|p| (self.dead(*p), *p))
             .collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
@@ -153,8 +158,9 @@ impl<D: Driver> Coalescer<D> {
     /// A phys of pages that never move (exported: `single`) none of which the program has
     /// mapped, still mapped where they were (kept there while releases may go on): it leaves
     /// its address without a copy, and its handle is mapped where the program maps a page of
-    /// it next (`map_phys`). A copy would give the program a new handle while importers keep
-    /// the old one (before 2026-11-25, with `EXPSEG_RELEASE_DELAY` above 0).
+    /// it next (`map_phys`; a shared run's handle whole, with its unmapped and released
+    /// pages). A copy would give the program a new handle while importers keep the old one
+    /// (before 2026-11-25, with `EXPSEG_RELEASE_DELAY` above 0).
     fn unmoved_ghost(&self, pid: u64) -> bool {
         let ph = &self.phys[&pid];
         ph.asleep.is_none()
@@ -178,6 +184,22 @@ impl<D: Driver> Coalescer<D> {
             self.bases.remove(&b);
         }
         Ok(())
+    }
+
+    /// Whether another process may map `pid` (its pages were shared: `single`): it never
+    /// moves but where the program's own sharing call splits it (`Live::Sharing`).
+    pub(super) fn shared_phys(&self, pid: u64) -> bool {
+        self.phys[&pid].slots.values().any(|v| self.pages[v].single)
+    }
+
+    /// Released bytes held in shared handles ([`Coalescer::shared_phys`]): part of
+    /// [`Coalescer::stranded`] that no compaction gives back.
+    pub(super) fn stranded_shared(&self) -> u64 {
+        self.dirty
+            .iter()
+            .filter(|p| self.shared_phys(**p))
+            .map(|p| self.dead(*p))
+            .sum()
     }
 
     /// The groups a phys's live pages move to.
@@ -250,7 +272,12 @@ impl<D: Driver> Coalescer<D> {
             (ph.handle, ph.size, ph.base)
         };
         let moves_mapped = base.is_some() && groups.iter().any(|g| g.target.is_some());
-        if moves_mapped && live == Live::AsConfigured && !self.cfg.move_live {
+        // A shared handle (another process may map it whole) never moves for its stranded
+        // bytes, whatever the setting.
+        if moves_mapped
+            && live == Live::AsConfigured
+            && (!self.cfg.move_live || self.shared_phys(pid))
+        {
             self.stats.moves_declined += 1;
             return Err(STAYS);
         }

@@ -14,10 +14,11 @@ impl<D: Driver> Coalescer<D> {
         // kept or new handles for the rest, in runs of at most `max_handle`. Runs and pieces
         // are slices of `inside` (no copies of it).
         let mut rest: Vec<&[(u64, u64)]> = Vec::new();
+        let leaving = self.leaving_for(inside);
         for (a, b) in self.pending_runs(inside, u64::MAX) {
             let chain = &inside[a..b];
             let chain = &chain[self.adopt_ahead(chain)..];
-            for (c, d) in self.adopt_stranded(chain)? {
+            for (c, d) in self.adopt_stranded(chain, &leaving)? {
                 let piece = &chain[c..d];
                 for (e, f) in self.adopt_parked(piece) {
                     rest.push(&piece[e..f]);
@@ -240,6 +241,8 @@ impl<D: Driver> Coalescer<D> {
         if ph.ahead == 0 || base + from != va || !same {
             return 0;
         }
+        // A shared handle's pages are all `single` (it never moves): so are those it takes.
+        let shared = self.shared_phys(pid);
         let mut off = from;
         let mut taken = 0;
         for &(pva, vh) in chain {
@@ -248,6 +251,7 @@ impl<D: Driver> Coalescer<D> {
                 break;
             }
             self.attach(vh, pid, off);
+            self.pages.get_mut(&vh).unwrap().single |= shared;
             self.set_ahead(pid, self.phys[&pid].ahead - size);
             self.stats.ahead_used += size;
             off += size;
@@ -265,14 +269,32 @@ impl<D: Driver> Coalescer<D> {
     /// go back and they are pending again, to take those bytes in place (`adopt_stranded`).
     /// Mapping them over those bytes would move the live handle's pages; holding both would
     /// hold the bytes twice.
+    /// Moving live pages on, the pages of a batch made near the limit (`create_batch`) keep
+    /// their handle and the live handle is compacted out of their way, unless it is shared
+    /// (another process may map it whole: it never moves, `compact_as` refuses): then the
+    /// batch's handle goes back whole (it cannot in part; it holds no bytes of the program's
+    /// yet) and all its pages are pending again, those on the shared handle's released bytes
+    /// to take them in place (they become shared too), the rest to get memory as any.
     fn unexact(&mut self, inside: &[(u64, u64)]) {
         for &(va, vh) in inside {
             let Some((pid, _)) = self.pages[&vh].slot else {
                 continue;
             };
             let ph = &self.phys[&pid];
-            let alone = ph.blank && ph.base.is_none() && ph.slots.len() == 1 && ph.asleep.is_none();
-            if !alone || ph.size != self.pages[&vh].size || self.phys_in(va, ph.size).is_empty() {
+            // An exported one (`single`) is another process's too: never given back.
+            if !ph.blank || ph.base.is_some() || ph.asleep.is_some() || self.shared_phys(pid) {
+                continue;
+            }
+            let in_way = self.phys_in(va, self.pages[&vh].size);
+            let gives_back = match self.cfg.move_live {
+                false => {
+                    ph.slots.len() == 1 && ph.size == self.pages[&vh].size && !in_way.is_empty()
+                }
+                true => in_way
+                    .iter()
+                    .any(|w| self.shared_phys(*w) && self.has_mapped_page(*w)),
+            };
+            if !gives_back {
                 continue;
             }
             let handle = ph.handle;
@@ -280,13 +302,15 @@ impl<D: Driver> Coalescer<D> {
                 log::warn!("giving back a handle made near the limit failed ({e}); kept");
                 continue;
             }
-            self.remove_phys(pid);
+            let ph = self.remove_phys(pid).expect("a phys");
             self.dirty.remove(&pid);
             self.stats.phys_released += 1;
-            let p = self.pages.get_mut(&vh).unwrap();
-            p.slot = None;
-            if p.refs > 0 {
-                self.pending_bytes += p.size;
+            for v in ph.slots.values() {
+                let p = self.pages.get_mut(v).unwrap();
+                p.slot = None;
+                if p.refs > 0 {
+                    self.pending_bytes += p.size;
+                }
             }
         }
     }
@@ -294,19 +318,24 @@ impl<D: Driver> Coalescer<D> {
     /// Pending pages mapped where a live handle holds released pages (or bytes grown ahead)
     /// take those bytes in place: no driver call, and the handle strands less. This is how
     /// stranded memory serves the program again without moving a live page: PyTorch maps
-    /// new pages into the holes its `empty_cache()` left. Not for handles another process
-    /// may have mapped (exported pages): their bytes must not become another tensor's.
+    /// new pages into the holes its `empty_cache()` left. A handle another process may map
+    /// (a shared run's) gives them too, and the page becomes shared with it (`stranded_room`).
+    /// Handles in `leaving` (`leaving_for`) give none.
     /// Returns the pieces of the chain still without memory (index ranges).
     pub(super) fn adopt_stranded(
         &mut self,
         chain: &[(u64, u64)],
+        leaving: &[u64],
     ) -> DrvResult<Vec<(usize, usize)>> {
         let mut pieces: Vec<(usize, usize)> = Vec::new();
         // The first page of the piece under way.
         let mut start = None;
         for (i, &(va, vh)) in chain.iter().enumerate() {
             self.loose_out_of_the_way(va, vh)?;
-            match self.stranded_room(va, vh) {
+            let room = self
+                .stranded_room(va, vh)
+                .filter(|(pid, _)| !leaving.contains(pid));
+            match room {
                 Some((pid, off)) => {
                     let size = self.pages[&vh].size;
                     let ph = &self.phys[&pid];
@@ -316,7 +345,13 @@ impl<D: Driver> Coalescer<D> {
                         self.stats.ahead_used += self.set_ahead(pid, ahead) - ahead;
                     }
                     self.stats.reused_stranded += size;
+                    // A handle another process may map (shared: every page `single`) stays
+                    // shared with the page that takes its bytes.
+                    let shared = self.shared_phys(pid);
                     self.attach(vh, pid, off);
+                    if shared {
+                        self.pages.get_mut(&vh).unwrap().single = true;
+                    }
                     match self.dead(pid) {
                         0 => self.dirty.remove(&pid),
                         _ => self.dirty.insert(pid),
@@ -334,6 +369,41 @@ impl<D: Driver> Coalescer<D> {
             pieces.push((s, chain.len()));
         }
         Ok(pieces)
+    }
+
+    /// Mapped handles none of whose pages the program maps that the pages `inside` need out
+    /// of their way: under a page with a handle of its own (`map_phys` maps it there), or
+    /// with a page the program unmapped but holds under a pending page (`loose_out_of_the_way`
+    /// leaves handles without mapped pages to `clear_range`). They leave whole when the pages'
+    /// handles are mapped (`clear_range`: compacted, or unmapped as an unmoved ghost), so no
+    /// page takes their released bytes in place meanwhile (`adopt_stranded`): a page mapped
+    /// there would pin the handle where moving live pages is off, and always for a shared
+    /// one (`compact_as`: `STAYS`), and the page in its way could not be mapped.
+    fn leaving_for(&self, inside: &[(u64, u64)]) -> Vec<u64> {
+        let mut out = Vec::new();
+        for &(va, vh) in inside {
+            let p = &self.pages[&vh];
+            for pid in self.phys_in(va, p.size) {
+                let ph = &self.phys[&pid];
+                if ph.asleep.is_some() || self.has_mapped_page(pid) || out.contains(&pid) {
+                    continue;
+                }
+                let needed = match p.slot {
+                    // Its own handle, or one in its place (a page back where it was mapped).
+                    Some((own, _)) => own != pid,
+                    None => {
+                        let base = ph.base.expect("mapped");
+                        let (lo, hi) = (va.saturating_sub(base), va + p.size - base);
+                        let under = ph.slots.range(..hi).next_back();
+                        under.is_some_and(|(o, v)| *o + self.pages[v].size > lo)
+                    }
+                };
+                if needed {
+                    out.push(pid);
+                }
+            }
+        }
+        out
     }
 
     /// Pages the program unmapped but holds (not released) whose bytes lie under `va` in a
@@ -377,10 +447,13 @@ impl<D: Driver> Coalescer<D> {
         }
         // The handle's own properties (a tag is expseg's, not the driver's: a page of another
         // tag may land here where the program maps it; a pause then leaves the handle alone
-        // unless it takes both tags).
+        // unless it takes both tags). A shared handle (its pages `single`: another process
+        // may map it whole, so it never moves) gives its released bytes to the page mapped
+        // there, as the default allocator gives a freed block's bytes to the next tensor:
+        // they cannot leave the address for it.
         let mut members = ph.slots.values().map(|v| &self.pages[v]);
         let first = members.next()?;
-        if p.single || key(first.props) != key(p.props) || first.single || members.any(|m| m.single)
+        if p.single || key(first.props) != key(p.props) || members.any(|m| m.single != first.single)
         {
             return None;
         }
@@ -538,24 +611,46 @@ impl<D: Driver> Coalescer<D> {
             }
         }
         let Some(b) = base else { return Ok(()) };
-        if !consistent
-            || ph.slots.values().any(|v| self.pages[v].va.is_none())
-            || self.dead(pid) > 0
-        {
+        let size = ph.size;
+        let whole = consistent
+            && ph.slots.values().all(|v| self.pages[v].va.is_some())
+            && self.dead(pid) == 0;
+        // A shared handle (another process may map it whole) that left its address with none
+        // of its pages mapped (`unmoved_ghost`) comes back whole where its mapped pages say,
+        // its unmapped and released pages with it, as before it left, where nothing else of
+        // the program's lies there: split, its pages would be copies the other process does
+        // not see. Where it cannot, it is split as any (the program's call goes on).
+        let shared = !whole
+            && consistent
+            && self.shared_phys(pid)
+            && self.same_reservation(b, b + size)
+            && self
+                .maps
+                .range(b..b + size)
+                .all(|(_, v)| self.pages[v].slot.is_some_and(|(o, _)| o == pid));
+        if !whole && !shared {
             // Pages elsewhere or unmapped, or released pages among them (the program may have
             // mapped something else where those were: mapped whole, the handle would not
             // fit; before 2026-11-25 the access call failed): one handle each, mapped one by
             // one.
             return self.compact(pid, true);
         }
-        let size = ph.size;
         let h = ph.handle;
-        self.clear_range(b, size, pid)?;
+        if let Err(e) = self.clear_range(b, size, pid) {
+            match shared {
+                true => return self.compact(pid, true),
+                false => return Err(e),
+            }
+        }
         log::debug!(
             "device {}: handle {h:#x} mapped at {b:#x}+{size:#x}",
             self.drv.device()
         );
         if let Err(e) = self.drv.map(b, size, h) {
+            if shared {
+                // A mapping the books do not know (the program's own) lies there.
+                return self.compact(pid, true);
+            }
             if self.phys[&pid].ahead == 0 {
                 return Err(e);
             }

@@ -235,7 +235,10 @@ impl Replay {
         let vhs = &self.vhs;
         let tr = |v: u64| vhs.get(&v).copied().unwrap_or(v);
         let (vh_in, mut conflicts) = match &e.call {
-            Call::Release { vh } | Call::Map { vh, .. } | Call::Export { vh } => (tr(*vh), 0),
+            Call::Release { vh }
+            | Call::Map { vh, .. }
+            | Call::Export { vh }
+            | Call::Bind { vh } => (tr(*vh), 0),
             _ => (0, 0),
         };
         let c = self.coalescer(e.dev);
@@ -256,7 +259,8 @@ impl Replay {
             Call::Unmap { va, size, caller } => Outcome::from(&c.unmap_from(*va, *size, *caller)),
             Call::SetAccess { va, size, descs } => Outcome::from(&c.set_access(*va, *size, descs)),
             Call::Export { .. } => Outcome::from(&c.export(vh_in)),
-            Call::IsolateRun { ptr } => Outcome::from(&c.isolate_run(*ptr)),
+            Call::Bind { .. } => Outcome::from(&c.bind_handle(vh_in).map(|(h, _)| h)),
+            Call::ShareRun { ptr } => Outcome::from(&c.share_run(*ptr, usize::MAX)),
             Call::IsolatePage { ptr } => Outcome::from(&c.isolate_page(*ptr)),
             Call::Retain { ptr } => Outcome::from(&c.retain(*ptr)),
             Call::Reserved { va, size } => {

@@ -48,8 +48,11 @@ pub enum Call<'a> {
     },
     /// `export VH`.
     Export { vh: u64 },
-    /// `isolate_run PTR`.
-    IsolateRun { ptr: u64 },
+    /// `bind VH`: the real handle and offset behind a page, for a multicast binding.
+    Bind { vh: u64 },
+    /// `share_run PTR` (`isolate_run PTR` in traces recorded before runs were shared
+    /// without a split).
+    ShareRun { ptr: u64 },
     /// `isolate_page PTR`.
     IsolatePage { ptr: u64 },
     /// `retain PTR`.
@@ -286,7 +289,8 @@ impl fmt::Display for Call<'_> {
                 Ok(())
             }
             Call::Export { vh } => write!(f, "export {vh:#x}"),
-            Call::IsolateRun { ptr } => write!(f, "isolate_run {ptr:#x}"),
+            Call::Bind { vh } => write!(f, "bind {vh:#x}"),
+            Call::ShareRun { ptr } => write!(f, "share_run {ptr:#x}"),
             Call::IsolatePage { ptr } => write!(f, "isolate_page {ptr:#x}"),
             Call::Retain { ptr } => write!(f, "retain {ptr:#x}"),
             Call::Reserved { va, size } => write!(f, "reserved {va:#x} {size:#x}"),
@@ -470,9 +474,13 @@ fn parse_event(line: &str) -> Result<Event<'static>, String> {
             want(1)?;
             Call::Export { vh: h(0)? }
         }
-        "isolate_run" => {
+        "bind" => {
             want(1)?;
-            Call::IsolateRun { ptr: h(0)? }
+            Call::Bind { vh: h(0)? }
+        }
+        "share_run" | "isolate_run" => {
+            want(1)?;
+            Call::ShareRun { ptr: h(0)? }
         }
         "isolate_page" => {
             want(1)?;
@@ -594,7 +602,8 @@ mod tests {
                 descs: Cow::Owned(Vec::new()),
             },
             Call::Export { vh: 9 },
-            Call::IsolateRun { ptr: 0x1234_0000 },
+            Call::Bind { vh: 9 },
+            Call::ShareRun { ptr: 0x1234_0000 },
             Call::IsolatePage { ptr: 0x1234_0000 },
             Call::Retain { ptr: 0x1234_5678 },
             Call::Reserved {

@@ -7,6 +7,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 mod guard;
+mod order;
 pub mod query;
 
 use crate::api::{self, Answer, OUT_OF_MEMORY};
@@ -549,6 +550,11 @@ unsafe fn redirect_entry_point(
 }
 
 unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, runtime_api: bool) {
+    // The program's orderings (synchronizes, event records): whatever variant was found.
+    if let Some(p) = order::for_lookup(name, *pfn) {
+        *pfn = p;
+        return;
+    }
     let ours: *mut c_void = match name {
         // Version 3020 introduced the size_t signature that the hook has.
         b"cuMemGetAddressRange" if version >= 3020 => cuMemGetAddressRange_v2 as *mut c_void,
@@ -670,6 +676,15 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuDevicePrimaryCtxReset_v2" => cuDevicePrimaryCtxReset_v2 as *mut c_void,
         b"cuMemRetainAllocationHandle" => cuMemRetainAllocationHandle as *mut c_void,
         b"cudaDeviceReset" => cudaDeviceReset as *mut c_void,
+        b"cuCtxSynchronize" => order::cuCtxSynchronize as *mut c_void,
+        b"cuStreamSynchronize" => order::cuStreamSynchronize as *mut c_void,
+        b"cuStreamSynchronize_ptsz" => order::cuStreamSynchronize_ptsz as *mut c_void,
+        b"cuEventSynchronize" => order::cuEventSynchronize as *mut c_void,
+        b"cuEventRecord" => order::cuEventRecord as *mut c_void,
+        b"cuEventRecord_ptsz" => order::cuEventRecord_ptsz as *mut c_void,
+        b"cuEventRecordWithFlags" => order::cuEventRecordWithFlags as *mut c_void,
+        b"cuEventRecordWithFlags_ptsz" => order::cuEventRecordWithFlags_ptsz as *mut c_void,
+        b"cuIpcGetEventHandle" => order::cuIpcGetEventHandle as *mut c_void,
         _ => return None,
     })
 }

@@ -238,13 +238,7 @@ mod tests {
                 }
                 let none: FdSource = Box::new(|| Err(std::io::Error::other("no chunks")));
                 let size = if nonce == key { freed } else { 0 };
-                Ok((
-                    Grant {
-                        size,
-                        chunks: vec![],
-                    },
-                    none,
-                ))
+                Ok((Grant::new(size, vec![]), none))
             },
         )
         .unwrap();

@@ -341,13 +341,7 @@ mod tests {
 
     /// A grant of no chunks whose size is `size` (a control request's answer).
     fn plain(size: u64) -> Reply {
-        Ok((
-            Grant {
-                size,
-                chunks: vec![],
-            },
-            fds_of(vec![]),
-        ))
+        Ok((Grant::new(size, vec![]), fds_of(vec![])))
     }
 
     #[test]

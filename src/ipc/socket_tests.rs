@@ -28,13 +28,7 @@ pub(super) fn counting_server(
             return Err(Refusal::Unknown.into());
         }
         let source: FdSource = Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
-        Ok((
-            Grant {
-                size: 2 << 20,
-                chunks: vec![2 << 20],
-            },
-            source,
-        ))
+        Ok((Grant::new(2 << 20, vec![2 << 20]), source))
     })
     .unwrap();
     (path, seen)

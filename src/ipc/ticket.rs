@@ -76,4 +76,19 @@ pub struct Grant {
     pub size: u64,
     /// Size of each chunk, in mapping order (one descriptor each).
     pub chunks: Vec<u64>,
+    /// Where the allocation starts inside the chunks mapped back to back: 0, or for a run of
+    /// another allocator's pages whose first handle starts before it (coalesced pages shared
+    /// without a split), the bytes of that handle before the run.
+    pub lead: u64,
+}
+
+impl Grant {
+    /// A grant of an allocation that starts at its first chunk's start.
+    pub fn new(size: u64, chunks: Vec<u64>) -> Grant {
+        Grant {
+            size,
+            chunks,
+            lead: 0,
+        }
+    }
 }

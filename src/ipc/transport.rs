@@ -4,8 +4,11 @@
 //! asks; `server` decides who is read and answered, and when. Only these two touch sockets.
 //!
 //! Request (16 bytes): ticket id (u32), zero (u32), nonce (u64).
-//! Reply: status (u32, 0 = granted, else a `Refusal`), chunk count (u32), allocation size
-//! (u64), then one u64 per chunk (its size). Then the descriptors, one per chunk in order, in
+//! Reply: status (u32, 0 = granted, [`GRANTED_WITH_LEAD`] = granted with a lead, else a
+//! `Refusal`), chunk count (u32), allocation size (u64), with a lead then the lead (u64: where
+//! the allocation starts inside the chunks), then one u64 per chunk (its size). A consumer of
+//! an older release reads the lead's status as a refusal and opens the handle's mirror. Then
+//! the descriptors, one per chunk in order, in
 //! messages of at most [`BATCH`], each message a u32 (how many it carries) with the
 //! descriptors attached, so neither side ever holds more than a batch of descriptors it has
 //! not used yet. A refusal is the header alone: no chunks, and a size of 0 or, for a pause
@@ -26,6 +29,10 @@ pub const MAX_CHUNKS: usize = 1 << 16;
 
 /// Most descriptors in one message.
 pub const BATCH: usize = 64;
+
+/// The status of a grant whose allocation starts `lead` bytes into its first chunk (a run of
+/// coalesced pages shared whole, without a split); 0 is a grant without a lead.
+pub const GRANTED_WITH_LEAD: u32 = 6;
 
 /// Request ids from here up name requests, not tickets: `control`'s `QUERY_ID`, `RESUME_ID`
 /// and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and `fdshare`'s `GETFD_ID` (`u32::MAX`). Ticket ids
@@ -230,10 +237,17 @@ pub(super) fn reply(s: &mut UnixStream, decision: Reply) -> std::io::Result<()> 
             return s.write_all(&msg);
         }
     };
-    let mut msg = Vec::with_capacity(16 + 8 * grant.chunks.len());
-    msg.extend_from_slice(&0u32.to_le_bytes());
+    let mut msg = Vec::with_capacity(24 + 8 * grant.chunks.len());
+    let status = match grant.lead {
+        0 => 0u32,
+        _ => GRANTED_WITH_LEAD,
+    };
+    msg.extend_from_slice(&status.to_le_bytes());
     msg.extend_from_slice(&(grant.chunks.len() as u32).to_le_bytes());
     msg.extend_from_slice(&grant.size.to_le_bytes());
+    if grant.lead != 0 {
+        msg.extend_from_slice(&grant.lead.to_le_bytes());
+    }
     for c in &grant.chunks {
         msg.extend_from_slice(&c.to_le_bytes());
     }
@@ -320,7 +334,7 @@ fn request(
     let mut head = [0u8; 16];
     s.read_exact(&mut head).map_err(AskError::Unreachable)?;
     let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
-    if status != 0 {
+    if status != 0 && status != GRANTED_WITH_LEAD {
         let done = u64::from_le_bytes(head[8..16].try_into().unwrap());
         return Err(AskError::Refused(Refusal::from_code(status), done));
     }
@@ -339,7 +353,7 @@ pub fn ask_plain(
     timeout: Duration,
 ) -> Result<u64, AskError> {
     let (_, head) = request(path, uid, pid, id, nonce, timeout)?;
-    if head[4..8] != [0; 4] {
+    if head[0..8] != [0; 8] {
         return Err(AskError::Protocol("this answer carries no chunks"));
     }
     Ok(u64::from_le_bytes(head[8..16].try_into().unwrap()))
@@ -406,6 +420,12 @@ pub fn ask(
     if count == 0 || count > MAX_CHUNKS {
         return Err(AskError::Protocol("bad chunk count"));
     }
+    let mut lead = 0u64;
+    if head[0..4] == GRANTED_WITH_LEAD.to_le_bytes() {
+        let mut b = [0u8; 8];
+        s.read_exact(&mut b).map_err(AskError::Unreachable)?;
+        lead = u64::from_le_bytes(b);
+    }
     let mut sizes = vec![0u8; 8 * count];
     s.read_exact(&mut sizes).map_err(AskError::Unreachable)?;
     let chunks: Vec<u64> = sizes
@@ -413,22 +433,26 @@ pub fn ask(
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
         .collect();
     // Nothing the producer says is trusted blindly: every chunk a whole number of 2 MiB pages
-    // (VMM granularity), their total without overflow, the allocation inside them.
+    // (VMM granularity), their total without overflow, the allocation inside them, starting
+    // inside the first chunk on a page.
     const PAGE: u64 = 2 << 20;
     let total = chunks.iter().try_fold(0u64, |t, c| {
         (*c > 0 && c % PAGE == 0)
             .then(|| t.checked_add(*c))
             .flatten()
     });
-    match total {
-        Some(t) if size > 0 && size <= t => {}
+    let fits = (lead.is_multiple_of(PAGE) && lead < chunks[0])
+        .then(|| lead.checked_add(size))
+        .flatten();
+    match (total, fits) {
+        (Some(t), Some(end)) if size > 0 && end <= t => {}
         _ => {
             return Err(AskError::Protocol(
                 "chunk sizes that do not hold the allocation",
             ))
         }
     }
-    Ok((Grant { size, chunks }, Incoming { s, left: count }))
+    Ok((Grant { size, chunks, lead }, Incoming { s, left: count }))
 }
 
 /// One message: its bytes into `data`, and the descriptors attached to it.
@@ -538,6 +562,19 @@ mod tests {
                         done: nonce,
                     });
                 }
+                if id == 4 {
+                    // A run shared whole: it starts 4 MiB into its first 8 MiB chunk.
+                    let source: FdSource =
+                        Box::new(|| Ok(std::fs::File::open("/dev/null").unwrap().into()));
+                    return Ok((
+                        Grant {
+                            size: 6 << 20,
+                            chunks: vec![8 << 20, 2 << 20],
+                            lead: 4 << 20,
+                        },
+                        source,
+                    ));
+                }
                 if id != 3 || nonce != 99 {
                     return Err(Refusal::Unknown.into());
                 }
@@ -549,6 +586,7 @@ mod tests {
                     Grant {
                         size: 5 << 20,
                         chunks: (0..n).map(|i| (i + 1) << 21).collect(),
+                        lead: 0,
                     },
                     source,
                 ))
@@ -569,6 +607,13 @@ mod tests {
             batches.push(b.len());
         }
         assert_eq!(batches, vec![64, 64, 22]);
+        assert_eq!(g.lead, 0);
+        let (g, mut incoming) = ask(&path, me.0, me.1, 4, 1).unwrap();
+        assert_eq!(
+            (g.size, g.lead, g.chunks),
+            (6 << 20, 4 << 20, vec![8 << 20, 2 << 20])
+        );
+        assert_eq!(incoming.next_batch().unwrap().len(), 2);
         assert!(matches!(
             ask(&path, me.0, me.1, 3, 98),
             Err(AskError::Refused(Refusal::Unknown, 0))
@@ -649,13 +694,18 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
         let me = (current_uid(), std::process::id());
-        let cases: [(u64, Vec<u64>); 4] = [
-            (1 << 40, vec![2 << 20]), // a 1 TiB allocation in one 2 MiB chunk
-            (2 << 20, vec![0]),       // an empty chunk
-            (2 << 20, vec![3 << 20]), // not whole pages
-            (2 << 20, vec![u64::MAX - 1, 4 << 20]), // a total that overflows
+        const M: u64 = 1 << 20;
+        let cases: [(u64, Vec<u64>, u64); 8] = [
+            (1 << 40, vec![2 * M], 0), // a 1 TiB allocation in one 2 MiB chunk
+            (2 * M, vec![0], 0),       // an empty chunk
+            (2 * M, vec![3 * M], 0),   // not whole pages
+            (2 * M, vec![u64::MAX - 1, 4 * M], 0), // a total that overflows
+            (2 * M, vec![8 * M], M),   // a lead inside a page
+            (2 * M, vec![8 * M, 2 * M], 8 * M), // a lead past the first chunk
+            (6 * M, vec![8 * M], 4 * M), // the allocation past the chunks' end
+            (2 * M, vec![8 * M], u64::MAX - M + 1), // a lead that overflows
         ];
-        for (i, (size, chunks)) in cases.into_iter().enumerate() {
+        for (i, (size, chunks, lead)) in cases.into_iter().enumerate() {
             let path = dir.join(format!("{i}.sock"));
             let l = UnixListener::bind(&path).unwrap();
             let reply = std::thread::spawn(move || {
@@ -663,9 +713,13 @@ mod tests {
                 let mut req = [0u8; 16];
                 c.read_exact(&mut req).unwrap();
                 let mut msg = Vec::new();
-                msg.extend_from_slice(&0u32.to_le_bytes());
+                let status = if lead == 0 { 0 } else { GRANTED_WITH_LEAD };
+                msg.extend_from_slice(&status.to_le_bytes());
                 msg.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
                 msg.extend_from_slice(&size.to_le_bytes());
+                if lead != 0 {
+                    msg.extend_from_slice(&lead.to_le_bytes());
+                }
                 for c in &chunks {
                     msg.extend_from_slice(&c.to_le_bytes());
                 }

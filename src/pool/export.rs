@@ -86,6 +86,14 @@ impl<D: Driver> Pool<D> {
         b.mirror.map(|m| (base, b.size, m.ptr, m.handle))
     }
 
+    /// The live allocations that have a mirror: (base, size, mirror).
+    pub fn mirrors(&self) -> Vec<(u64, u64, u64)> {
+        self.blocks
+            .iter()
+            .filter_map(|(b, blk)| blk.mirror.map(|m| (*b, blk.size, m.ptr)))
+            .collect()
+    }
+
     /// Count a mirror refreshed outside the pool.
     pub fn count_mirror_refresh(&mut self) {
         self.stats.ipc_mirrored += 1;

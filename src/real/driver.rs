@@ -96,6 +96,8 @@ driver_table! {
         cuLaunchHostFunc(CUstream, unsafe extern "C" fn(*mut c_void), *mut c_void);
         cuStreamBeginCapture_v2(CUstream, c_uint);
         cuStreamEndCapture(CUstream, *mut *mut c_void);
+        cuThreadExchangeStreamCaptureMode(*mut c_uint);
+        cuStreamIsCapturing(CUstream, *mut c_uint);
         cuGraphInstantiateWithFlags(*mut *mut c_void, *mut c_void, u64);
         cuGraphLaunch(*mut c_void, CUstream);
         cuGraphExecDestroy(*mut c_void);

@@ -223,6 +223,15 @@ forwarders! {
     cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut size_t, width: size_t, height: size_t, elem: c_uint);
     cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64);
     cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_void);
+    cuCtxSynchronize();
+    cuStreamSynchronize(stream: usize);
+    cuStreamSynchronize_ptsz(stream: usize);
+    cuEventSynchronize(event: usize);
+    cuEventRecord(event: usize, stream: usize);
+    cuEventRecord_ptsz(event: usize, stream: usize);
+    cuEventRecordWithFlags(event: usize, stream: usize, flags: c_uint);
+    cuEventRecordWithFlags_ptsz(event: usize, stream: usize, flags: c_uint);
+    cuIpcGetEventHandle(handle: *mut c_void, event: usize);
 }
 
 /// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's

@@ -327,7 +327,8 @@ int expandable(const char* what) {
   }
   if (!strcmp(what, "multicast")) {
     /* PyTorch's symmetric memory binds its pages to a multicast object by handle (and may
-     * by address): the driver must get a real handle, and the bound pages must stay. */
+     * by address): the driver must get a real handle (the coalesced one, at the page's
+     * offset in it), nothing may move for it, and the bound pages must stay. */
     CUresult (*bind_mem)(uint64_t, size_t, uint64_t, size_t, size_t, unsigned long long) = get_at("cuMulticastBindMem", 12030);
     CUresult (*bind_addr)(uint64_t, size_t, uint64_t, size_t, unsigned long long) = get_at("cuMulticastBindAddr", 12030);
     if (grow(0, 4)) return 3;

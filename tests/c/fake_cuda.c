@@ -613,13 +613,16 @@ CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { (void)p; (voi
 CUresult cuMemHostUnregister(void* p) { (void)p; return 0; }
 CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(uintptr_t)0x5e; return 0; }
 /* The legacy default stream (NULL or CU_STREAM_LEGACY) of the current context: its device's work
- * in flight ends (fakecu_launch models only default-stream work). Other streams: nothing. */
+ * in flight ends (fakecu_launch models only default-stream work; FAKE_SYNC_MS, read at each
+ * call, is that work's time, as for cuCtxSynchronize). Other streams: nothing. */
 CUresult cuStreamSynchronize(void* st) {
   if (st && st != (void*)1) return 0;
   if (!current()) return 201;
   legacy_wait(1);
   count(C_LEGACY_SYNC);
   fakecu_sync_dev(ctx_device(current()));
+  const char* ms = getenv("FAKE_SYNC_MS");
+  if (ms) usleep((useconds_t)atoi(ms) * 1000);
   return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }

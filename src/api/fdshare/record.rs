@@ -125,13 +125,7 @@ pub fn serve(fd: u64) -> Decision {
         return Err(Refusal::Stale);
     }
     const PAGE: u64 = 2 << 20;
-    Ok((
-        Grant {
-            size: PAGE,
-            chunks: vec![PAGE],
-        },
-        transport::fds_of(vec![copy]),
-    ))
+    Ok((Grant::new(PAGE, vec![PAGE]), transport::fds_of(vec![copy])))
 }
 
 fn identity_of(f: &OwnedFd) -> Option<FileId> {

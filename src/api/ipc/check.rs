@@ -36,7 +36,13 @@ fn start_locked(check: &mut Check, dev: i32) {
     let spawned = std::thread::Builder::new()
         .name("expseg-ipc-check".into())
         .spawn(move || {
-            let ok = std::panic::catch_unwind(|| run(dev)).unwrap_or_else(|_| {
+            // In relaxed capture mode: a graph another thread is capturing meanwhile stays
+            // intact (its allocation and copies are allowed then; `gpu::cuda::relaxed`).
+            let checked = || match crate::real::driver() {
+                Ok(t) => crate::gpu::cuda::relaxed(t, || run(dev)),
+                Err(_) => run(dev),
+            };
+            let ok = std::panic::catch_unwind(checked).unwrap_or_else(|_| {
                 log::error!("IPC tickets disabled: the one-time check failed (internal error caught); mirrors carry plain handles");
                 false
             });

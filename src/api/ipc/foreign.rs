@@ -2,7 +2,8 @@
 //! asked for a handle: the run of mappings gets a ticket, a mirror, or both.
 
 use super::mirror::{make_mirror, refresh_mirror};
-use super::shares::{ForeignShare, MAX_RUN};
+use super::runs::{read_run, run_of};
+use super::shares::ForeignShare;
 use super::tickets::{foreign_tickets_ready, peers_without_tickets};
 use crate::api::state::{bypass, config, ensure_state, lock, UNKNOWN};
 use crate::gpu::cuda;
@@ -21,21 +22,30 @@ const RACE_RETRIES: usize = 8;
 /// same pages: shared both ways) and, unless `EXPSEG_IPC_PEERS=expseg`, a mirror of the run
 /// for plain consumers, refreshed at each request (one-way, point-in-time). `None`: not such
 /// memory, keep the runtime's answer.
+///
+/// Every call it makes is allowed while another thread captures a CUDA graph (the calling
+/// thread in relaxed capture mode, no device synchronize), so a share succeeds where it does
+/// natively and leaves such a capture intact.
 pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
     if bypass() {
         return None;
     }
     let t = crate::real::driver().ok()?;
-    // Coalesced pages of the run become page-sized handles that never move (paused ones
-    // resume first): a consumer must map what stays the program's memory. Out of memory:
-    // the call fails, nothing changed that the program can see.
-    if let Err(e) = crate::api::vmm::isolate_run(ptr) {
-        log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}): the pages of its run could not be prepared for sharing (CUresult {e}: a paused page that could not resume, or no memory to split a coalesced handle)");
+    cuda::relaxed(t, || share_foreign(t, ptr))
+}
+
+fn share_foreign(t: &'static crate::real::DriverTable, ptr: u64) -> Option<Result<IpcHandle, i32>> {
+    // The handles behind coalesced pages of the run never move again (paused ones resume
+    // first): a consumer must map what stays the program's memory. Nothing moves now. Out of
+    // memory to resume a paused page: the call fails, nothing changed that the program can
+    // see.
+    if let Err(e) = crate::api::vmm::share_run(ptr) {
+        log::error!("IPC: cudaIpcGetMemHandle({ptr:#x}) fails: a paused page of its run could not resume (CUresult {e}: no memory for it); it stays paused, nothing lost");
         return Some(Err(if e < 1000 { e as i32 } else { UNKNOWN }));
     }
     let c = config();
     for _ in 0..RACE_RETRIES {
-        let (base, sizes, dev) = cuda::run_from(t, ptr, MAX_RUN)?;
+        let (base, sizes, dev) = run_of(t, ptr)?;
         let size: u64 = sizes.iter().sum();
         let want_mirror = !c.ipc_peers_expseg;
         // What a plain consumer can reach from this base (asked of PyTorch, never under a lock).
@@ -82,10 +92,9 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                 // another thread replaces or forgets the share meanwhile, and the registered
                 // read holds back unmaps of the run until the copy is done.
                 drop(st);
-                let reading = crate::api::vmm::begin_read(base, m.size);
-                if !still_mapped(t, base, m.size) {
+                let Some(reading) = read_run(t, base, m.size) else {
                     continue; // unmapped meanwhile: look again
-                }
+                };
                 let refreshed = refresh_mirror(dev, m.ptr, base, m.size);
                 drop(reading);
                 if let Err(e) = refreshed {
@@ -108,15 +117,15 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                 let old = st.ipc.foreign.remove(&base);
                 drop(st);
                 drop(old); // cudaFree outside the lock
-                let reading = crate::api::vmm::begin_read(base, extent);
-                if !still_mapped(t, base, extent) {
+                let Some(reading) = read_run(t, base, extent) else {
                     continue;
-                }
+                };
                 let made = want_mirror.then(|| make_mirror(dev, base, extent));
                 drop(reading);
                 let mirror = if let Some(made) = made {
                     match made {
                         Ok(m) => {
+                            super::current::arm();
                             if extent < size {
                                 GLOBAL.foreign_mirrors_bounded.add(1);
                                 GLOBAL.foreign_mirror_bytes_spared.add(size - extent);
@@ -153,9 +162,9 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
                     "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
                     sizes.len(),
                     match (ticketed, &mirror) {
-                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror of its first {} bytes at {:#x} with their data as of the latest cudaIpcGetMemHandle call, and their writes do not reach this process", m.size, m.ptr),
+                        (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror of its first {} bytes at {:#x}, {}, and their writes do not reach this process", m.size, m.ptr, super::current::currency()),
                         (true, None) => "shared with consumers running expseg only (EXPSEG_IPC_PEERS=expseg, or no memory for a mirror): plain consumers cannot open its handle".to_string(),
-                        (false, Some(m)) => format!("shared through a mirror of its first {} bytes at {:#x}: consumers see their data as of the latest cudaIpcGetMemHandle call and their writes do not reach this process", m.size, m.ptr),
+                        (false, Some(m)) => format!("shared through a mirror of its first {} bytes at {:#x}, {}: consumers' writes do not reach this process", m.size, m.ptr, super::current::currency()),
                         (false, None) => unreachable!("no mirror only with tickets"),
                     }
                 );
@@ -204,12 +213,6 @@ fn mirror_extent(base: u64, page: u64, run: u64) -> u64 {
 /// PyTorch's live blocks over that page end at `end`.
 fn bound_extent(base: u64, page: u64, run: u64, end: u64) -> u64 {
     end.saturating_sub(base).max(page).min(run)
-}
-
-/// Whether `[base, base+size)` is still one run of mappings from `base` on.
-fn still_mapped(t: &crate::real::DriverTable, base: u64, size: u64) -> bool {
-    cuda::run_from(t, base, MAX_RUN)
-        .is_some_and(|(b, sizes, _)| b == base && sizes.iter().sum::<u64>() >= size)
 }
 
 #[cfg(test)]

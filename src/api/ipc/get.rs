@@ -15,11 +15,21 @@ use std::sync::atomic::Ordering;
 /// by moving the allocation into standard memory at the same address, or else through a
 /// standard mirror (see `pool::export`) whose handle carries a ticket for consumers running
 /// expseg. Anything else passes through.
+///
+/// Its calls are allowed while another thread captures a CUDA graph (relaxed capture mode;
+/// a device synchronize only before a move, opt-in).
 pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     GLOBAL.ipc_handle_requests.add(1);
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
         return Answer::PassThrough;
     }
+    match crate::real::driver() {
+        Ok(t) => crate::gpu::cuda::relaxed(t, || share_pool(ptr)),
+        Err(_) => share_pool(ptr),
+    }
+}
+
+fn share_pool(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
     let c = config();
     let mut st = lock();
     let Some((mut dev, size)) = st
@@ -36,9 +46,14 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         // only starts the check: if its move falls back to a mirror before the check has
         // answered, that handle carries no ticket (nothing waits for the check under the lock).
         drop(st);
-        let e = crate::api::state::synchronize(dev);
-        if e != 0 {
-            return Answer::Done(Err(e));
+        // A move (opt-in) waits for all of the device's work; a mirror's copy is ordered
+        // after the default stream's and blocking streams' work (`refresh_mirror`) and issues
+        // no device synchronize, which would break a graph another thread is capturing.
+        if size <= c.ipc_move_max {
+            let e = crate::api::state::synchronize(dev);
+            if e != 0 {
+                return Answer::Done(Err(e));
+            }
         }
         // Devices given peer access may have written it too (their waits under the lock,
         // in a move or a mirror's copy, are then short).
@@ -87,6 +102,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
             return match pool.prepare_mirror(ptr) {
                 Err(ExportError::OutOfMemory) => ticket_only(st, dev, ptr, base, size),
                 Ok((m, first)) => {
+                    super::current::arm();
                     let ticketed = c.ipc_tickets && tickets_ready(&mut st, dev);
                     match refresh_outside_lock(st, dev, ptr) {
                         Some(answer) => {
@@ -188,7 +204,8 @@ fn ticket_only(
 /// The one warning per mirrored pool allocation: what a plain consumer gets.
 fn warn_mirrored(base: u64, size: u64, mirror: u64, ticketed: bool) {
     log::warn!(
-        "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {mirror:#x}: a consumer without expseg sees its data as of the latest cudaIpcGetMemHandle call, and its writes do not reach this process{}",
+        "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {mirror:#x}: a consumer without expseg reads a copy, {}, and its writes do not reach this process{}",
+        super::current::currency(),
         if ticketed { " (consumers running expseg share it both ways)" } else { "" }
     );
 }

@@ -2,15 +2,18 @@
 //! `cudaIpcCloseMemHandle` (consumer), and the producer's answers to tickets.
 //!
 //! By policy: pool memory asked for a handle ([`get`]: moved in place or mirrored), foreign
-//! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]), tickets and their socket
+//! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]) and how they are kept current
+//! ([`current`]), the program's runs of such memory ([`runs`]), tickets and their socket
 //! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
 //! ([`shares`]), and the consumer's side ([`open`]).
 
 mod check;
+pub(crate) mod current;
 mod foreign;
 mod get;
 mod mirror;
 mod open;
+mod runs;
 pub(super) mod shares;
 pub(super) mod tickets;
 

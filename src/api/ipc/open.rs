@@ -81,7 +81,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let asked = started.elapsed();
-    let imported = cuda::import(drv, &grant.chunks, grant.size, dev, || {
+    let imported = cuda::import(drv, &grant.chunks, grant.size, grant.lead, dev, || {
         incoming.next_batch().map_err(|e| format!("{e:?}"))
     });
     match imported {
@@ -142,7 +142,7 @@ pub fn allocation_range(ptr: u64) -> Option<(u64, u64)> {
     if let Some(r) = st.open_pools().find_map(|(_, p)| p.find(ptr)) {
         return Some(r);
     }
-    st.ipc.opened_at(ptr).map(|imp| (imp.va, imp.user))
+    st.ipc.opened_at(ptr).map(|imp| (imp.addr(), imp.user))
 }
 
 /// The pool allocation containing `ptr` (memory opened through a ticket excluded).

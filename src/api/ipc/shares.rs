@@ -24,6 +24,9 @@ pub(crate) struct IpcState {
     /// stale, not as unknown; older ones are refused as unknown.
     pub(super) freed: std::collections::HashSet<u32>,
     freed_order: std::collections::VecDeque<u32>,
+    /// Live tickets a consumer running expseg was granted (it maps the memory itself: the
+    /// mirror needs no copy at the program's synchronizations, `EXPSEG_IPC_MIRROR_SYNC`).
+    granted: std::collections::HashSet<u32>,
     /// Whether the ticket socket is serving (`None`: not tried yet).
     pub(super) server: Option<bool>,
     /// Why the socket could not serve.
@@ -93,7 +96,7 @@ impl IpcState {
         if let Some(va) = self.reopen(key) {
             return Err((va, imp));
         }
-        let va = imp.va;
+        let va = imp.addr();
         self.opened.insert(va, Opened { imp, key, refs: 1 });
         Ok(va)
     }
@@ -125,7 +128,7 @@ impl IpcState {
     /// The mapping opened through a ticket that contains `ptr`.
     pub(crate) fn opened_at(&self, ptr: u64) -> Option<&Imported> {
         let (va, o) = self.opened.range(..=ptr).next_back()?;
-        (ptr < va + o.imp.size).then_some(&o.imp)
+        (*va <= ptr && ptr < o.imp.va + o.imp.size).then_some(&o.imp)
     }
 
     /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
@@ -153,10 +156,25 @@ impl IpcState {
         })
     }
 
+    /// A consumer running expseg was granted ticket `id`.
+    pub(super) fn note_granted(&mut self, id: u32) {
+        if self.by_id.contains_key(&id) {
+            self.granted.insert(id);
+        }
+    }
+
+    /// Whether a consumer running expseg was granted the ticket of allocation `base` on `dev`.
+    pub(super) fn granted_at(&self, dev: i32, base: u64) -> bool {
+        self.by_alloc
+            .get(&(dev, base))
+            .is_some_and(|id| self.granted.contains(id))
+    }
+
     /// The allocation was freed: its tickets are stale from now on.
     pub(crate) fn forget(&mut self, dev: i32, base: u64) {
         if let Some(id) = self.by_alloc.remove(&(dev, base)) {
             self.by_id.remove(&id);
+            self.granted.remove(&id);
             if self.freed.insert(id) {
                 self.freed_order.push_back(id);
             }

@@ -23,12 +23,17 @@ pub(super) fn foreign_tickets_ready(st: &mut State, dev: i32) -> bool {
 }
 
 /// Export the run of foreign mappings starting at `base` that a ticket stands for. The run is
-/// checked and every mapping's allocation retained at once, with the program's unmaps of the
+/// checked and every allocation behind it retained at once, with the program's unmaps of the
 /// range held back meanwhile (a registered read, as a mirror refresh takes), so the consumer
 /// gets the pages that were there when its open was decided even if the program unmaps and
 /// maps others there while the descriptors are sent (before, mappings 2..n were looked up by
 /// address as they were sent). The first is exported at once (so a refusal is clean), the
 /// others as the transport sends them; retained references go as each is exported.
+///
+/// The run is the program's pages (`foreign::read_run`); what is exported is the driver's
+/// mappings that hold them: for coalesced pages, the handles behind them, whole (a handle maps
+/// only whole), the first of which may start before the run: the grant's lead says where the
+/// run starts inside it. Nothing moves for a share.
 fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     let t = crate::real::driver().map_err(|_| Refusal::Failed)?;
     // The ticket thread has no context of its own; the source below runs on it too, so it
@@ -38,21 +43,8 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     // be natively (an unmapped gap). Checked as the read is registered (after it, a coalescer
     // call waiting for the read could hand a parked handle on before the check; asked with
     // the coalescers' ordinary lock inside the read, the thread waited for itself: b337f23).
-    let reading = crate::api::vmm::begin_read_unparked(base, size).ok_or(Refusal::Stale)?;
-    let (start, all, _) = cuda::run_from(t, base, MAX_RUN).ok_or(Refusal::Stale)?;
-    // The mappings that make up the shared `size`: still mapped from the same start.
-    let (mut sizes, mut vas, mut end) = (Vec::new(), Vec::new(), start);
-    for s in all {
-        if end >= start + size {
-            break;
-        }
-        sizes.push(s);
-        vas.push(end);
-        end += s;
-    }
-    if start != base || end != base + size {
-        return Err(Refusal::Stale);
-    }
+    let reading = super::runs::read_run(t, base, size).ok_or(Refusal::Stale)?;
+    let (lead, vas, sizes) = driver_mappings(t, base, size).ok_or(Refusal::Stale)?;
     let cannot = |e: crate::gpu::DrvError| {
         log::warn!("IPC: the pages at {base:#x} cannot be exported ({e}); consumers fall back to the mirror");
         Refusal::Failed
@@ -83,9 +75,32 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
         Grant {
             size,
             chunks: sizes,
+            lead,
         },
         source,
     ))
+}
+
+/// The driver's mappings that hold `[base, base+size)`, back to back: how far into the first
+/// the range starts, and each mapping's start and size. None: a gap, or more than a grant
+/// carries.
+fn driver_mappings(
+    t: &crate::real::DriverTable,
+    base: u64,
+    size: u64,
+) -> Option<(u64, Vec<u64>, Vec<u64>)> {
+    let (start, first, _) = cuda::mapping_of(t, base)?;
+    let (mut vas, mut sizes, mut end) = (vec![start], vec![first], start + first);
+    while end < base + size {
+        let (b, s, _) = cuda::mapping_of(t, end).filter(|m| m.0 == end)?;
+        if vas.len() == MAX_RUN {
+            return None;
+        }
+        vas.push(b);
+        sizes.push(s);
+        end += s;
+    }
+    Some((base - start, vas, sizes))
 }
 
 /// `EXPSEG_IPC_PEERS=expseg` promises consumers the memory itself; without tickets there is
@@ -259,13 +274,7 @@ fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
     if id == crate::ipc::reclaim::RECLAIM_ID {
         let size = crate::api::trim::trim_gpu(nonce);
         let none = transport::fds_of(Vec::new());
-        return Ok((
-            Grant {
-                size,
-                chunks: Vec::new(),
-            },
-            none,
-        ));
+        return Ok((Grant::new(size, Vec::new()), none));
     }
     let d = decide_once(id, nonce);
     match &d {
@@ -290,10 +299,7 @@ fn control(c: Control) -> Reply {
     };
     match done {
         Ok(o) => Ok((
-            Grant {
-                size: o.bytes,
-                chunks: Vec::new(),
-            },
+            Grant::new(o.bytes, Vec::new()),
             transport::fds_of(Vec::new()),
         )),
         Err(e) => Err(Denial {
@@ -324,7 +330,11 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
     if let Some(f) = st.ipc.foreign.get(&base) {
         let size = f.size;
         drop(st);
-        return export_foreign(dev, base, size);
+        let d = export_foreign(dev, base, size);
+        if d.is_ok() {
+            lock().ipc.note_granted(id);
+        }
+        return d;
     }
     let Some(pool) = st.open_pool(dev) else {
         return Err(Refusal::Stale);
@@ -336,9 +346,10 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
             Err(Refusal::Failed)
         }
         Some(Ok((size, fds))) => {
+            st.ipc.note_granted(id);
             let chunks = fds.iter().map(|f| f.1).collect();
             Ok((
-                Grant { size, chunks },
+                Grant::new(size, chunks),
                 transport::fds_of(fds.into_iter().map(|f| f.0).collect()),
             ))
         }

@@ -111,24 +111,52 @@ fn foreign_handles_and_ranges_are_not_ours() {
 }
 
 #[test]
-fn memory_shared_with_another_process_is_split_per_page_and_never_moves() {
+fn memory_shared_with_another_process_is_not_split_and_never_moves() {
     let (mut c, va) = setup(100 * PAGE, cfg());
     let a = grow(&mut c, va, 4).unwrap();
     let b = grow(&mut c, va + 4 * PAGE, 3).unwrap();
     fill(&mut c, va, 7);
-    c.isolate_run(va + PAGE + 7).unwrap();
+    let (creates, unmaps) = (
+        c.driver().calls_of(Op::Create),
+        c.driver().calls_of(Op::Unmap),
+    );
+    let chunks = c.driver().chunk_count();
+    c.share_run(va + PAGE + 7, usize::MAX).unwrap();
     assert_eq!(
         c.driver().chunk_count(),
-        7,
-        "both batches of the run, page by page"
+        chunks,
+        "both batches of the run in their handles, where they were"
+    );
+    assert!(chunks < 7, "coalesced: {chunks} handles for 7 pages");
+    assert_eq!(
+        c.driver().calls_of(Op::Unmap),
+        unmaps,
+        "nothing left its address"
+    );
+    assert_eq!(
+        c.program_run(va + PAGE, usize::MAX),
+        Some((va + PAGE, vec![PAGE; 6]))
     );
     assert!(intact(&c, va, 7));
-    let creates = c.driver().calls_of(Op::Create);
     shrink(&mut c, va + PAGE, &a[1..3]);
     c.settle(true);
     assert_eq!(c.driver().calls_of(Op::Create), creates, "no page moved");
-    assert_eq!(c.stranded(), 0);
+    assert_eq!(
+        c.stranded(),
+        2 * PAGE,
+        "released pages stay in the shared handle"
+    );
     assert!(intact(&c, va, 1) && intact(&c, va + 3 * PAGE, 4));
+    // Pages the program maps there again take those bytes in place (nothing can move).
+    let again = grow(&mut c, va + PAGE, 2).unwrap();
+    assert_eq!(c.driver().calls_of(Op::Create), creates, "no new memory");
+    assert_eq!(c.stranded(), 0);
+    assert_eq!(
+        c.driver().calls_of(Op::Unmap),
+        unmaps,
+        "nothing left its address"
+    );
+    shrink(&mut c, va + PAGE, &again);
     shrink(&mut c, va, &a[..1]);
     shrink(&mut c, va + 3 * PAGE, &a[3..]);
     shrink(&mut c, va + 4 * PAGE, &b);
@@ -519,4 +547,44 @@ fn intact_then_given_back(c: &mut Coalescer<FakeDriver>, va: u64, batches: &[&[u
         at += b.len() as u64 * PAGE;
     }
     all_given_back(c);
+}
+
+#[test]
+fn a_shared_handle_that_left_its_address_comes_back_whole_where_a_page_of_it_is_mapped() {
+    // A run shared by IPC (its handle mapped whole by another process), all its pages then
+    // unmapped or released; a new page over the unmapped one takes the handle off its address
+    // (no copy: nothing of it is mapped); the unmapped page mapped elsewhere brings the handle
+    // back whole around it, not split (that would copy it away from what the other process maps).
+    for k in [cfg(), still()] {
+        let (mut c, va) = setup(100 * PAGE, k);
+        let hs = grow(&mut c, va, 3).unwrap();
+        fill(&mut c, va, 3);
+        c.share_run(va, usize::MAX).unwrap();
+        assert!(c.unmap(va, PAGE).unwrap());
+        shrink(&mut c, va + PAGE, &hs[1..]);
+        let creates = c.driver().calls_of(Op::Create);
+        let new = grow(&mut c, va, 1).unwrap();
+        assert_eq!(
+            c.driver().calls_of(Op::Create),
+            creates + 1,
+            "the new page's"
+        );
+        c.map(va + 10 * PAGE, PAGE, 0, hs[0]).unwrap();
+        assert_eq!(c.set_access(va + 10 * PAGE, PAGE, &[(0, RW)]), Ok(true));
+        assert_eq!(
+            c.driver().calls_of(Op::Create),
+            creates + 1,
+            "nothing copied"
+        );
+        assert_eq!(c.driver().chunk_count(), 2);
+        assert!(moved_intact(&c, va + 10 * PAGE, va, 1));
+        assert_eq!(
+            c.stranded(),
+            2 * PAGE,
+            "released pages stay in the shared handle"
+        );
+        shrink(&mut c, va + 10 * PAGE, &hs[..1]);
+        shrink(&mut c, va, &new);
+        all_given_back(&mut c);
+    }
 }

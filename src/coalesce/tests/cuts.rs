@@ -124,7 +124,7 @@ fn pages_mapped_where_pages_were_shared_get_handles_of_their_own_so_sharing_agai
     let hs = grow(&mut c, va, 3).unwrap();
     assert_eq!(c.counts(), (3, 3));
     c.export(hs[1]).unwrap();
-    c.isolate_run(va).unwrap();
+    c.share_run(va, usize::MAX).unwrap();
     assert_eq!(c.stats().exports_split, 1);
     assert_eq!(c.stats().compactions, moved);
     // Elsewhere, known addresses still share a handle.

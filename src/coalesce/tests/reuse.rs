@@ -97,7 +97,7 @@ fn a_failing_unmap_of_a_parked_handle_keeps_it() {
 }
 
 #[test]
-fn sharing_a_run_takes_parked_handles_off_its_addresses() {
+fn sharing_a_run_moves_nothing_and_stops_where_the_programs_pages_stop() {
     let (mut c, va) = setup(100 * PAGE, delayed());
     let live = grow(&mut c, va, 2).unwrap();
     let after = grow(&mut c, va + 2 * PAGE, 3).unwrap();
@@ -107,16 +107,22 @@ fn sharing_a_run_takes_parked_handles_off_its_addresses() {
         2,
         "the released batch is parked after the live one"
     );
-    // cudaIpcGetMemHandle walks the driver's back-to-back mappings from the tensor's: they
-    // must end where the program's pages end.
-    c.isolate_run(va).unwrap();
+    // cudaIpcGetMemHandle: the run is the program's pages, not the driver's back-to-back
+    // mappings (the parked handle after them is expseg's); nothing is unmapped or split.
+    let unmaps = c.driver().calls_of(Op::Unmap);
+    c.share_run(va, usize::MAX).unwrap();
     assert_eq!(
         c.driver().mapping_count(),
         2,
-        "the live batch, page by page"
+        "both handles where they were"
     );
-    assert!(!c.maps_in(va + 2 * PAGE, 3 * PAGE));
-    assert_eq!(c.kept_bytes(), 3 * PAGE, "still kept, unmapped");
+    assert_eq!(c.driver().calls_of(Op::Unmap), unmaps, "nothing moved");
+    assert_eq!(
+        c.program_run(va + 5, usize::MAX),
+        Some((va, vec![PAGE, PAGE]))
+    );
+    assert_eq!(c.kept_bytes(), 3 * PAGE, "still kept");
+    // The shared handle takes no new pages: its pages are the consumer's to read.
     shrink(&mut c, va, &live);
     c.release_kept();
     assert_eq!(c.driver().used(), 0);

@@ -364,10 +364,10 @@ fn sharing_a_run_resumes_only_its_paused_handles() {
     fill(&mut c, va + 10 * PAGE, 2);
     // Weights awake, the KV cache paused: sharing a weight leaves the KV cache paused.
     c.pause(&|t| (t == 9).then_some(false)).unwrap();
-    c.isolate_run(va).unwrap();
+    c.share_run(va, usize::MAX).unwrap();
     assert_eq!(c.paused_bytes(), 2 * PAGE, "the KV cache stays paused");
     // Sharing a paused page resumes its run, with its bytes.
-    c.isolate_run(va + 10 * PAGE + 5).unwrap();
+    c.share_run(va + 10 * PAGE + 5, usize::MAX).unwrap();
     assert_eq!(c.paused_bytes(), 0);
     assert!(intact(&c, va + 10 * PAGE, 2));
     // Its pages are shared now: a later pause leaves them alone.
@@ -382,9 +382,12 @@ fn sharing_a_paused_run_without_memory_to_resume_it_fails_and_shares_nothing() {
     fill(&mut c, va + 10 * PAGE, 2);
     c.pause(&|t| (t == 9).then_some(false)).unwrap();
     let other = c.driver_mut().create(6 * PAGE).unwrap();
-    assert!(c.isolate_run(va + 10 * PAGE).unwrap_err().is_oom());
+    assert!(c
+        .share_run(va + 10 * PAGE, usize::MAX)
+        .unwrap_err()
+        .is_oom());
     // An awake run still shares while the paused one waits for memory.
-    c.isolate_run(va).unwrap();
+    c.share_run(va, usize::MAX).unwrap();
     c.driver_mut().release(other).unwrap();
     let out = c.pause(&|_| OFFLOAD).unwrap();
     assert_eq!(

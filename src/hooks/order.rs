@@ -1,0 +1,250 @@
+//! The program's orderings, seen so that a consumer without expseg reads what the producer
+//! ordered before them: after a device, stream or event synchronize, and before a record of
+//! an event it shared with another process, expseg copies its mirrors again
+//! (`api::ipc::mirror`, `EXPSEG_IPC_MIRROR_SYNC`). The driver's call is made in any case and
+//! its answer stands; expseg's part is inside the re-entrancy guard and the panic boundary.
+//!
+//! Exported under the driver's names (programs linked against `libcuda`), and handed out by
+//! the lookups (`cuGetProcAddress`, the runtime's entry point API: runtimes, static ones too,
+//! fetch their driver functions there). A lookup's answer may be any variant of the function
+//! (`_ptsz`, another version), so it is kept in a slot of its own and handed out as that
+//! slot's forwarder; a function met when every slot is taken is handed out unchanged.
+
+use super::guard::around_real;
+use crate::api as mirror;
+use crate::real::next_driver;
+use libc::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Variants one function may come in through the lookups.
+const SLOTS: usize = 4;
+
+/// The real functions handed out through one function's slots (0: free).
+struct Slots([AtomicUsize; SLOTS]);
+
+impl Slots {
+    const fn new() -> Slots {
+        Slots([const { AtomicUsize::new(0) }; SLOTS])
+    }
+
+    /// The slot holding `f`: the one it is in already, or a free one it takes now.
+    fn claim(&self, f: usize) -> Option<usize> {
+        for (i, s) in self.0.iter().enumerate() {
+            match s.compare_exchange(0, f, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(i),
+                Err(cur) if cur == f => return Some(i),
+                Err(_) => {}
+            }
+        }
+        None
+    }
+
+    fn get(&self, i: usize) -> usize {
+        self.0[i].load(Ordering::Acquire)
+    }
+}
+
+static CTX_SYNC: Slots = Slots::new();
+static STREAM_SYNC: Slots = Slots::new();
+static EVENT_SYNC: Slots = Slots::new();
+static RECORD: Slots = Slots::new();
+static RECORD_FLAGS: Slots = Slots::new();
+static IPC_EVENT: Slots = Slots::new();
+
+type Fn0 = unsafe extern "C" fn() -> u32;
+type Fn1 = unsafe extern "C" fn(usize) -> u32;
+type Fn2 = unsafe extern "C" fn(usize, usize) -> u32;
+type Fn3 = unsafe extern "C" fn(usize, usize, u32) -> u32;
+type FnIpc = unsafe extern "C" fn(*mut c_void, usize) -> u32;
+
+/// After a synchronize that succeeded: the mirrors are copied again.
+fn synchronized(name: &str, r: u32) {
+    if r == 0 && mirror::sync_armed() {
+        around_real(name, "the mirrors keep their last copy", mirror::after_sync);
+    }
+}
+
+/// Before a record of `event` on `stream`: copies of the mirrors queued there first where the
+/// event was shared with another process.
+fn recording(name: &str, event: usize, stream: usize) {
+    if mirror::ipc_events_seen() {
+        around_real(name, "the event is recorded without copies", || {
+            mirror::before_record(event, stream)
+        });
+    }
+}
+
+/// A shared event: remembered once its handle was made.
+fn shared_event(name: &str, r: u32, event: usize) {
+    if r == 0 {
+        around_real(name, "the event is not remembered", || {
+            mirror::note_ipc_event(event)
+        });
+    }
+}
+
+unsafe extern "C" fn ctx_sync_slot<const I: usize>() -> u32 {
+    let f: Fn0 = std::mem::transmute(CTX_SYNC.get(I));
+    let r = f();
+    synchronized("cuCtxSynchronize", r);
+    r
+}
+
+unsafe extern "C" fn stream_sync_slot<const I: usize>(s: usize) -> u32 {
+    let f: Fn1 = std::mem::transmute(STREAM_SYNC.get(I));
+    let r = f(s);
+    synchronized("cuStreamSynchronize", r);
+    r
+}
+
+unsafe extern "C" fn event_sync_slot<const I: usize>(e: usize) -> u32 {
+    let f: Fn1 = std::mem::transmute(EVENT_SYNC.get(I));
+    let r = f(e);
+    synchronized("cuEventSynchronize", r);
+    r
+}
+
+unsafe extern "C" fn record_slot<const I: usize>(e: usize, s: usize) -> u32 {
+    let f: Fn2 = std::mem::transmute(RECORD.get(I));
+    recording("cuEventRecord", e, s);
+    f(e, s)
+}
+
+unsafe extern "C" fn record_flags_slot<const I: usize>(e: usize, s: usize, flags: u32) -> u32 {
+    let f: Fn3 = std::mem::transmute(RECORD_FLAGS.get(I));
+    recording("cuEventRecordWithFlags", e, s);
+    f(e, s, flags)
+}
+
+unsafe extern "C" fn ipc_event_slot<const I: usize>(h: *mut c_void, e: usize) -> u32 {
+    let f: FnIpc = std::mem::transmute(IPC_EVENT.get(I));
+    let r = f(h, e);
+    shared_event("cuIpcGetEventHandle", r, e);
+    r
+}
+
+/// The forwarders of one function's slots, in slot order.
+macro_rules! slot_fns {
+    ($f:ident) => {
+        [
+            $f::<0> as *mut c_void,
+            $f::<1> as *mut c_void,
+            $f::<2> as *mut c_void,
+            $f::<3> as *mut c_void,
+        ]
+    };
+}
+
+/// What a lookup of `name` hands out instead of `found` (the driver's answer): the forwarder
+/// of the slot `found` is kept in. None: not one of these functions, or no slot left.
+pub(super) fn for_lookup(name: &[u8], found: *mut c_void) -> Option<*mut c_void> {
+    let (slots, fns) = match name {
+        b"cuCtxSynchronize" => (&CTX_SYNC, slot_fns!(ctx_sync_slot)),
+        b"cuStreamSynchronize" => (&STREAM_SYNC, slot_fns!(stream_sync_slot)),
+        b"cuEventSynchronize" => (&EVENT_SYNC, slot_fns!(event_sync_slot)),
+        b"cuEventRecord" => (&RECORD, slot_fns!(record_slot)),
+        b"cuEventRecordWithFlags" => (&RECORD_FLAGS, slot_fns!(record_flags_slot)),
+        b"cuIpcGetEventHandle" => (&IPC_EVENT, slot_fns!(ipc_event_slot)),
+        _ => return None,
+    };
+    // A forwarder handed back to a lookup (a runtime that looks itself up) is not wrapped
+    // twice.
+    if fns.contains(&found) || found.is_null() {
+        return None;
+    }
+    slots.claim(found as usize).map(|i| fns[i])
+}
+
+// The exported names, for programs linked against the driver: the driver's own function by
+// its symbol name, then expseg's part.
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxSynchronize() -> u32 {
+    let r = next_driver::cuCtxSynchronize();
+    synchronized("cuCtxSynchronize", r);
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuStreamSynchronize(s: usize) -> u32 {
+    let r = next_driver::cuStreamSynchronize(s);
+    synchronized("cuStreamSynchronize", r);
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuStreamSynchronize_ptsz(s: usize) -> u32 {
+    let r = next_driver::cuStreamSynchronize_ptsz(s);
+    synchronized("cuStreamSynchronize_ptsz", r);
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuEventSynchronize(e: usize) -> u32 {
+    let r = next_driver::cuEventSynchronize(e);
+    synchronized("cuEventSynchronize", r);
+    r
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuEventRecord(e: usize, s: usize) -> u32 {
+    recording("cuEventRecord", e, s);
+    next_driver::cuEventRecord(e, s)
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuEventRecord_ptsz(e: usize, s: usize) -> u32 {
+    recording("cuEventRecord_ptsz", e, s);
+    next_driver::cuEventRecord_ptsz(e, s)
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuEventRecordWithFlags(e: usize, s: usize, flags: u32) -> u32 {
+    recording("cuEventRecordWithFlags", e, s);
+    next_driver::cuEventRecordWithFlags(e, s, flags)
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuEventRecordWithFlags_ptsz(e: usize, s: usize, flags: u32) -> u32 {
+    recording("cuEventRecordWithFlags_ptsz", e, s);
+    next_driver::cuEventRecordWithFlags_ptsz(e, s, flags)
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuIpcGetEventHandle(h: *mut c_void, e: usize) -> u32 {
+    let r = next_driver::cuIpcGetEventHandle(h, e);
+    shared_event("cuIpcGetEventHandle", r, e);
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_keeps_each_variant_in_a_slot_of_its_own_and_never_wraps_twice() {
+        let (a, b) = (0x1000 as *mut c_void, 0x2000 as *mut c_void);
+        let fa = for_lookup(b"cuEventSynchronize", a).unwrap();
+        let fb = for_lookup(b"cuEventSynchronize", b).unwrap();
+        assert_ne!(fa, fb);
+        assert_eq!(
+            for_lookup(b"cuEventSynchronize", a),
+            Some(fa),
+            "the same slot again"
+        );
+        assert_eq!(
+            for_lookup(b"cuEventSynchronize", fa),
+            None,
+            "a forwarder stays"
+        );
+        for i in 0..SLOTS - 2 {
+            assert!(for_lookup(b"cuEventSynchronize", (0x3000 + i) as *mut c_void).is_some());
+        }
+        assert_eq!(
+            for_lookup(b"cuEventSynchronize", 0x9000 as *mut c_void),
+            None,
+            "no slot left: the driver's function is handed out"
+        );
+        assert_eq!(for_lookup(b"cuMemcpy", a), None);
+    }
+}
