@@ -28,7 +28,7 @@ fi
 build=$(mktemp -d)
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce ahead crossctx reclaim threads twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce ahead crossctx reclaim threads share twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -417,6 +417,54 @@ if want threads && torch_for threads; then
   [ "$1" -ge 1 ] && [ "$2" -ge 1 ] && [ "$3" = 0 ] && [ "$started" -ge 1 ] 2>/dev/null \
     || { echo "    held moves $1, peer holds let go $2, kept $3, started then let go $started: the hold did not run as designed"; rc=1; }
   result torch_peer_hold_on_one_gpu_starts_and_is_let_go $rc "started and let go $started; $(grep '^{' "$logs/thread_race_selfhold.log" | cut -c1-250)"
+fi
+# Sharing is exact (torch_share_exact.py): a share while a worker writes the neighbouring
+# tensor (raw cudaIpcGetMemHandle and reduce_tensor; the worker on its own stream, the
+# default stream, a graph), a share while another thread captures a graph, and a handle
+# taken once with a consumer without expseg reading every sync (host and interprocess event).
+# SHARE_ROUNDS rounds a race run (default 20); SHARE_PARTS picks parts (race capture sync).
+share_part() { [ -z "${SHARE_PARTS:-}" ] || [[ " $SHARE_PARTS " == *" $1 "* ]]; }
+share_run() { # name check env... -- args after --
+  local name=$1 check=$2; shift 2
+  local envs=() ; while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" python3 "$here/torch_share_exact.py" "$@" >"$logs/share_$name.log" 2>&1
+  local rc=$? line
+  line=$(grep '^{' "$logs/share_$name.log" | tail -n 1)
+  if [ $rc = 0 ] && [ -n "$check" ]; then
+    echo "$line" | python3 -c "import json,sys; o=json.loads(sys.stdin.read()); e=o['expseg']; sys.exit(0 if ($check) else 1)" 2>/dev/null || rc=1
+  fi
+  result "share_$name" $rc "$(echo "${line:-$(tail -n 2 "$logs/share_$name.log" | tr '\n' ' ')}" | cut -c1-330)"
+}
+if want share && torch_for share; then
+  r=${SHARE_ROUNDS:-20}
+  if share_part race; then
+    share_run race_raw_side_native "" -- race raw side "$r"
+    share_run race_reduce_side_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- race reduce side "$r"
+    for w in side default graph; do
+      share_run "race_raw_${w}" 'e["coalesce_compactions"] == 0 and e["coalesce_exports_split"] == 0' LD_PRELOAD="$lib" -- race raw "$w" "$r"
+    done
+    share_run race_raw_side_plain_consumer 'e["coalesce_compactions"] == 0' CONSUMER=plain LD_PRELOAD="$lib" -- race raw side "$r"
+    for w in side default; do
+      share_run "race_reduce_${w}" "" LD_PRELOAD="$lib" -- race reduce "$w" "$r"
+    done
+  fi
+  if share_part capture; then
+    share_run capture_native "" -- capture
+    share_run capture "" LD_PRELOAD="$lib" -- capture
+  fi
+  if share_part sync; then
+    share_run sync_512_host_native "" CONSUMER=plain -- sync 512 host
+    share_run sync_4096_event_native "" CONSUMER=plain -- sync 4096 event
+    for mib in 512 4096; do
+      for m in host event; do
+        share_run "sync_${mib}_${m}_plain" "" CONSUMER=plain LD_PRELOAD="$lib" -- sync "$mib" "$m"
+      done
+    done
+    share_run sync_512_host_expseg_consumer "" LD_PRELOAD="$lib" -- sync 512 host
+    # What keeping a plain consumer's view current costs: the same without it (reads stale).
+    EXPSEG_IPC_MIRROR_SYNC=off CONSUMER=plain LD_PRELOAD="$lib" python3 "$here/torch_share_exact.py" sync 4096 host >"$logs/share_sync_off.log" 2>&1
+    echo "INFO EXPSEG_IPC_MIRROR_SYNC=off, 4096 MiB, host: $(grep '^{' "$logs/share_sync_off.log" | cut -c1-300)"
+  fi
 fi
 # TWO_GPU_PARTS picks parts of it (stress race model ipc; unset: all): the whole section takes
 # more than 10 minutes with RACE_RUNS=20 (2 x H200), longer than one device call.
