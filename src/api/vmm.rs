@@ -254,21 +254,22 @@ pub fn set_access(va: u64, size: u64, descs: &[(i32, u32)]) -> Option<u32> {
 
 /// `cuMemExportToShareableHandle` of a page: the real handle to export.
 pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
-    if !is_virtual(vh) || !started() {
-        return None;
-    }
-    let mut v = lock();
-    if v.frozen_owns(vh) {
-        return Some(Err(FROZEN_USED));
-    }
-    let c = v.owner(vh)?;
-    let r = in_context(c, |c| c.export(vh));
-    record(c, Call::Export { vh }, &r);
-    Some(r.map_err(|e| e.0))
+    on_page(vh, Call::Export { vh }, |c| c.export(vh), |h| *h)
 }
 
 /// `cuMulticastBindMem` of a page: the real handle and the page's offset in it (nothing moves).
 pub fn bind_handle(vh: u64) -> Option<Result<(ChunkHandle, u64), u32>> {
+    on_page(vh, Call::Bind { vh }, |c| c.bind_handle(vh), |(h, _)| *h)
+}
+
+/// A call on page handle `vh` by its coalescer (`None`: not a page of ours), recorded with the
+/// handle `handle` takes from its answer.
+fn on_page<T>(
+    vh: u64,
+    call: Call<'_>,
+    f: impl FnOnce(&mut Coalescer<crate::gpu::cuda::CudaDriver>) -> crate::gpu::DrvResult<T>,
+    handle: impl Fn(&T) -> ChunkHandle,
+) -> Option<Result<T, u32>> {
     if !is_virtual(vh) || !started() {
         return None;
     }
@@ -277,8 +278,8 @@ pub fn bind_handle(vh: u64) -> Option<Result<(ChunkHandle, u64), u32>> {
         return Some(Err(FROZEN_USED));
     }
     let c = v.owner(vh)?;
-    let r = in_context(c, |c| c.bind_handle(vh));
-    record(c, Call::Bind { vh }, &r.map(|(h, _)| h));
+    let r = in_context(c, f);
+    record(c, call, &r.as_ref().map(&handle).map_err(|e| *e));
     Some(r.map_err(|e| e.0))
 }
 
