@@ -94,9 +94,22 @@ for sel in "--all" "--tree 999999999" "--gpu 0"; do
   case "$o" in "expseg paused: $sel: no expseg process found"*) [ $r = 1 ] ;; *) false ;; esac || { ok=1; echo "  paused $sel: rc $r: $o"; }
 done
 check "--all, --tree, --gpu that find no expseg process say so, exit 1" $ok
+o=$(EXPSEG_IPC_DIR=$work/ipc "$bin/expseg" pause 999999999 2>&1)
+r=$?
+[ $r = 1 ] && [ "$o" = "pid 999999999: pause failed: no such process" ]
+check "expseg pause PID of no process: says so plainly, exit 1" $? "rc $r: $o"
 out=$("$bin/expseg" doctor 2>&1)
 echo "$out" | grep -q "glibc needed by libexpseg.so .*($lib)"
 check "expseg doctor checks the installed library" $? "$(echo "$out" | grep glibc)"
+head -1 <<<"$out" | grep -q '^expseg can\(not\)\? work here'
+check "expseg doctor says its verdict first" $? "$(head -1 <<<"$out")"
+out=$(EXPSEG_DISABEL=1 "$bin/expseg" doctor --json 2>&1)
+case "$out" in
+  '{"verdict":'*'"unknown_variables":[{"variable":"EXPSEG_DISABEL","did_you_mean":"EXPSEG_DISABLE"}]}')
+    [ "$(wc -l <<<"$out")" = 1 ] && "$py" -c 'import json, sys; json.loads(sys.argv[1])' "$out" ;;
+  *) false ;;
+esac
+check "expseg doctor --json: one JSON object, the misspelled EXPSEG_DISABEL named" $? "$(head -c 300 <<<"$out")"
 
 # Stand-in CUDA: the fake runtime and driver of the preload tests.
 fakes=$work/fakes
@@ -160,9 +173,25 @@ r=$?; msg=$("$py" compare.py "$work/off.out" /dev/null off 2>&1) || r=1
 check "without expseg: active() is False and stats() says why" $r "$msg"
 EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c 'import expseg, sys; s = expseg.stats(); sys.exit(0 if not expseg.active() and "EXPSEG_DISABLE" in s["why"] else 1)' 2>/dev/null
 check "EXPSEG_DISABLE=1: active() is False, stats() names the variable" $?
+# pause() and resume() where expseg passes every call through: an error naming why, not 0.
+EXPSEG_DISABLE=1 LD_PRELOAD=$lib "$py" -c '
+import expseg, sys
+for f in (expseg.pause, expseg.resume):
+    try:
+        f()
+    except expseg.NotActive as e:
+        if "EXPSEG_DISABLE" not in str(e):
+            sys.exit(1)
+    else:
+        sys.exit(1)
+' 2>/dev/null
+check "EXPSEG_DISABLE=1: pause() and resume() raise NotActive, naming the variable" $?
 out=$(EXPSEG_DISABLE=2 LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active())' 2>&1)
 [ "$out" = "$(printf 'expseg: invalid EXPSEG_DISABLE="2" (expected 1/0, true/false, yes/no or on/off); using the default false\nTrue')" ]
 check "EXPSEG_DISABLE=2: one line naming it, and the default (active)" $? "$out"
+out=$(EXPSEG_DISABEL=1 LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active())' 2>&1)
+[ "$out" = "$(printf 'expseg: EXPSEG_DISABEL is not an expseg variable (did you mean EXPSEG_DISABLE?); ignored\nTrue')" ]
+check "EXPSEG_DISABEL=1 (misspelled): one line naming it and EXPSEG_DISABLE; expseg stays on" $? "$out"
 # No driver: where libcuda.so.1 cannot be loaded without the fakes (a machine without the
 # NVIDIA driver), expseg passes everything through and says so, as expseg doctor does.
 if env -u LD_LIBRARY_PATH "$py" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' 2>/dev/null; then

@@ -222,19 +222,290 @@ fn a_way_of_finding_processes_that_finds_none_says_so() {
 
 #[test]
 fn a_named_process_that_does_not_answer_is_a_failure_in_either_form() {
-    let o = expseg(&["paused", "999999999"]);
-    assert_eq!(o.status.code(), Some(1));
+    // A live process that is no expseg process: no answer.
+    let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = child.id().to_string();
+    let plain = expseg(&["paused", &pid]);
+    let json = expseg(&["paused", &pid, "--json"]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(plain.status.code(), Some(1));
     assert!(
-        err(&o).starts_with("pid 999999999: paused failed: no answer"),
+        err(&plain).starts_with(&format!("pid {pid}: paused failed: no answer")),
         "{}",
-        err(&o)
+        err(&plain)
     );
-    let o = expseg(&["paused", "999999999", "--json"]);
-    assert_eq!(o.status.code(), Some(1));
-    let line = out(&o);
+    assert_eq!(json.status.code(), Some(1));
+    let line = out(&json);
     assert!(
-        line.starts_with("{\"pid\":999999999,\"command\":\"paused\",\"error\":\"no answer")
-            && line.ends_with(",\"bytes\":0}\n"),
+        line.starts_with(&format!(
+            "{{\"pid\":{pid},\"command\":\"paused\",\"error\":\"no answer"
+        )) && line.ends_with(",\"bytes\":0}\n"),
         "{line}"
     );
+}
+
+#[test]
+fn a_named_process_that_does_not_exist_is_said_plainly() {
+    for cmd in ["pause", "resume", "paused"] {
+        let o = expseg(&[cmd, "999999999"]);
+        assert_eq!(o.status.code(), Some(1), "{cmd}");
+        assert_eq!(out(&o), "", "{cmd}");
+        assert_eq!(
+            err(&o),
+            format!("pid 999999999: {cmd} failed: no such process\n")
+        );
+        let o = expseg(&[cmd, "999999999", "--json"]);
+        assert_eq!(o.status.code(), Some(1), "{cmd}");
+        assert_eq!(
+            out(&o),
+            format!(
+                "{{\"pid\":999999999,\"command\":\"{cmd}\",\"error\":\"no such process\",\"bytes\":0}}\n"
+            )
+        );
+    }
+    // Numbers that would name process groups to kill(2), not a process.
+    for pid in ["0", "4000000000"] {
+        let o = expseg(&["paused", pid]);
+        assert_eq!(o.status.code(), Some(1), "{pid}");
+        assert_eq!(
+            err(&o),
+            format!("pid {pid}: paused failed: no such process\n")
+        );
+    }
+}
+
+/// `expseg doctor` in this test's environment plus `env` (whatever the machine: the
+/// configuration's rows do not need a GPU); exit 0 or 1.
+fn doctor(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut all = vec!["doctor"];
+    all.extend_from_slice(args);
+    let o = expseg_with(&all, env);
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "{:?}: {}",
+        o.status,
+        err(&o)
+    );
+    o
+}
+
+/// The findings are the doctor's output; on stderr at most the lines of the configuration's
+/// own reading, where a working driver's lookups reach expseg's hooks in the doctor.
+fn only_config_lines(o: &Output) {
+    let e = err(o);
+    assert!(e.lines().all(|l| l.starts_with("expseg: ")), "{e}");
+}
+
+#[test]
+fn doctor_names_a_misspelled_variable_with_the_closest_one() {
+    let o = doctor(&[], &[("EXPSEG_DISABEL", "1"), ("EXPSEG_LOG", "debug")]);
+    let text = out(&o);
+    only_config_lines(&o);
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("EXPSEG_DISABEL "))
+        .unwrap_or_else(|| panic!("no row: {text}"));
+    assert!(
+        row.contains(" warn ")
+            && row.ends_with(
+                "EXPSEG_DISABEL is not an expseg variable (did you mean EXPSEG_DISABLE?); ignored"
+            ),
+        "{row}"
+    );
+    // Known names (the tools' too), and an empty value, say nothing.
+    let o = doctor(
+        &[],
+        &[
+            ("EXPSEG_LIB", "/nonexistent/libexpseg.so"),
+            ("EXPSEG_REPORT_DIR", "/tmp"),
+            ("EXPSEG_DISABEL", ""),
+        ],
+    );
+    assert!(!out(&o).contains("not an expseg variable"), "{}", out(&o));
+}
+
+#[test]
+fn doctor_says_its_verdict_and_problems_first_and_defaults_last() {
+    let o = doctor(
+        &[],
+        &[
+            ("EXPSEG_DISABEL", "1"),
+            ("EXPSEG_CACHE_MAX", "lots"),
+            ("EXPSEG_LOG", "debug"),
+        ],
+    );
+    let text = out(&o);
+    let lines: Vec<&str> = text.lines().collect();
+    let works = o.status.code() == Some(0);
+    // Two warnings of the configuration's, and whatever the machine has.
+    assert!(
+        if works {
+            lines[0].starts_with("expseg can work here, with ")
+                && lines[0].ends_with(" warnings (below).")
+        } else {
+            lines[0]
+                == "expseg cannot work here (FAIL lines); programs run under it pass everything through."
+        },
+        "{text}"
+    );
+    let at = |what: &dyn Fn(&str) -> bool| {
+        lines
+            .iter()
+            .position(|l| what(l))
+            .unwrap_or_else(|| panic!("{text}"))
+    };
+    let problems = at(&|l| l.starts_with("problems "));
+    let bad = at(&|l| l.starts_with("EXPSEG_CACHE_MAX ") && l.contains(" warn "));
+    let unknown = at(&|l| l.starts_with("EXPSEG_DISABEL "));
+    let glibc = at(&|l| l.starts_with("glibc (system) "));
+    let set = at(&|l| l.starts_with("EXPSEG_LOG ") && l.ends_with(" debug"));
+    let default = at(&|l| l.starts_with("EXPSEG_DISABLE ") && l.ends_with("false (default)"));
+    assert!(
+        problems < bad && bad < glibc && unknown < glibc && glibc < set && set < default,
+        "{text}"
+    );
+    // Every row once, every default after every row that is not one.
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("EXPSEG_CACHE_MAX "))
+            .count(),
+        1
+    );
+    let first_default = at(&|l| l.ends_with(" (default)"));
+    assert!(
+        lines[first_default..]
+            .iter()
+            .all(|l| l.ends_with(" (default)")),
+        "{text}"
+    );
+    // Without problems, no problems table.
+    let o = doctor(&[], &[]);
+    if o.status.code() == Some(0) {
+        assert!(!out(&o).contains("\nproblems "), "{}", out(&o));
+    }
+}
+
+#[test]
+fn doctor_json_is_one_object_with_the_verdict_reasons_checks_and_configuration() {
+    let o = doctor(
+        &["--json"],
+        &[("EXPSEG_DISABEL", "1"), ("EXPSEG_CACHE_MAX", "lots")],
+    );
+    let text = out(&o);
+    only_config_lines(&o);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    let obj = text.trim_end();
+    json::check(obj).unwrap_or_else(|e| panic!("{e}: {obj}"));
+    let works = o.status.code() == Some(0);
+    assert!(
+        obj.starts_with(if works {
+            "{\"verdict\":\"warn\",\"works\":true,"
+        } else {
+            "{\"verdict\":\"fail\",\"works\":false,"
+        }),
+        "{obj}"
+    );
+    for part in [
+        "\"reasons\":[",
+        "{\"check\":\"EXPSEG_DISABEL\",\"verdict\":\"warn\",\"value\":\"EXPSEG_DISABEL is not an expseg variable (did you mean EXPSEG_DISABLE?); ignored\"}",
+        "\"checks\":[{\"check\":\"glibc (system)\",\"verdict\":\"info\",\"value\":",
+        "{\"variable\":\"EXPSEG_CACHE_MAX\",\"value\":\"0\",\"set\":true,\"problem\":\"invalid EXPSEG_CACHE_MAX=\\\"lots\\\"",
+        "{\"variable\":\"EXPSEG_DISABLE\",\"value\":\"false\",\"set\":false}",
+        "\"unknown_variables\":[{\"variable\":\"EXPSEG_DISABEL\",\"did_you_mean\":\"EXPSEG_DISABLE\"}]",
+    ] {
+        assert!(obj.contains(part), "{part} in {obj}");
+    }
+    // The same verdict and exit status as the table; --json with anything else is refused.
+    assert_eq!(doctor(&[], &[]).status, doctor(&["--json"], &[]).status);
+    refused(
+        &["doctor", "--json", "--frob"],
+        "expseg doctor: unknown option '--frob' (see 'expseg doctor --help')",
+    );
+}
+
+/// A JSON syntax check (no dependencies): one value, nothing after it.
+mod json {
+    pub fn check(s: &str) -> Result<(), String> {
+        let b = s.as_bytes();
+        let end = value(b, ws(b, 0))?;
+        match ws(b, end) == b.len() {
+            true => Ok(()),
+            false => Err(format!("text after the value at {end}")),
+        }
+    }
+
+    fn ws(b: &[u8], mut i: usize) -> usize {
+        while i < b.len() && b" \t\r\n".contains(&b[i]) {
+            i += 1;
+        }
+        i
+    }
+
+    fn value(b: &[u8], i: usize) -> Result<usize, String> {
+        let lit = |w: &[u8]| match b[i..].starts_with(w) {
+            true => Ok(i + w.len()),
+            false => Err(format!("bad literal at {i}")),
+        };
+        match b.get(i) {
+            Some(b'{') => seq(b, i, b'}', true),
+            Some(b'[') => seq(b, i, b']', false),
+            Some(b'"') => string(b, i),
+            Some(b't') => lit(b"true"),
+            Some(b'f') => lit(b"false"),
+            Some(b'n') => lit(b"null"),
+            Some(c) if c.is_ascii_digit() || *c == b'-' => {
+                let mut j = i + 1;
+                while j < b.len() && (b[j].is_ascii_digit() || b"+-.eE".contains(&b[j])) {
+                    j += 1;
+                }
+                Ok(j)
+            }
+            _ => Err(format!("no value at {i}")),
+        }
+    }
+
+    fn string(b: &[u8], mut i: usize) -> Result<usize, String> {
+        i += 1;
+        while i < b.len() {
+            match b[i] {
+                b'"' => return Ok(i + 1),
+                b'\\' => match b.get(i + 1) {
+                    Some(b'u') => i += 6,
+                    Some(c) if b"\"\\/bfnrt".contains(c) => i += 2,
+                    _ => return Err(format!("bad escape at {i}")),
+                },
+                c if c < 0x20 => return Err(format!("control character at {i}")),
+                _ => i += 1,
+            }
+        }
+        Err("unterminated string".into())
+    }
+
+    /// An object (`pairs`: string keys and a colon before each value) or an array.
+    fn seq(b: &[u8], i: usize, close: u8, pairs: bool) -> Result<usize, String> {
+        let mut i = ws(b, i + 1);
+        if b.get(i) == Some(&close) {
+            return Ok(i + 1);
+        }
+        loop {
+            if pairs {
+                if b.get(i) != Some(&b'"') {
+                    return Err(format!("no key at {i}"));
+                }
+                i = ws(b, string(b, i)?);
+                if b.get(i) != Some(&b':') {
+                    return Err(format!("no colon at {i}"));
+                }
+                i = ws(b, i + 1);
+            }
+            i = ws(b, value(b, i)?);
+            match b.get(i) {
+                Some(b',') => i = ws(b, i + 1),
+                Some(c) if *c == close => return Ok(i + 1),
+                _ => return Err(format!("expected , or {} at {i}", close as char)),
+            }
+        }
+    }
 }

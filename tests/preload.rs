@@ -710,6 +710,24 @@ fn ipc_moves_in_place_when_cudamalloc_lands_on_the_address() {
 }
 
 #[test]
+fn the_line_that_says_how_shares_reach_other_processes_comes_once_a_process() {
+    // A weight sync shares thousands of allocations: the first share is warned of, the rest
+    // only at debug level.
+    let r = run("ipc_many", &[("EXPSEG_IPC_TICKETS", "0")]).ok();
+    assert_eq!(r.get("share_failures"), "0");
+    let err = r.stderr();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("said for the first share only"), "{err}");
+    let r = run(
+        "ipc_many",
+        &[("EXPSEG_IPC_TICKETS", "0"), ("EXPSEG_LOG", "expseg=debug")],
+    )
+    .ok();
+    let shared = r.stderr().matches("is shared through a mirror").count();
+    assert_eq!(shared, 3, "each share at debug level\n{}", r.stderr());
+}
+
+#[test]
 fn ipc_falls_back_to_a_mirror_and_says_so_once() {
     // Tickets off: the plain mirror behaviour (tickets have their own tests).
     let r = run("ipc", &[("EXPSEG_IPC_TICKETS", "0")]).ok();

@@ -29,6 +29,9 @@ __all__ = [
     "resume",
     "paused",
     "tag",
+    "NotActive",
+    "PausedMemoryError",
+    "ResumeOutOfMemory",
     "library_path",
     "__version__",
 ]
@@ -143,6 +146,17 @@ def _tag_arg(tag):
     return tag.encode("utf-8")
 
 
+class NotActive(RuntimeError):
+    """pause() or resume() in a process where libexpseg.so is loaded but passes every call
+    through (``EXPSEG_DISABLE``, no NVIDIA driver, a driver without VMM, a forked child):
+    nothing can be paused there, and returning 0 would hide it until a later out-of-memory
+    error. ``why`` is ``stats()["why"]``."""
+
+    def __init__(self, what, why):
+        super().__init__(f"expseg.{what}(): expseg is loaded but passes every call through ({why}); nothing was paused or resumed")
+        self.why = why
+
+
 class PausedMemoryError(RuntimeError):
     """A pause or resume failed; ``code`` is the CUDA error code and ``bytes`` what it paused
     or resumed anyway. On resume nothing is lost: what could not be made stays paused with
@@ -162,6 +176,9 @@ class ResumeOutOfMemory(PausedMemoryError, MemoryError):
 def _call(what, f, *args):
     if f is None:
         raise RuntimeError(NOT_LOADED)
+    st = stats()
+    if st.get("active") is not True:
+        raise NotActive(what, st.get("why", "unknown"))
     nbytes = ctypes.c_uint64(0)
     secs = ctypes.c_double(0.0)
     code = f(*args, ctypes.byref(nbytes), ctypes.byref(secs))
@@ -195,7 +212,8 @@ def pause(tag=None, offload=True, empty_cache=True):
     With ``empty_cache`` (default), PyTorch's cached free blocks are given back first
     (``torch.cuda.empty_cache()``, when torch is imported and its CUDA started), so only
     live tensors are copied. Returns the bytes paused; pausing again pauses what is still
-    awake."""
+    awake. Raises ``NotActive`` where expseg is loaded but passes every call through (the
+    reason in the message and in ``stats()["why"]``)."""
     f = _function(
         "expseg_pause",
         [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)],
@@ -211,7 +229,8 @@ def resume(tag=None):
     """Make paused memory (all, or ``tag``'s) again at the same addresses and copy its bytes
     back (discarded memory comes back with undefined contents). Returns the bytes resumed
     (0 when nothing was paused). Raises ``ResumeOutOfMemory`` when the GPU has too little
-    free memory: nothing is lost, call again once it is free."""
+    free memory: nothing is lost, call again once it is free; ``NotActive`` where expseg
+    passes every call through."""
     f = _function(
         "expseg_resume",
         [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)],

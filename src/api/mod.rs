@@ -581,20 +581,8 @@ pub fn live_report_json(library: &str) -> String {
     let (status, pools) = if started {
         let mut st = lock();
         (status(&st), pool_stats(&mut st))
-    } else if config().disabled {
-        ("disabled by EXPSEG_DISABLE".to_string(), Vec::new())
-    } else if let Some(why) = state::pass_through_before_start() {
-        (why, Vec::new())
-    } else if !vmm::report_rows().is_empty() {
-        (
-            "coalescing PyTorch's pages (no cudaMalloc reached the pool)".to_string(),
-            Vec::new(),
-        )
     } else {
-        (
-            "pool not started yet (no cudaMalloc so far)".to_string(),
-            Vec::new(),
-        )
+        (state::not_started_status(true), Vec::new())
     };
     let why = if FORKED.load(Ordering::Relaxed) {
         Some("a forked child: CUDA state is not inherited, everything passes through".to_string())

@@ -392,6 +392,24 @@ pub(super) fn pass_through_before_start() -> Option<String> {
         .map(|why| format!("pass-through: {why}"))
 }
 
+/// What the report says of a process whose pool never started: why, where expseg knows it
+/// (`EXPSEG_DISABLE`, a driver library that is missing or lacks the VMM calls), else what
+/// served it instead (PyTorch's pages) or that no `cudaMalloc` came. `so_far`: the live
+/// report's words ("yet"), not the exit report's.
+pub(super) fn not_started_status(so_far: bool) -> String {
+    if config().disabled {
+        "disabled by EXPSEG_DISABLE".into()
+    } else if let Some(why) = pass_through_before_start() {
+        why
+    } else if !coalescers::report_rows().is_empty() {
+        "coalescing PyTorch's pages (no cudaMalloc reached the pool)".into()
+    } else if so_far {
+        "pool not started yet (no cudaMalloc so far)".into()
+    } else {
+        "pool never started (no cudaMalloc reached it)".into()
+    }
+}
+
 /// Counters of every pool that opened (frozen ones too: what they hold stays held).
 pub(super) fn pool_stats(st: &mut State) -> Vec<(i32, PoolStats)> {
     st.pools
@@ -436,16 +454,7 @@ pub fn write_exit_report() {
     }
     let (status, pools) = match guard.as_mut() {
         Some(st) => (status(st), pool_stats(st)),
-        None if !STATE_STARTED.load(Ordering::Acquire) => {
-            let why = if config().disabled {
-                "disabled by EXPSEG_DISABLE"
-            } else if !coalescers::report_rows().is_empty() {
-                "coalescing PyTorch's pages (no cudaMalloc reached the pool)"
-            } else {
-                "pool never started"
-            };
-            (why.into(), Vec::new())
-        }
+        None if !STATE_STARTED.load(Ordering::Acquire) => (not_started_status(false), Vec::new()),
         None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
     };
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);

@@ -283,3 +283,70 @@ fn every_variable_but_the_test_switches_is_in_docs_configuration_md() {
     );
     assert!(VARS.len() >= 30);
 }
+
+#[test]
+fn an_unknown_expseg_variable_is_named_with_the_closest_known_one() {
+    let env = [
+        ("EXPSEG_DISABEL", "1"),
+        ("EXPSEG_CACHE_MAX", "1G"),
+        ("EXPSEG_cache_max", "1G"),
+        ("EXPSEG_COALESCE_MARGN", "2G"),
+        ("EXPSEG_REPORTDIR", "/tmp/r"),
+        ("EXPSEG_TEST_PANICK", "cudaMalloc"),
+        ("PATH", "/usr/bin"),
+        ("MY_EXPSEG_DISABEL", "1"),
+        // Set but empty: as if unset, nothing to say.
+        ("EXPSEG_UNUSED", " "),
+    ];
+    let found = unknown_vars(env);
+    let pairs: Vec<(&str, &str)> = found.iter().map(|u| (u.name.as_str(), u.closest)).collect();
+    assert_eq!(
+        pairs,
+        [
+            ("EXPSEG_COALESCE_MARGN", "EXPSEG_COALESCE_MARGIN"),
+            ("EXPSEG_DISABEL", "EXPSEG_DISABLE"),
+            ("EXPSEG_REPORTDIR", "EXPSEG_REPORT_DIR"),
+            ("EXPSEG_TEST_PANICK", "EXPSEG_TEST_PANIC"),
+            ("EXPSEG_cache_max", "EXPSEG_CACHE_MAX"),
+        ]
+    );
+    // One line each, in the style of an invalid value's.
+    assert_eq!(
+        found[1].line(),
+        "expseg: EXPSEG_DISABEL is not an expseg variable (did you mean EXPSEG_DISABLE?); ignored"
+    );
+    assert!(found.iter().all(|u| !u.line().contains('\n')));
+}
+
+#[test]
+fn every_expseg_variable_that_expseg_or_its_tools_read_is_known() {
+    // The table (test switches too, in any build), the tools' and the tests' own.
+    let mut names: Vec<&str> = VARS.iter().map(|v| v.name).collect();
+    names.extend([
+        "EXPSEG_REPORT_DIR",
+        "EXPSEG_LIB",
+        "EXPSEG_CUDART",
+        "EXPSEG_PREBUILT",
+        "EXPSEG_WHEEL_PLAT",
+        "EXPSEG_ARCHES",
+        "EXPSEG_TEST_SEED",
+        "EXPSEG_TEST_SOAK",
+    ]);
+    // Every name docs/configuration.md gives.
+    let doc = include_str!("../../docs/configuration.md");
+    names.extend(doc.split('`').filter(|w| {
+        w.starts_with("EXPSEG_")
+            && w.len() > "EXPSEG_".len()
+            && w.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
+    }));
+    let unknown = unknown_vars(names.iter().map(|n| (n, "1")));
+    assert!(unknown.is_empty(), "{unknown:?}");
+}
+
+#[test]
+fn edit_distance_counts_a_swap_as_one() {
+    assert_eq!(edit_distance(b"DISABEL", b"DISABLE"), 1);
+    assert_eq!(edit_distance(b"", b"LOG"), 3);
+    assert_eq!(edit_distance(b"LOG", b"LOG"), 0);
+    assert_eq!(edit_distance(b"CACHE_SIZE", b"CACHE_MAX"), 4);
+}

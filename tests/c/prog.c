@@ -655,6 +655,17 @@ static int refresh_wait(void) {
   return 0;
 }
 
+/* Three allocations shared one after another: how many lines say how they are shared. */
+static int ipc_many(void) {
+  int bad = 0;
+  for (int i = 0; i < 3; i++) {
+    unsigned char* p = 0; CHECK(cudaMalloc((void**)&p, 4 * MIB) == 0);
+    unsigned char h[64]; bad += cudaIpcGetMemHandle(h, p) != 0;
+  }
+  printf("share_failures=%d\n", bad);
+  return 0;
+}
+
 /* Allocate, say so, and wait to be terminated. */
 static int wait_for_term(void) {
   void* p = 0; int rc = cudaMalloc(&p, 4 * MIB);
@@ -941,6 +952,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "slow_check_beside_a_move")) return slow_check_beside_a_move();
   if (!strcmp(s, "move_beside_check_malloc")) return move_beside_check_malloc();
   if (!strcmp(s, "ipc")) return ipc();
+  if (!strcmp(s, "ipc_many")) return ipc_many();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();
   if (!strcmp(s, "foreign")) return foreign();

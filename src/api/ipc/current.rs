@@ -24,7 +24,21 @@ pub(super) fn arm() {
     }
 }
 
-/// How current a mirror is kept, for the one warning per shared allocation.
+/// The level of the line that says how a share reaches other processes: a warning for the
+/// first share of the process, with the words that say later ones are not warned of, and a
+/// debug line for each later one (a weight sync shares thousands of allocations).
+pub(super) fn share_notice() -> (log::Level, &'static str) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    match SAID.swap(true, Ordering::AcqRel) {
+        false => (
+            log::Level::Warn,
+            " (said for the first share only; EXPSEG_LOG=expseg=debug names every one)",
+        ),
+        true => (log::Level::Debug, ""),
+    }
+}
+
+/// How current a mirror is kept, for the line that says how a share reaches other processes.
 pub(super) fn currency() -> &'static str {
     match config().ipc_mirror_sync {
         MirrorSync::Off => "copied at each cudaIpcGetMemHandle call only (EXPSEG_IPC_MIRROR_SYNC=off)",

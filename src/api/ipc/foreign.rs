@@ -158,8 +158,10 @@ fn share_foreign(t: &'static crate::real::DriverTable, ptr: u64) -> Option<Resul
                 if st.ipc.foreign.contains_key(&base) {
                     continue; // another thread shared this base meanwhile: start over
                 }
-                log::warn!(
-                    "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}",
+                let (level, once) = super::current::share_notice();
+                log::log!(
+                    level,
+                    "IPC: {base:#x} ({size} bytes in {} mapping(s)) is VMM memory expseg does not own (expandable_segments or another VMM allocator); {}{once}",
                     sizes.len(),
                     match (ticketed, &mirror) {
                         (true, Some(m)) => format!("consumers running expseg share it both ways; others get a mirror of its first {} bytes at {:#x}, {}, and their writes do not reach this process", m.size, m.ptr, super::current::currency()),

@@ -201,10 +201,13 @@ fn ticket_only(
     }
 }
 
-/// The one warning per mirrored pool allocation: what a plain consumer gets.
+/// What a plain consumer of a mirrored pool allocation gets: a warning for the process's
+/// first share, a debug line for later ones (`current::share_notice`).
 fn warn_mirrored(base: u64, size: u64, mirror: u64, ticketed: bool) {
-    log::warn!(
-        "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {mirror:#x}: a consumer without expseg reads a copy, {}, and its writes do not reach this process{}",
+    let (level, once) = super::current::share_notice();
+    log::log!(
+        level,
+        "IPC: allocation {base:#x} ({size} bytes) is shared through a mirror at {mirror:#x}: a consumer without expseg reads a copy, {}, and its writes do not reach this process{}{once}",
         super::current::currency(),
         if ticketed { " (consumers running expseg share it both ways)" } else { "" }
     );

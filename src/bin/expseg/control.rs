@@ -22,7 +22,7 @@ fn human(bytes: u64) -> String {
 }
 
 /// A JSON string literal.
-fn json_str(s: &str) -> String {
+pub(super) fn json_str(s: &str) -> String {
     let mut o = String::with_capacity(s.len() + 2);
     o.push('"');
     for c in s.chars() {
@@ -151,6 +151,15 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
     };
     for pid in pids {
         let found = !named.contains(&pid);
+        if !exists(pid) {
+            if found {
+                eprintln!("pid {pid}: no such process (it has exited): skipped");
+            } else {
+                ok = false;
+                fail(pid, "no such process".into(), 0);
+            }
+            continue;
+        }
         if let Some(owner) = owner_of(pid).filter(|o| *o != uid) {
             if found {
                 eprintln!("pid {pid}: belongs to uid {owner}: skipped");
@@ -241,6 +250,19 @@ fn refused(
         }
         Control::Query => why,
     }
+}
+
+/// Whether process `pid` exists (`kill(pid, 0)` answers anything but `ESRCH`: a process of
+/// another user answers `EPERM`, and one /proc does not show is still found).
+fn exists(pid: u32) -> bool {
+    // 0 and numbers past i32::MAX would name process groups, not a process.
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+    p > 0
+        && (unsafe { libc::kill(p, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH))
 }
 
 /// The uid that owns process `pid` (None: no such process visible).

@@ -1,6 +1,8 @@
-//! `expseg doctor`: can expseg work on this machine? A table with a verdict per line; exits 1
-//! when it cannot (no driver, no device it can serve, a library built for a newer glibc); a
-//! device it cannot serve beside others it can is a warning.
+//! `expseg doctor`: can expseg work on this machine? The verdict, then a table with a verdict
+//! per line, problems first and defaults last (`--json`: one object); exits 1 when it cannot
+//! (no driver, no device it can serve, a library built for a newer glibc); a device it cannot
+//! serve beside others it can, an invalid value and an `EXPSEG_*` variable expseg does not
+//! read are warnings.
 //!
 //! `expseg glibc FILE`: the highest glibc version FILE requires (the portable-build check).
 //!
@@ -8,8 +10,9 @@
 //! processes of the calling user, over their sockets (`expseg::ipc::control`). Processes
 //! found by `--tree`, `--gpu` or `--all` that are not expseg processes of the user's are
 //! skipped with a note, and a way of finding that finds none says so; a named PID that does
-//! not answer is a failure (exit 1), and so is finding none that answers. Sizes are printed
-//! for people (`16.2 GiB`), or in bytes as JSON lines with `--json`.
+//! not exist ("no such process") or does not answer is a failure (exit 1), and so is finding
+//! none that answers. Sizes are printed for people (`16.2 GiB`), or in bytes as JSON lines
+//! with `--json`.
 //!
 //! Every command answers `--help` (the same text as `expseg help CMD`); a command line it
 //! cannot read is named in one line with a hint, exit status 2, as git and cargo do.
@@ -30,37 +33,201 @@ enum Verdict {
     Fail,
 }
 
+impl Verdict {
+    fn tag(self) -> &'static str {
+        match self {
+            Verdict::Info => "info",
+            Verdict::Ok => "ok",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "FAIL",
+        }
+    }
+}
+
+/// One line of the table: what was checked, its verdict, what was found.
+struct Row {
+    check: String,
+    value: String,
+    verdict: Verdict,
+}
+
+/// An `EXPSEG_*` variable of the library's table: its effective value, whether it is set, and
+/// what is wrong with what is set (an invalid value: the default is used).
+struct ConfigRow {
+    name: &'static str,
+    value: String,
+    set: bool,
+    problem: Option<String>,
+}
+
+impl ConfigRow {
+    fn row(&self) -> Row {
+        match &self.problem {
+            Some(p) => Row {
+                check: self.name.into(),
+                value: p.clone(),
+                verdict: Verdict::Warn,
+            },
+            None => Row {
+                check: self.name.into(),
+                value: format!("{}{}", self.value, if self.set { "" } else { " (default)" }),
+                verdict: Verdict::Info,
+            },
+        }
+    }
+}
+
+/// What `expseg doctor` found: the machine's checks, the configuration, and the `EXPSEG_*`
+/// variables expseg does not read.
 struct Report {
-    rows: Vec<(String, String, Verdict)>,
+    rows: Vec<Row>,
+    config: Vec<ConfigRow>,
+    unknown: Vec<expseg::config::Unknown>,
 }
 
 impl Report {
-    fn add(&mut self, check: impl Into<String>, value: impl Into<String>, v: Verdict) {
-        self.rows.push((check.into(), value.into(), v));
+    fn add(&mut self, check: impl Into<String>, value: impl Into<String>, verdict: Verdict) {
+        self.rows.push(Row {
+            check: check.into(),
+            value: value.into(),
+            verdict,
+        });
     }
 
-    fn print(&self) -> bool {
-        let w = self.rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
-        println!("{:<w$}  {:<7}  value", "check", "verdict");
-        for (check, value, v) in &self.rows {
-            let tag = match v {
-                Verdict::Info => "info",
-                Verdict::Ok => "ok",
-                Verdict::Warn => "warn",
-                Verdict::Fail => "FAIL",
-            };
-            println!("{check:<w$}  {tag:<7}  {value}");
+    fn works(&self) -> bool {
+        self.rows.iter().all(|r| r.verdict != Verdict::Fail)
+    }
+
+    /// Why the verdict is what it is: the FAIL lines, then the warnings (the machine's, invalid
+    /// values, unknown variables).
+    fn reasons(&self) -> Vec<Row> {
+        let mut out: Vec<Row> = Vec::new();
+        for v in [Verdict::Fail, Verdict::Warn] {
+            out.extend(self.rows.iter().filter(|r| r.verdict == v).map(|r| Row {
+                check: r.check.clone(),
+                value: r.value.clone(),
+                verdict: r.verdict,
+            }));
         }
-        let failed = self.rows.iter().any(|r| r.2 == Verdict::Fail);
-        println!(
-            "\n{}",
-            if failed {
-                "expseg cannot work here (FAIL lines); programs run under it pass everything through."
-            } else {
-                "expseg can work here."
-            }
+        out.extend(
+            self.config
+                .iter()
+                .filter(|c| c.problem.is_some())
+                .map(ConfigRow::row),
         );
-        !failed
+        out.extend(self.unknown.iter().map(|u| Row {
+            check: u.name.clone(),
+            value: u.message(),
+            verdict: Verdict::Warn,
+        }));
+        out
+    }
+
+    /// The verdict in one line.
+    fn summary(&self) -> String {
+        let warnings = self.reasons().len();
+        if !self.works() {
+            "expseg cannot work here (FAIL lines); programs run under it pass everything through."
+                .into()
+        } else if warnings > 0 {
+            let s = if warnings == 1 { "" } else { "s" };
+            format!("expseg can work here, with {warnings} warning{s} (below).")
+        } else {
+            "expseg can work here.".into()
+        }
+    }
+
+    /// For people: the verdict first, then what is wrong, the machine's other checks, the
+    /// variables set, and the defaults last; one table, each row once.
+    fn print(&self) {
+        let reasons = self.reasons();
+        let machine: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| r.verdict <= Verdict::Ok)
+            .collect();
+        let fine = |set: bool| -> Vec<Row> {
+            self.config
+                .iter()
+                .filter(|c| c.problem.is_none() && c.set == set)
+                .map(ConfigRow::row)
+                .collect()
+        };
+        let (set, defaults) = (fine(true), fine(false));
+        let w = reasons
+            .iter()
+            .chain(machine.iter().copied())
+            .chain(&set)
+            .chain(&defaults)
+            .map(|r| r.check.len())
+            .chain(["configuration".len()])
+            .max()
+            .unwrap_or(0);
+        let table = |title: &str, rows: &mut dyn Iterator<Item = &Row>| {
+            println!("\n{title:<w$}  {:<7}  value", "verdict");
+            for r in rows {
+                let (check, tag, value) = (&r.check, r.verdict.tag(), &r.value);
+                println!("{check:<w$}  {tag:<7}  {value}");
+            }
+        };
+        println!("{}", self.summary());
+        if !reasons.is_empty() {
+            table("problems", &mut reasons.iter());
+        }
+        table("check", &mut machine.into_iter());
+        table("configuration", &mut set.iter().chain(&defaults));
+    }
+
+    /// One JSON object: the verdict, the reasons, the machine's checks, the configuration and
+    /// the unknown variables.
+    fn json(&self) -> String {
+        use control::json_str;
+        let row = |r: &Row| {
+            format!(
+                "{{\"check\":{},\"verdict\":{},\"value\":{}}}",
+                json_str(&r.check),
+                json_str(&r.verdict.tag().to_ascii_lowercase()),
+                json_str(&r.value)
+            )
+        };
+        let list = |items: Vec<String>| format!("[{}]", items.join(","));
+        let reasons = self.reasons();
+        let verdict = if !self.works() {
+            "fail"
+        } else if reasons.is_empty() {
+            "ok"
+        } else {
+            "warn"
+        };
+        let config = self.config.iter().map(|c| {
+            let problem = c
+                .problem
+                .as_ref()
+                .map_or(String::new(), |p| format!(",\"problem\":{}", json_str(p)));
+            format!(
+                "{{\"variable\":{},\"value\":{},\"set\":{}{problem}}}",
+                json_str(c.name),
+                json_str(&c.value),
+                c.set
+            )
+        });
+        let unknown = self.unknown.iter().map(|u| {
+            format!(
+                "{{\"variable\":{},\"did_you_mean\":{}}}",
+                json_str(&u.name),
+                json_str(u.closest)
+            )
+        });
+        format!(
+            "{{\"verdict\":{},\"works\":{},\"summary\":{},\"reasons\":{},\"checks\":{},\"config\":{},\"unknown_variables\":{}}}",
+            json_str(verdict),
+            self.works(),
+            json_str(&self.summary()),
+            list(reasons.iter().map(row).collect()),
+            list(self.rows.iter().map(row).collect()),
+            list(config.collect()),
+            list(unknown.collect()),
+        )
     }
 }
 
@@ -349,21 +516,27 @@ fn check_config(r: &mut Report) {
         if name.starts_with("EXPSEG_TEST_") && value.is_empty() {
             continue;
         }
-        let set = std::env::var(name).is_ok();
-        let invalid = bad.iter().find(|l| l.contains(&format!("invalid {name}=")));
-        match invalid {
-            Some(l) => r.add(name, l.trim_start_matches("expseg: "), Verdict::Warn),
-            None => r.add(
-                name,
-                format!("{value}{}", if set { "" } else { " (default)" }),
-                Verdict::Info,
-            ),
-        }
+        let problem = bad
+            .iter()
+            .find(|l| l.contains(&format!("invalid {name}=")))
+            .map(|l| l.trim_start_matches("expseg: ").to_string());
+        r.config.push(ConfigRow {
+            name,
+            value,
+            // An empty value is as if unset.
+            set: std::env::var_os(name).is_some_and(|v| !v.to_string_lossy().trim().is_empty()),
+            problem,
+        });
     }
+    r.unknown = expseg::config::unknown_vars(std::env::vars_os());
 }
 
-fn doctor() -> ExitCode {
-    let mut r = Report { rows: Vec::new() };
+fn doctor(json: bool) -> ExitCode {
+    let mut r = Report {
+        rows: Vec::new(),
+        config: Vec::new(),
+        unknown: Vec::new(),
+    };
     let lib = std::env::var_os("EXPSEG_LIB")
         .map(PathBuf::from)
         .unwrap_or_else(|| exe_dir().join("libexpseg.so"));
@@ -386,11 +559,16 @@ fn doctor() -> ExitCode {
         }
     }
     check_pidfd(&mut r);
-    if r.rows.iter().all(|x| x.2 != Verdict::Fail) {
+    if r.works() {
         check_ipc(&mut r, cudart);
     }
     check_config(&mut r);
-    if r.print() {
+    if json {
+        println!("{}", r.json());
+    } else {
+        r.print();
+    }
+    if r.works() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -417,13 +595,27 @@ The EXPSEG_* variables are listed in docs/configuration.md.
 ";
 
 const DOCTOR_HELP: &str = "\
-usage: expseg doctor
+usage: expseg doctor [--json]
 
 Can expseg work on this machine? One verdict per line (ok, info, warn, FAIL): the system's
 glibc and the one libexpseg.so needs, the NVIDIA driver's CUDA version, each device's VMM
 support, POSIX-fd handles, granularity and export, whether pidfd_getfd is permitted, whether
 a ticketed IPC handle opens in a child process, which libcudart a PyTorch process loads, and
-every EXPSEG_* variable with its effective value (invalid values named).
+every EXPSEG_* variable with its effective value (invalid values named, and set variables
+that expseg does not read, with the closest name it does).
+
+output:
+  the verdict first, then the problems (FAIL and warn lines), the other checks, the
+  variables set, and the defaults last;
+  --json: one JSON object instead:
+    {\"verdict\":\"ok\",\"works\":true,\"summary\":\"expseg can work here.\",\"reasons\":[],
+     \"checks\":[{\"check\":\"devices\",\"verdict\":\"ok\",\"value\":\"1\"},...],
+     \"config\":[{\"variable\":\"EXPSEG_CACHE_MAX\",\"value\":\"0\",\"set\":false},...],
+     \"unknown_variables\":[]}
+  verdict is ok, warn or fail; reasons are the problems' lines, as in checks; a config
+  entry with an invalid value has a \"problem\" (value is the default used); a variable
+  expseg does not read is an entry of unknown_variables:
+    {\"variable\":\"EXPSEG_DISABEL\",\"did_you_mean\":\"EXPSEG_DISABLE\"}
 
 The library checked is $EXPSEG_LIB, else the libexpseg.so next to this program.
 Exit status: 0 when expseg can work here, 1 when it cannot (FAIL lines).
@@ -452,8 +644,8 @@ output:
     {\"pid\":4242,\"command\":\"pause\",\"bytes\":17421041664,\"seconds\":0.871}
     {\"pid\":4243,\"command\":\"pause\",\"error\":\"...\",\"bytes\":0}  (bytes done before it failed)
 
-Exit status: 0; 1 when a named PID does not answer or a request fails, or when no expseg
-process is found; 2 for a command line it cannot read.
+Exit status: 0; 1 when a named PID does not exist or does not answer or a request fails, or
+when no expseg process is found; 2 for a command line it cannot read.
 ";
 
 const PAUSE_HELP: &str = "\
@@ -558,8 +750,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     match first {
-        "doctor" => match rest.first() {
-            None => doctor(),
+        "doctor" => match rest.iter().find(|a| *a != "--json") {
+            None => doctor(!rest.is_empty()),
+            Some(a) if a.starts_with('-') => {
+                bad_usage(Some("doctor"), &format!("unknown option '{a}'"))
+            }
             Some(a) => bad_usage(Some("doctor"), &format!("unknown argument '{a}'")),
         },
         "glibc" => match rest {
