@@ -80,12 +80,28 @@ check() { # NAME KIND RC [DETAIL]
 }
 py=$(command -v python3)
 probe=$standins/probe.py
+# Whether this machine has an NVIDIA driver as expseg-run judges it: the dynamic loader finds a
+# libcuda.so.1. Without one (CI), expseg-run leaves PyTorch's allocator alone (expseg passes
+# every call through there) and tells the library to (EXPSEG_TORCH_DEFAULTS=0), so every
+# process it starts, through any launcher, must see no PYTORCH_CUDA_ALLOC_CONF; with one, each
+# must see expandable_segments:True.
+driver_here=1
+case "$(LD_PRELOAD=libcuda.so.1 /bin/true 2>&1)" in *"cannot be preloaded"*) driver_here= ;; esac
+if [ -n "$driver_here" ]; then torch_alloc="expandable segments"; else torch_alloc="PyTorch's allocator left alone (no driver here)"; fi
 # verify OUT ARGS...: verify.py's verdict as the exit status, its complaint (and the output's
-# tail when no process reported) in $why.
+# tail when no process reported) in $why. --torch (processes started by expseg-run): where
+# there is no driver, every process's PYTORCH_CUDA_ALLOC_CONF is unset instead.
 verify() {
-  local out=$1; shift
-  why=$("$py" "$standins/verify.py" "$out" --lib "$lib" ${torch_job:+--torch-job} "$@" 2>&1)
+  local out=$1 a args=() unset_alloc=; shift
+  for a in "$@"; do
+    if [ "$a" = --torch ] && [ -z "$driver_here" ]; then unset_alloc=1; else args+=("$a"); fi
+  done
+  why=$("$py" "$standins/verify.py" "$out" --lib "$lib" ${torch_job:+--torch-job} "${args[@]}" 2>&1)
   local r=$?
+  if [ -n "$unset_alloc" ] && grep -o ' alloc=[^ ]*' "$out" | grep -qv '^ alloc=-$'; then
+    why="${why:+$why; }PYTORCH_CUDA_ALLOC_CONF set without a driver: $(grep -o ' alloc=[^ ]*' "$out" | sort | uniq -c | tr '\n' ' ')"
+    r=1
+  fi
   [ $r = 0 ] || why="$why | output: $(grep -v '^PROBE' "$out" | tail -n 4 | tr '\n' ' ')"
   return $r
 }
@@ -166,7 +182,68 @@ check "LD_PRELOAD=\$lib python3: loaded, serves cudaMalloc, writes its report" r
 newdir run
 "$here/expseg-run" "$py" "$probe" >>out 2>&1
 verify out --n 1 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
-check "expseg-run python3: library, EXPSEG_REPORT=./expseg-reports/rank%r-pid%p.txt, expandable segments" real $? "$why"
+check "expseg-run python3: library, EXPSEG_REPORT=./expseg-reports/rank%r-pid%p.txt, $torch_alloc" real $? "$why"
+
+# expseg-run's command line: `--` ends its options, and what follows is the command, also one
+# whose name starts with -; no command, or one that cannot be found, is one line (no script
+# line number) with a shell's exit status.
+newdir run-dash
+mkdir -p bin && printf '#!/bin/sh\nexec %s %s "$@"\n' "$py" "$probe" >bin/-probe && chmod +x bin/-probe
+PATH=$PWD/bin:$PATH "$here/expseg-run" -- -probe >>out 2>&1
+verify out --n 1 --report "$PWD/expseg-reports/rank%r-pid%p.txt" --files --torch
+check "expseg-run -- -probe: a command whose name starts with - runs under expseg" real $? "$why"
+# said WANT_RC WANT_STDERR COMMAND...: COMMAND prints nothing on stdout, exactly WANT_STDERR (one
+# line) on stderr, and exits WANT_RC; else $why says what it did.
+said() {
+  local rc=$1 want=$2 o e r; shift 2
+  o=$("$@" 2>stderr); r=$?; e=$(cat stderr)
+  [ "$r" = "$rc" ] && [ -z "$o" ] && [ "$e" = "$want" ] && return 0
+  why="$why${why:+ | }$*: rc $r (want $rc), stdout '$o', stderr '$e' (want '$want')"
+  return 1
+}
+newdir run-usage
+why= r=0
+missing="expseg-run: CMD missing (usage: expseg-run [--] CMD [ARGS...]; see 'expseg-run --help')"
+said 2 "$missing" "$here/expseg-run" || r=1
+said 2 "$missing" "$here/expseg-run" -- || r=1
+said 127 "expseg-run: no-such-command-4711: command not found" "$here/expseg-run" no-such-command-4711 || r=1
+said 127 "expseg-run: -h: command not found" "$here/expseg-run" -- -h || r=1
+said 127 "expseg-run: ./no-such-file: No such file or directory" "$here/expseg-run" ./no-such-file || r=1
+touch not-executable
+said 126 "expseg-run: ./not-executable: Permission denied" "$here/expseg-run" ./not-executable || r=1
+[ ! -e expseg-reports ] || { r=1; why="$why | ./expseg-reports made for a command that did not run"; }
+check "expseg-run, expseg-run --, a command not found or not executable: one line, exit 2, 127 or 126" real $r "$why"
+
+# PyTorch's allocator: expandable segments only where expseg can work. The child's
+# PYTORCH_CUDA_ALLOC_CONF is what the program sees (expseg-run's export, or the library's own
+# default at load time), and expseg-run says once what it did.
+newdir run-alloc
+alloc() { # [VAR=VALUE...]: what expseg-run's child sees, and expseg-run's lines on stderr
+  got=$(env "$@" "$here/expseg-run" sh -c 'echo "${PYTORCH_CUDA_ALLOC_CONF:--} ${EXPSEG_TORCH_DEFAULTS:--}"' 2>stderr)
+  lines=$(cat stderr)
+}
+why= r=0
+alloc EXPSEG_DISABLE=1
+[ "$got" = "- -" ] && [ "$lines" = "expseg-run: EXPSEG_DISABLE=1: PyTorch's allocator left as it is" ] ||
+  { r=1; why="EXPSEG_DISABLE=1: child sees '$got', expseg-run said '$lines'"; }
+check "EXPSEG_DISABLE=1 expseg-run: PyTorch's allocator left alone, said in one line" real $r "$why"
+# A driver for the loader: the fake libcuda.so.1, through LD_LIBRARY_PATH.
+why= r=0
+alloc LD_LIBRARY_PATH="$work/fakes${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ "$got" = "expandable_segments:True -" ] && [ "$(grep -c 'expandable_segments:True' stderr)" = 1 ] &&
+  [ "$(wc -l <stderr)" = 1 ] || { r=1; why="child sees '$got', expseg-run said '$lines'"; }
+check "expseg-run where libcuda.so.1 loads: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, said in one line" real $r "$why"
+if [ -z "$driver_here" ]; then
+  why= r=0
+  alloc
+  [ "$got" = "- 0" ] && [ "$lines" = "expseg-run: no NVIDIA driver here (libcuda.so.1 cannot be loaded): PyTorch's allocator left as it is" ] ||
+    { r=1; why="no driver: child sees '$got', expseg-run said '$lines'"; }
+  alloc EXPSEG_TORCH_DEFAULTS=1
+  [ "$got" = "expandable_segments:True 1" ] || { r=1; why="$why | EXPSEG_TORCH_DEFAULTS=1: child sees '$got', expseg-run said '$lines'"; }
+  check "expseg-run without a driver: PyTorch's allocator left alone (EXPSEG_TORCH_DEFAULTS=0 for the library), said in one line; EXPSEG_TORCH_DEFAULTS=1 applies it" real $r "$why"
+else
+  echo "SKIP expseg-run without a driver: libcuda.so.1 loads here"
+fi
 
 # 3. torchrun under expseg-run: every worker.
 use torchrun
@@ -321,6 +398,14 @@ done
 PATH=$path "$here/expseg-srun" --export="EXPSEG_LIB,EXPSEG_REPORT_DIR,$probe_vars" -N 1 --ntasks-per-node=2 -- "$py" "$probe" >>out 2>&1
 verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
 check "expseg-srun --export=EXPSEG_LIB,EXPSEG_REPORT_DIR,...: every task under expseg with only the listed variables" "$kind" $? "$why"
+
+# expseg-srun -- CMD where CMD's name starts with -: each task's expseg-run takes it as the command.
+use srun
+newdir srun-dash
+mkdir -p bin && printf '#!/bin/sh\nexec %s %s "$@"\n' "$py" "$probe" >bin/-probe && chmod +x bin/-probe
+PATH=$PWD/bin:$path "$here/expseg-srun" -N 1 --ntasks-per-node=2 -- -probe >>out 2>&1
+verify out --n 2 --ranks --report "$PWD/expseg-reports/rank{rank}-local{local}-pid%p.txt" --files --torch
+check "expseg-srun -N 1 --ntasks-per-node=2 -- -probe: a command whose name starts with -, every task under expseg" "$kind" $? "$why"
 
 # torchrun under Slurm, one agent per node: each agent's workers inherit its task's report name.
 use torchrun; tkind=$kind; tdir=$dir

@@ -80,8 +80,24 @@ refused "expseg: unknown command 'frobnicate' (see 'expseg --help')" "$bin/expse
   refused "expseg pause: unknown option '--frob' (see 'expseg pause --help')" "$bin/expseg" pause --frob &&
   refused "expseg paused: unknown argument '12x' (see 'expseg paused --help')" "$py" -m expseg paused 12x &&
   refused "expseg-run: unknown option '--frob' (see 'expseg-run --help')" "$bin/expseg-run" --frob &&
+  refused "expseg-run: CMD missing (usage: expseg-run [--] CMD [ARGS...]; see 'expseg-run --help')" "$bin/expseg-run" &&
+  refused "expseg-run: CMD missing (usage: expseg-run [--] CMD [ARGS...]; see 'expseg-run --help')" "$bin/expseg-run" -- &&
   refused "expseg-report-merge: unknown option '--frob' (see 'expseg-report-merge --help')" "$bin/expseg-report-merge" --frob
 check "unknown commands, options and arguments: one line with a hint, exit 2" $?
+# expseg-run: `--` ends its options, so a command may start with -; a command not found is one
+# line, as a shell says it, with a shell's exit status 127 (no script name or line number).
+mkdir -p "$work/dash"
+printf '#!/bin/sh\necho "ran $*"\n' >"$work/dash/-tool" && chmod +x "$work/dash/-tool"
+ok=0
+for t in "no-such-command-4711" "-- no-such-command-4711" "-- -h"; do
+  set -- $t
+  want="expseg-run: ${!#}: command not found"
+  o=$(EXPSEG_REPORT=none "$bin/expseg-run" "$@" 2>"$work/nf.err"); r=$?; e=$(cat "$work/nf.err")
+  [ $r = 127 ] && [ -z "$o" ] && [ "$e" = "$want" ] || { ok=1; echo "  expseg-run $t: rc $r, stdout '$o', stderr '$e' (want '$want', 127)"; }
+done
+o=$(PATH="$work/dash:$PATH" EXPSEG_REPORT=none "$bin/expseg-run" -- -tool a b 2>"$work/nf.err"); r=$?
+[ $r = 0 ] && [ "$o" = "ran a b" ] || { ok=1; echo "  expseg-run -- -tool a b: rc $r, stdout '$o', stderr '$(cat "$work/nf.err")'"; }
+check "expseg-run -- -CMD runs -CMD; a command not found: one line, exit 127" $ok
 mkdir -p "$work/ipc" "$work/smi"
 printf '#!/bin/sh
 case "$1" in --query-gpu=*) echo "0, GPU-0000" ;; esac
@@ -200,6 +216,11 @@ else
   out=$(env -u LD_LIBRARY_PATH LD_PRELOAD=$lib "$py" -c 'import expseg; print(expseg.active(), expseg.stats().get("why"))' 2>&1)
   [ "$out" = "False pass-through: libcuda.so.1 cannot be loaded" ]
   check "no NVIDIA driver: active() is False, stats() says why" $? "$out"
+  # There expandable segments would cost step time and buy nothing: expseg-run leaves PyTorch's
+  # allocator alone (the library too, told by EXPSEG_TORCH_DEFAULTS=0) and says so once.
+  out=$(env -u LD_LIBRARY_PATH EXPSEG_REPORT=none "$bin/expseg-run" "$py" -c 'import os; print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))' 2>"$work/nodrv.err")
+  [ "$out" = None ] && [ "$(cat "$work/nodrv.err")" = "expseg-run: no NVIDIA driver here (libcuda.so.1 cannot be loaded): PyTorch's allocator left as it is" ]
+  check "no NVIDIA driver: expseg-run leaves PyTorch's allocator alone, in one line" $? "PYTORCH_CUDA_ALLOC_CONF=$out; $(head -3 "$work/nodrv.err")"
 fi
 cat >"$work/trim.py" <<'PY'
 import ctypes, sys
