@@ -154,20 +154,27 @@ fn fixture() -> &'static Fixture {
         );
         cc(&["-O1", "-o", "sockpoke", &s("sockpoke.c")], &dir);
         // `cargo test` builds the crate as an rlib only: build the cdylib of this very source,
-        // with the test switches (EXPSEG_TEST_*), which builds without the feature ignore.
-        // The test binary is target/<profile>/deps/preload-*; the library goes to target/<profile>.
+        // with the test switches (EXPSEG_TEST_*), which builds without the feature ignore, and
+        // the programs next to it (the ticket check's helper it runs, `expseg doctor`, which
+        // checks the library beside it). In a target directory of its own
+        // (target/test-switches/<profile>): the user's `cargo build [--release]` library,
+        // which `expseg-run` picks up, is never replaced by this one, nor raced by the build.
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().unwrap().parent().unwrap();
+        let profile = profile_dir.file_name().unwrap().to_os_string();
+        let target = profile_dir.parent().unwrap().join("test-switches");
         let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
         build
-            .args(["build", "--lib", "--quiet", "--features", "test-switches"])
+            .args(["build", "--lib", "--bins", "--quiet"])
+            .args(["--features", "test-switches", "--target-dir"])
+            .arg(&target)
             .current_dir(env!("CARGO_MANIFEST_DIR"));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
+        if profile == "release" {
             build.arg("--release");
         }
         let status = build.status().expect("run cargo build");
         assert!(status.success(), "cargo build --lib failed");
-        let shim = profile_dir.join("libexpseg.so");
+        let shim = target.join(&profile).join("libexpseg.so");
         assert!(
             shim.exists(),
             "{} is missing after the build",
