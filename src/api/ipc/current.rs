@@ -46,9 +46,11 @@ pub(super) fn currency() -> &'static str {
     }
 }
 
-/// Whether a synchronize of the program's has mirrors to bring up to date (one load).
+/// Whether a synchronize of the program's has mirrors to bring up to date (one load while no
+/// mirror was made). Never in a forked child: it passes everything through, and a lock another
+/// thread held at the fork would never be let go there.
 pub fn sync_armed() -> bool {
-    ARMED.load(Ordering::Relaxed)
+    ARMED.load(Ordering::Relaxed) && !crate::api::state::forked()
 }
 
 /// Events the program made handles of for other processes (`cuIpcGetEventHandle`), at most
@@ -65,6 +67,9 @@ pub fn ipc_events_seen() -> bool {
 
 /// The program made a handle of `event` for another process.
 pub fn note_ipc_event(event: usize) {
+    if crate::api::state::forked() {
+        return;
+    }
     let mut v = IPC_EVENTS.lock().unwrap_or_else(|e| e.into_inner());
     if !v.contains(&event) {
         if v.len() == IPC_EVENTS_KEPT {
