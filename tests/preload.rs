@@ -240,6 +240,15 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
         // that shared-runtime programs are served once whatever the default. "<unset>"
         // removes it.
         .env("EXPSEG_DRIVER_API", "1");
+    // The per-user socket directory inside the fixture (a test program killed at its limit, or
+    // by its test, leaves its socket behind): /tmp stays clean. A test that names a place of
+    // its own (EXPSEG_IPC_DIR, XDG_RUNTIME_DIR) gets that.
+    if !env
+        .iter()
+        .any(|(k, _)| *k == "EXPSEG_IPC_DIR" || *k == "XDG_RUNTIME_DIR")
+    {
+        c.env("EXPSEG_IPC_DIR", ipc_dir(false));
+    }
     for (k, v) in env {
         if *v == "<unset>" {
             c.env_remove(k);
@@ -250,6 +259,20 @@ fn run_in(libdir: &Path, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Run
     Run {
         out: output_within(c, RUN_LIMIT),
     }
+}
+
+/// Where the test programs' per-user socket directories go (`EXPSEG_IPC_DIR`) instead of
+/// /tmp: in the fixture, sticky and open to all (`shared`: for programs run as another user)
+/// or the test user's own.
+fn ipc_dir(shared: bool) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = fixture()
+        .dir
+        .join(if shared { "ipc-shared" } else { "ipc" });
+    std::fs::create_dir_all(&dir).unwrap();
+    let mode = if shared { 0o1777 } else { 0o700 };
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+    dir
 }
 
 /// The longest a test program may run: a deadlock fails its test instead of hanging the suite.
@@ -2096,6 +2119,8 @@ fn terminated(env: &[(&str, &str)]) -> std::process::ExitStatus {
         .env("PATH", "/usr/bin:/bin")
         .env("LD_LIBRARY_PATH", &f.dir)
         .env("LD_PRELOAD", &f.shim)
+        // Killed, it leaves its socket: in the fixture, not in /tmp.
+        .env("EXPSEG_IPC_DIR", ipc_dir(false))
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -2365,7 +2390,9 @@ fn pages_unprivileged(what: &str, env: &[(&str, &str)]) -> Option<Run> {
         .env("LD_LIBRARY_PATH", &f.dir)
         .env("LD_PRELOAD", &f.shim)
         .env("FAKE_MEMINFO_REAL", "1")
-        .env("FAKE_CAPACITY", "4294967296");
+        .env("FAKE_CAPACITY", "4294967296")
+        // The unprivileged user's socket directory in the fixture, not in /tmp.
+        .env("EXPSEG_IPC_DIR", ipc_dir(true));
     for (k, v) in env {
         c.env(k, v);
     }
