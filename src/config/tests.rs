@@ -1,5 +1,6 @@
 //! Tests of the `EXPSEG_*` table: defaults, parsing, invalid values, the test switches.
 
+use super::names::edit_distance;
 use super::*;
 use std::collections::HashMap;
 

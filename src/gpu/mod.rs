@@ -8,6 +8,7 @@
 pub mod cuda;
 pub mod fake;
 pub mod fence;
+pub mod stream;
 
 use std::fmt;
 

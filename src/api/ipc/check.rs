@@ -39,7 +39,7 @@ fn start_locked(check: &mut Check, dev: i32) {
             // In relaxed capture mode: a graph another thread is capturing meanwhile stays
             // intact (its allocation and copies are allowed then; `gpu::cuda::relaxed`).
             let checked = || match crate::real::driver() {
-                Ok(t) => crate::gpu::cuda::relaxed(t, || run(dev)),
+                Ok(t) => crate::gpu::stream::relaxed(t, || run(dev)),
                 Err(_) => run(dev),
             };
             let ok = std::panic::catch_unwind(checked).unwrap_or_else(|_| {

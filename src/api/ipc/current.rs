@@ -7,7 +7,7 @@ use super::mirror::Mirror;
 use super::runs::read_run;
 use crate::api::state::{config, lock};
 use crate::config::MirrorSync;
-use crate::gpu::cuda;
+use crate::gpu::stream;
 use crate::real::runtime;
 use crate::stats::GLOBAL;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -153,7 +153,7 @@ pub fn after_sync() {
         let Some((reading, src, dst, size)) = read_target(t, dev, target) else {
             continue;
         };
-        let r = cuda::relaxed(t, || cuda::copy_aside(t, dev, dst, src, size));
+        let r = stream::relaxed(t, || stream::copy_aside(t, dev, dst, src, size));
         drop(reading);
         match r {
             Ok(()) => {
@@ -180,7 +180,7 @@ pub fn before_record(event: usize, stream: usize) {
         return;
     }
     let Ok(t) = crate::real::driver() else { return };
-    if cuda::capturing(t, stream) {
+    if stream::capturing(t, stream) {
         return;
     }
     let Ok(dev) = runtime::get_device() else {
@@ -190,7 +190,7 @@ pub fn before_record(event: usize, stream: usize) {
         let Some((reading, src, dst, size)) = read_target(t, dev, target) else {
             continue;
         };
-        let r = cuda::relaxed(t, || cuda::copy_on(t, stream, dst, src, size));
+        let r = stream::relaxed(t, || stream::copy_on(t, stream, dst, src, size));
         drop(reading);
         match r {
             Ok(()) => {

@@ -6,7 +6,7 @@ use super::runs::{read_run, run_of};
 use super::shares::ForeignShare;
 use super::tickets::{foreign_tickets_ready, peers_without_tickets};
 use crate::api::state::{bypass, config, ensure_state, lock, UNKNOWN};
-use crate::gpu::cuda;
+use crate::gpu::stream;
 use crate::gpu::IpcHandle;
 use crate::stats::GLOBAL;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ pub fn mirror_foreign(ptr: u64) -> Option<Result<IpcHandle, i32>> {
         return None;
     }
     let t = crate::real::driver().ok()?;
-    cuda::relaxed(t, || share_foreign(t, ptr))
+    stream::relaxed(t, || share_foreign(t, ptr))
 }
 
 fn share_foreign(t: &'static crate::real::DriverTable, ptr: u64) -> Option<Result<IpcHandle, i32>> {

@@ -24,7 +24,7 @@ pub fn cudaIpcGetMemHandle(ptr: u64) -> Answer<Result<IpcHandle, i32>> {
         return Answer::PassThrough;
     }
     match crate::real::driver() {
-        Ok(t) => crate::gpu::cuda::relaxed(t, || share_pool(ptr)),
+        Ok(t) => crate::gpu::stream::relaxed(t, || share_pool(ptr)),
         Err(_) => share_pool(ptr),
     }
 }

@@ -1,7 +1,7 @@
 //! Mirrors: standard buffers holding a copy of memory that has no legacy handle of its own,
 //! made and refreshed on request, freed with their last reference.
 
-use crate::gpu::{cuda, IpcHandle};
+use crate::gpu::{cuda, stream, IpcHandle};
 use crate::real::runtime;
 use crate::stats::GLOBAL;
 
@@ -21,7 +21,7 @@ impl Drop for Mirror {
     fn drop(&mut self) {
         let free = || runtime::free(self.ptr);
         let freed = match crate::real::driver() {
-            Ok(t) => cuda::relaxed(t, free),
+            Ok(t) => stream::relaxed(t, free),
             Err(_) => free(),
         };
         if freed != 0 {
@@ -42,7 +42,7 @@ pub(super) fn wait_for_peers(dev: i32, base: u64) {
     let n = cuda::device_count(t).unwrap_or(0);
     for d in (0..n).filter(|d| *d != dev && cuda::granted(t, base, *d)) {
         let e = runtime::on_device(d, || {
-            cuda::relaxed(t, || cuda::wait_legacy(t)).map_err(|e| e.0 as i32)
+            stream::relaxed(t, || stream::wait_legacy(t)).map_err(|e| e.0 as i32)
         });
         if let Err(e) = e {
             log::warn!("IPC: waiting for device {d}, which has access to {base:#x}, failed ({e}); the mirror may miss its writes");
@@ -61,7 +61,7 @@ pub(super) fn wait_for_peers(dev: i32, base: u64) {
 pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(), i32> {
     let t = crate::real::driver().map_err(|_| 3)?;
     runtime::on_device(dev, || {
-        cuda::relaxed(t, || cuda::copy_on_legacy(t, p, base, size))
+        stream::relaxed(t, || stream::copy_on_legacy(t, p, base, size))
             .map_err(|e| i32::try_from(e.0).unwrap_or(UNKNOWN))
     })
 }
@@ -71,13 +71,15 @@ pub(super) fn refresh_mirror(dev: i32, p: u64, base: u64, size: u64) -> Result<(
 pub(super) fn make_mirror(dev: i32, base: u64, size: u64) -> Result<Mirror, i32> {
     let t = crate::real::driver().map_err(|_| 3)?;
     let p = runtime::on_device(dev, || {
-        cuda::relaxed(t, || match runtime::malloc(size as usize) {
+        stream::relaxed(t, || match runtime::malloc(size as usize) {
             (0, p) => Ok(p),
             (e, _) => Err(e),
         })
     })?;
     let made = refresh_mirror(dev, p, base, size).and_then(|()| {
-        runtime::on_device(dev, || cuda::relaxed(t, || runtime::ipc_get_mem_handle(p)))
+        runtime::on_device(dev, || {
+            stream::relaxed(t, || runtime::ipc_get_mem_handle(p))
+        })
     });
     match made {
         Ok(handle) => {
@@ -90,7 +92,7 @@ pub(super) fn make_mirror(dev: i32, base: u64, size: u64) -> Result<Mirror, i32>
             })
         }
         Err(e) => {
-            cuda::relaxed(t, || runtime::free(p));
+            stream::relaxed(t, || runtime::free(p));
             Err(e)
         }
     }

@@ -2,6 +2,7 @@
 //! books equal to the fake driver's mappings after every step.
 
 use super::*;
+use crate::gpu::ChunkHandle;
 
 /// A tiny deterministic generator (no dependency).
 pub(super) struct Rng(pub(super) u64);
