@@ -159,8 +159,7 @@ impl<D: Driver> Coalescer<D> {
     /// mapped, still mapped where they were (kept there while releases may go on): it leaves
     /// its address without a copy, and its handle is mapped where the program maps a page of
     /// it next (`map_phys`; a shared run's handle whole, with its unmapped and released
-    /// pages). A copy would give the program a new handle while importers keep the old one
-    /// (before 2026-11-25, with `EXPSEG_RELEASE_DELAY` above 0).
+    /// pages). A copy would give the program a new handle while importers keep the old one.
     fn unmoved_ghost(&self, pid: u64) -> bool {
         let ph = &self.phys[&pid];
         ph.asleep.is_none()
