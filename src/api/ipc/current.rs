@@ -144,34 +144,21 @@ pub fn after_sync() {
     let Ok(dev) = runtime::get_device() else {
         return;
     };
-    let targets = targets(dev);
-    if targets.is_empty() {
-        return;
-    }
     let Ok(t) = crate::real::driver() else { return };
-    for target in &targets {
-        let Some((reading, src, dst, size)) = read_target(t, dev, target) else {
-            continue;
-        };
-        let r = stream::relaxed(t, || stream::copy_aside(t, dev, dst, src, size));
-        drop(reading);
-        match r {
-            Ok(()) => {
-                GLOBAL.ipc_mirror_sync_copies.add(1);
-                GLOBAL.ipc_mirror_sync_bytes.add(size);
-            }
-            Err(e) => {
-                log::warn!("IPC: copying the mirror of {src:#x} after a synchronize failed ({e}); a consumer without expseg reads its previous copy");
-            }
-        }
-    }
+    copy_mirrors(
+        t,
+        dev,
+        |dst, src, size| stream::copy_aside(t, dev, dst, src, size),
+        &GLOBAL.ipc_mirror_sync_copies,
+        "after a synchronize",
+    );
 }
 
-/// Before the program records `event` on `stream`: where it made a handle of that event for
+/// Before the program records `event` on `on`: where it made a handle of that event for
 /// another process, copies of the current device's mirrors are queued on the stream first,
 /// so a consumer without expseg that waits on the event reads in the mirror what the producer
 /// wrote before the record. Not on a stream that is capturing a graph.
-pub fn before_record(event: usize, stream: usize) {
+pub fn before_record(event: usize, on: usize) {
     let shared = IPC_EVENTS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -180,26 +167,44 @@ pub fn before_record(event: usize, stream: usize) {
         return;
     }
     let Ok(t) = crate::real::driver() else { return };
-    if stream::capturing(t, stream) {
+    if stream::capturing(t, on) {
         return;
     }
     let Ok(dev) = runtime::get_device() else {
         return;
     };
+    copy_mirrors(
+        t,
+        dev,
+        |dst, src, size| stream::copy_on(t, on, dst, src, size),
+        &GLOBAL.ipc_mirror_event_copies,
+        "before an interprocess event's record",
+    );
+}
+
+/// Each mirror of `dev` the setting brings up to date ([`targets`]) whose source is still
+/// what it copies: `copy(mirror, source, bytes)` in relaxed capture mode under a registered
+/// read of the source, counted in `copies`; a failure is logged (`when`: at which ordering)
+/// and the consumer reads the mirror's previous copy.
+fn copy_mirrors(
+    t: &crate::real::DriverTable,
+    dev: i32,
+    copy: impl Fn(u64, u64, u64) -> crate::gpu::DrvResult<()>,
+    copies: &crate::stats::Counter,
+    when: &str,
+) {
     for target in &targets(dev) {
         let Some((reading, src, dst, size)) = read_target(t, dev, target) else {
             continue;
         };
-        let r = stream::relaxed(t, || stream::copy_on(t, stream, dst, src, size));
+        let r = stream::relaxed(t, || copy(dst, src, size));
         drop(reading);
         match r {
             Ok(()) => {
-                GLOBAL.ipc_mirror_event_copies.add(1);
+                copies.add(1);
                 GLOBAL.ipc_mirror_sync_bytes.add(size);
             }
-            Err(e) => {
-                log::warn!("IPC: queueing a copy of the mirror of {src:#x} before an interprocess event's record failed ({e}); a consumer without expseg reads its previous copy");
-            }
+            Err(e) => log::warn!("IPC: copying the mirror of {src:#x} {when} failed ({e}); a consumer without expseg reads its previous copy"),
         }
     }
 }
