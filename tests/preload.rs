@@ -758,6 +758,39 @@ fn the_line_that_says_how_shares_reach_other_processes_comes_once_a_process() {
 }
 
 #[test]
+fn a_plain_consumers_mirror_follows_the_programs_synchronizes_and_shared_events() {
+    // Tickets off: the mirror alone. The program rewrites its buffer after the handle was
+    // taken once; a context synchronize, and the record of an event it made a handle of, bring
+    // the mirror up to date; the record of another event does not.
+    let r = run("mirror_sync", &[("EXPSEG_IPC_TICKETS", "0")]).ok();
+    for (k, v) in [
+        ("stale_before", "1"),
+        ("sync_rc", "0"),
+        ("after_sync", "1"),
+        ("event_handle_rc", "0"),
+        ("record_rc", "0"),
+        ("after_record", "1"),
+        ("other_record_rc", "0"),
+        ("other_copied", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+    // Off: the mirror keeps the copy of the handle request.
+    let r = run(
+        "mirror_sync",
+        &[
+            ("EXPSEG_IPC_TICKETS", "0"),
+            ("EXPSEG_IPC_MIRROR_SYNC", "off"),
+        ],
+    )
+    .ok();
+    assert_eq!(
+        (r.get("after_sync"), r.get("after_record")),
+        ("0".into(), "0".into())
+    );
+}
+
+#[test]
 fn ipc_falls_back_to_a_mirror_and_says_so_once() {
     // Tickets off: the plain mirror behaviour (tickets have their own tests).
     let r = run("ipc", &[("EXPSEG_IPC_TICKETS", "0")]).ok();

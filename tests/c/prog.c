@@ -655,6 +655,35 @@ static int refresh_wait(void) {
   return 0;
 }
 
+/* A mirror brought up to date at the program's orderings: a context synchronize, and the
+ * record of an event it made a handle of (not the record of another event). */
+typedef int (*drv0_t)(void);
+typedef int (*drv2_t)(void*, void*);
+static int mirror_sync(void) {
+  unsigned char h[64], eh[64];
+  unsigned char* p = 0; CHECK(cudaMalloc((void**)&p, 4 * MIB) == 0);
+  fill(p, 4 * MIB, 0x11);
+  CHECK(cudaIpcGetMemHandle(h, p) == 0);
+  unsigned char* o = opened(h);
+  fill(p, 4 * MIB, 0x22);
+  drv0_t ctx_sync = (drv0_t)dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
+  drv2_t ipc_event = (drv2_t)dlsym(RTLD_DEFAULT, "cuIpcGetEventHandle");
+  drv2_t record = (drv2_t)dlsym(RTLD_DEFAULT, "cuEventRecord");
+  CHECK(ctx_sync && ipc_event && record);
+  printf("stale_before=%d ", holds(o, 4 * MIB, 0x11));
+  int rc = ctx_sync(); /* (called before the check: argument order is unspecified) */
+  printf("sync_rc=%d after_sync=%d\n", rc, holds(o, 4 * MIB, 0x22));
+  fill(p, 4 * MIB, 0x33);
+  void* ev = (void*)(uintptr_t)0x77;
+  printf("event_handle_rc=%d ", ipc_event(eh, ev));
+  rc = record(ev, (void*)(uintptr_t)1);
+  printf("record_rc=%d after_record=%d\n", rc, holds(o, 4 * MIB, 0x33));
+  fill(p, 4 * MIB, 0x44);
+  rc = record((void*)(uintptr_t)0x78, (void*)(uintptr_t)1);
+  printf("other_record_rc=%d other_copied=%d\n", rc, holds(o, 4 * MIB, 0x44));
+  return 0;
+}
+
 /* Three allocations shared one after another: how many lines say how they are shared. */
 static int ipc_many(void) {
   int bad = 0;
@@ -953,6 +982,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "move_beside_check_malloc")) return move_beside_check_malloc();
   if (!strcmp(s, "ipc")) return ipc();
   if (!strcmp(s, "ipc_many")) return ipc_many();
+  if (!strcmp(s, "mirror_sync")) return mirror_sync();
   if (!strcmp(s, "lookup")) return lookup();
   if (!strcmp(s, "layers")) return layers();
   if (!strcmp(s, "foreign")) return foreign();
