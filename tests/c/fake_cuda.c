@@ -203,14 +203,28 @@ CUresult cuLaunchHostFunc(void* st, void (*fn)(void*), void* data) {
   if (st && st == capturing && capture->n < 64) { Node* x = &capture->nodes[capture->n++]; x->host = 1; x->fn = fn; x->data = data; return 0; }
   return 801;
 }
-/* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
+/* The device's pending work, in ms: FAKE_SYNC_MS, read at the first call, or what a test
+ * program sets with fakecu_set_sync_ms (a setenv beside other threads' getenv is a data race
+ * in glibc: a test that changed FAKE_SYNC_MS while its threads synchronized crashed). */
+static int sync_ms = -1;
+int fakecu_sync_ms(void) {
+  int v = __atomic_load_n(&sync_ms, __ATOMIC_ACQUIRE);
+  if (v < 0) {
+    const char* e = getenv("FAKE_SYNC_MS");
+    int want = e ? atoi(e) : 0, unread = -1;
+    __atomic_compare_exchange_n(&sync_ms, &unread, want, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    v = __atomic_load_n(&sync_ms, __ATOMIC_ACQUIRE);
+  }
+  return v;
+}
+void fakecu_set_sync_ms(int ms) { __atomic_store_n(&sync_ms, ms, __ATOMIC_RELEASE); }
+static void pending_work(void) { int ms = fakecu_sync_ms(); if (ms > 0) usleep((useconds_t)ms * 1000); }
 CUresult cuCtxSynchronize(void) {
   if (!current()) return 201;
   legacy_wait(1);
   fakecu_sync_dev(ctx_device(current()));
   count(C_SYNC);
-  const char* ms = getenv("FAKE_SYNC_MS");
-  if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  pending_work();
   return 0;
 }
 CUresult cuDeviceGet(CUdevice* d, int o) { if (o < 0 || o >= ndev()) return 101; *d = o; return 0; }
@@ -616,16 +630,15 @@ CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(
 CUresult cuEventRecord(void* e, void* st) { (void)st; return e ? 0 : 400; }
 CUresult cuIpcGetEventHandle(void* h, void* e) { if (!h || !e) return 1; memset(h, 0xe7, 64); return 0; }
 /* The legacy default stream (NULL or CU_STREAM_LEGACY) of the current context: its device's work
- * in flight ends (fakecu_launch models only default-stream work; FAKE_SYNC_MS, read at each
- * call, is that work's time, as for cuCtxSynchronize). Other streams: nothing. */
+ * in flight ends (fakecu_launch models only default-stream work; FAKE_SYNC_MS is that work's
+ * time, as for cuCtxSynchronize). Other streams: nothing. */
 CUresult cuStreamSynchronize(void* st) {
   if (st && st != (void*)1) return 0;
   if (!current()) return 201;
   legacy_wait(1);
   count(C_LEGACY_SYNC);
   fakecu_sync_dev(ctx_device(current()));
-  const char* ms = getenv("FAKE_SYNC_MS");
-  if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  pending_work();
   return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { (void)st; memmove(d, (void*)(uintptr_t)s, n); return 0; }

@@ -93,8 +93,9 @@ int cudaFree(void* p) {
 int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
 int cudaGetDevice(int* d) { int c = fakecu_current_device(); *d = c >= 0 ? c : cur_dev; return 0; }
 int cudaSetDevice(int d) { if (d < 0 || d >= ndev()) return err(101); cur_dev = d; fakecu_bind_dev(d); return 0; }
-/* FAKE_SYNC_MS (read at each call): the device has that much work pending. */
+/* FAKE_SYNC_MS (fakecu_sync_ms): the device has that much work pending. */
 void fakecu_sync_dev(int);
+int fakecu_sync_ms(void);
 void fakecu_legacy_wait(void);
 /* A reset frees the runtime's allocations (here: counted only; the fake's memory of them stays,
  * and tests check what expseg did with its own). */
@@ -103,8 +104,8 @@ int cudaDeviceSynchronize(void) {
   __atomic_add_fetch(&n_sync, 1, __ATOMIC_RELAXED);
   fakecu_legacy_wait();
   { int c = fakecu_current_device(); fakecu_sync_dev(c >= 0 ? c : cur_dev); }
-  const char* ms = getenv("FAKE_SYNC_MS");
-  if (ms) usleep((useconds_t)atoi(ms) * 1000);
+  int ms = fakecu_sync_ms();
+  if (ms > 0) usleep((useconds_t)ms * 1000);
   return 0;
 }
 /* The legacy default stream (0) of the current device: its work in flight ends (fakecu_launch).

@@ -27,6 +27,7 @@ int cudaDeviceDisablePeerAccess(int);
 long fakert_count(const char*);
 long fakecu_count(const char*);
 long fakecu_access(uint64_t);
+void fakecu_set_sync_ms(int);
 void* fakecu_real(const char*);
 void* fakert_driver_fn(const char*);
 int cudaGetDriverEntryPoint(const char*, void**, unsigned long long, int*);
@@ -624,11 +625,11 @@ static int refresh_wait(void) {
   unsigned char h[64]; CHECK(cudaIpcGetMemHandle(h, p) == 0); /* the mirror exists */
   double worst = 0; pthread_t t; pthread_create(&t, 0, timed_mallocs, &worst);
   usleep(50 * 1000);
-  setenv("FAKE_SYNC_MS", "400", 1);
+  fakecu_set_sync_ms(400);
   double t0 = now_ms();
   int rc = cudaIpcGetMemHandle(h, p);
   double took = now_ms() - t0;
-  unsetenv("FAKE_SYNC_MS");
+  fakecu_set_sync_ms(0);
   refresh_stop = 1; pthread_join(t, 0);
   printf("refresh_rc=%d refresh_ms=%.0f worst_malloc_ms=%.0f\n", rc, took, worst);
   /* The first mirror of another allocation: its copy waits for the device too. */
@@ -636,11 +637,11 @@ static int refresh_wait(void) {
   fill(q, 32 * MIB, 7);
   refresh_stop = 0; worst = 0; pthread_create(&t, 0, timed_mallocs, &worst);
   usleep(50 * 1000);
-  setenv("FAKE_SYNC_MS", "400", 1);
+  fakecu_set_sync_ms(400);
   t0 = now_ms();
   rc = cudaIpcGetMemHandle(h, q);
   took = now_ms() - t0;
-  unsetenv("FAKE_SYNC_MS");
+  fakecu_set_sync_ms(0);
   refresh_stop = 1; pthread_join(t, 0);
   printf("first_rc=%d first_ms=%.0f first_worst_malloc_ms=%.0f\n", rc, took, worst);
   CHECK(cudaFree(q) == 0);
