@@ -257,7 +257,7 @@ EXPSEG_IPC_DIR=$work/ipc LD_PRELOAD=$lib "$py" "$work/sleeper.py" "$work/sleeper
 sleeper=$!
 for _ in $(seq 500); do [ -e "$work/sleeper.ready" ] || ! kill -0 $sleeper 2>/dev/null && break; sleep 0.02; done
 cli() { EXPSEG_IPC_DIR=$work/ipc "$bin/expseg" "$@" 2>&1; }
-p=$(cli pause $sleeper) && q=$(cli paused $sleeper) && j=$(cli paused $sleeper --json) && r=$(cli resume $sleeper --json)
+p=$(cli pause --pool $sleeper) && q=$(cli paused $sleeper) && j=$(cli paused $sleeper --json) && r=$(cli resume $sleeper --json)
 rc=$?
 touch "$work/sleeper.go"
 wait $sleeper

@@ -28,7 +28,7 @@ fi
 build=$(mktemp -d)
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce ahead crossctx reclaim threads share twogpu torchipc nodump torchrun sleep doctor quiet); unset runs all.
+# ipcstress train coalesce ahead crossctx reclaim threads share twogpu torchipc nodump torchrun sleep pausebusy doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -587,6 +587,14 @@ if want sleep && torch_for sleep; then
     python3 "$here/tms_sleep.py" --tms-dir "$TMS_DIR" --json "$logs/tms.json" >"$logs/tms.log" 2>&1
     result torch_memory_saver_comparison $? "$(grep '^baseline' "$logs/tms.log")"
   fi
+fi
+
+# A busy training loop (default stream, a side stream, another thread's stream, CUDA graphs)
+# paused whole from outside at random moments and resumed: weights equal to a native run's.
+if want pausebusy && torch_for pausebusy; then
+  bash "$here/pause_busy.sh" "$lib" "$(dirname "$lib")/expseg" "$logs/pause_busy" >"$logs/pause_busy.log" 2>&1
+  result expseg_pause_busy_program $? "$(tail -n 1 "$logs/pause_busy.log")"
+  grep -E '^(PASS|FAIL)' "$logs/pause_busy.log" | sed 's/^/    /'
 fi
 
 doctor=$(dirname "$lib")/expseg

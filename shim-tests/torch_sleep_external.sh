@@ -6,7 +6,7 @@
 #     shim-tests/torch_sleep_external.sh path/to/libexpseg.so path/to/expseg OUTDIR
 #
 # Steps: a native run (no LD_PRELOAD) gives the reference losses; a run under LD_PRELOAD
-# stops after step 3 (writes OUTDIR/expseg/ready, waits for .../go); `expseg pause PID`; a
+# stops after step 3 (writes OUTDIR/expseg/ready, waits for .../go); `expseg pause --pool PID`; a
 # plain process takes the memory given back (and nvidia-smi shows it); `expseg paused PID`;
 # another user (uid 65534, via setpriv, su or sudo; skipped when none works) is refused;
 # a resume while a plain process leaves room for about half fails and says how much it resumed;
@@ -67,7 +67,7 @@ result expseg_run_ready 0 "pid $pid after step 3"
 # 3. Pause from outside.
 used0=$(smi memory.used) free0=$(smi memory.free)
 t0=$(date +%s%N)
-pause_out=$("$cli" pause "$pid" --json 2>"$out/pause.err")
+pause_out=$("$cli" pause --pool "$pid" --json 2>"$out/pause.err")
 rc=$?
 ms=$((($(date +%s%N) - t0) / 1000000))
 echo "$pause_out" >"$out/pause.out"
@@ -131,7 +131,7 @@ if [ ${#asuser[@]} = 0 ]; then
 elif ! "${asuser[@]}" /bin/sh -c 'test -x "$0"' "$tmp/$(basename "$cli")" 2>/dev/null; then
   echo "SKIP other_user_refused: ${asuser[0]} cannot run the CLI as uid 65534 here"
 else
-  other=$("${asuser[@]}" "$tmp/$(basename "$cli")" pause "$pid" 2>&1)
+  other=$("${asuser[@]}" "$tmp/$(basename "$cli")" pause --pool "$pid" 2>&1)
   rc=$?
   after=$("$cli" paused "$pid" --json 2>&1)
   # exit 1 is a refusal; 126/127 would be a failure to run at all

@@ -134,6 +134,9 @@ extern "C" fn expseg_pidfd_getfd(
     a5: c_long,
     a6: c_long,
 ) -> c_long {
+    // A descriptor of another process's (PyTorch's expandable segments are shared so): this
+    // process is about to map another's memory.
+    crate::api::sharing::note_imported();
     let r = expseg_syscall_first(n, pidfd, fd, flags, a4, a5, a6);
     if r >= 0 {
         return r;

@@ -189,6 +189,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     kind: u32,
     flags: u64,
 ) -> u32 {
+    crate::api::sharing::note_shared();
     let Some(f) = real::driver()
         .ok()
         .and_then(|t| t.cuMemExportToShareableHandle)

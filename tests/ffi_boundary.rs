@@ -47,6 +47,8 @@ const EXEMPT: &[(&str, &str, &str)] = &[
     ("hooks/order.rs", "cuEventRecordWithFlags", ORDER),
     ("hooks/order.rs", "cuEventRecordWithFlags_ptsz", ORDER),
     ("hooks/order.rs", "cuIpcGetEventHandle", ORDER),
+    ("hooks/order.rs", "import_slot", "one atomic store (api::sharing), then the driver's call"),
+    ("hooks/order.rs", "export_slot", "one atomic store (api::sharing), then the driver's call"),
 ];
 
 /// Why the ordering hooks (src/hooks/order.rs) need no boundary of their own.

@@ -3106,6 +3106,148 @@ fn host_buffers_kept_after_a_resume_go_when_the_host_runs_short_or_when_told() {
 }
 
 #[test]
+fn a_whole_process_pause_is_the_drivers_checkpoint_and_says_why_when_it_did_not_happen() {
+    // The fake driver keeps each pid's checkpoint state in a file (tests/c/fake_cuda.c).
+    let f = fixture();
+    let dir = f.dir.join("whole-pause");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut target = Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = target.id().to_string();
+    let state = || {
+        std::fs::read_to_string(dir.join(&pid))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    std::fs::write(dir.join(&pid), "0\n").unwrap();
+    let cli = |env: &[(&str, &str)], args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+        one_shared_gpu(&mut c, &dir);
+        c.env("FAKE_CKPT_DIR", &dir).envs(env.iter().copied());
+        let o = c.args(args).output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+        (o.status.code(), text(&o.stdout), text(&o.stderr))
+    };
+    // A process without expseg cannot say whether it maps another's memory by IPC (which the
+    // driver cannot restore): paused only with --force.
+    let (rc, _, err) = cli(&[], &["pause", &pid]);
+    assert_eq!(rc, Some(1));
+    assert!(
+        err.contains("no expseg in it to ask") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(state(), "0");
+    // Paused: locked, then checkpointed; the line says so, and `paused` reads the driver.
+    let (rc, out, err) = cli(&[], &["pause", "--force", &pid]);
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(
+        out.starts_with(&format!("pid {pid}: paused the whole process")),
+        "{out}"
+    );
+    assert_eq!(state(), "2");
+    let (_, out, _) = cli(&[], &["paused", &pid]);
+    assert_eq!(
+        out,
+        format!("pid {pid}: the whole process is paused (driver state Checkpointed)")
+    );
+    let (rc, out, _) = cli(&[], &["pause", "--force", &pid, "--json"]);
+    assert_eq!(rc, Some(0));
+    assert!(
+        out.contains("\"mode\":\"whole\"") && out.contains("\"already\":true"),
+        "{out}"
+    );
+    // Resumed: restored, then unlocked.
+    let (rc, out, err) = cli(&[], &["resume", &pid]);
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(
+        out.starts_with(&format!("pid {pid}: resumed the whole process in ")),
+        "{out}"
+    );
+    assert_eq!(state(), "0");
+    // Work that does not stop in time: not paused, and why; nothing changed.
+    let (rc, _, err) = cli(
+        &[("FAKE_CKPT_LOCK_RC", "909")],
+        &["pause", "--force", "--timeout", "2.5", &pid],
+    );
+    assert_eq!(rc, Some(1));
+    assert!(
+        err.contains("did not come to a stop within 2.5 s") && err.contains("nothing changed"),
+        "{err}"
+    );
+    assert_eq!(state(), "0");
+    // A checkpoint the driver refuses: unlocked again, runs on.
+    let (rc, _, err) = cli(&[("FAKE_CKPT_RC", "801")], &["pause", "--force", &pid]);
+    assert_eq!(rc, Some(1));
+    assert!(
+        err.contains("could not checkpoint it") && err.contains("it was unlocked and runs on"),
+        "{err}"
+    );
+    assert_eq!(state(), "0");
+    // A process without CUDA: named, it fails; found by --tree, it is skipped.
+    let mut plain = Command::new("sleep").arg("60").spawn().unwrap();
+    let other = plain.id().to_string();
+    let (rc, _, err) = cli(&[], &["pause", &other]);
+    assert_eq!(rc, Some(1));
+    assert!(err.contains("no CUDA in this process"), "{err}");
+    let (rc, _, err) = cli(&[], &["pause", "--tree", &other]);
+    assert_eq!(rc, Some(1), "nothing found");
+    assert!(
+        err.contains(&format!(
+            "pid {other}: no CUDA in this process (yet): skipped"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("no expseg process found"), "{err}");
+    for c in [&mut target, &mut plain] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    // Processes under expseg say whether they share memory by IPC: one that shares nothing is
+    // paused whole without --force; one that made a handle, or opened one, is not.
+    for (ask, refusal) in [
+        ("share", "it shared its memory with another process (IPC)"),
+        (
+            "open",
+            "it maps memory another process shared with it (IPC)",
+        ),
+    ] {
+        use std::io::{BufRead as _, Write as _};
+        // The fake's shared counter does not see a process end: each sleeper starts afresh.
+        let _ = std::fs::remove_file(dir.join("used"));
+        let mut s = Command::new(f.dir.join("prog"));
+        one_shared_gpu(&mut s, &dir);
+        let mut p = s
+            .arg("sleeper")
+            .env("LD_PRELOAD", &f.shim)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let id = p.id().to_string();
+        std::fs::write(dir.join(&id), "0\n").unwrap();
+        let mut out = std::io::BufReader::new(p.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready=1");
+        let (rc, _, err) = cli(&[], &["pause", &id]);
+        assert_eq!(rc, Some(0), "nothing shared yet: {err}");
+        assert_eq!(cli(&[], &["resume", &id]).0, Some(0));
+        let mut stdin = p.stdin.take().unwrap();
+        stdin.write_all(format!("{ask}\n").as_bytes()).unwrap();
+        line.clear();
+        out.read_line(&mut line).unwrap();
+        let (rc, _, err) = cli(&[], &["pause", &id]);
+        assert_eq!(rc, Some(1), "{ask}: {line}");
+        assert!(err.contains(refusal) && err.contains("--pool"), "{err}");
+        assert_eq!(std::fs::read_to_string(dir.join(&id)).unwrap().trim(), "0");
+        drop(stdin);
+        let _ = p.wait();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     use std::io::{BufRead as _, Write as _};
     use std::process::Stdio;
@@ -3139,7 +3281,7 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     };
     // While it holds its 64 MiB, a plain process cannot get 48.
     assert!(need(&mut Command::new(f.dir.join("prog"))).starts_with("need_rc=2"));
-    let p = cli(&["pause", &pid]);
+    let p = cli(&["pause", "--pool", &pid]);
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     assert!(
         text(&p).starts_with(&format!("pid {pid}: paused 64.0 MiB in "))
@@ -3183,7 +3325,7 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
         let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
         common(&mut c);
         let o = c
-            .args(["pause", &pid])
+            .args(["pause", "--pool", &pid])
             .uid(65534)
             .gid(65534)
             .output()
@@ -3208,7 +3350,7 @@ fn a_process_paused_from_outside_gives_its_memory_to_a_plain_one() {
     assert_eq!(line.trim(), "intact=1", "the bytes came back");
     // A resume with room for one of its two allocations resumes that one, fails, and says
     // how much it resumed; the rest stays paused until there is room.
-    assert!(cli(&["pause", &pid]).status.success());
+    assert!(cli(&["pause", "--pool", &pid]).status.success());
     let mut k = Command::new(f.dir.join("prog"));
     common(&mut k);
     let mut keeper = k
@@ -3448,7 +3590,7 @@ fn discarding_a_processs_memory_from_outside_needs_its_own_opt_in() {
             );
             assert_eq!(paused, format!("pid {pid}: 0 B paused"));
             // An offloading pause is served as before.
-            assert!(cli(&["pause", &pid]).status.success());
+            assert!(cli(&["pause", "--pool", &pid]).status.success());
             assert!(cli(&["resume", &pid]).status.success());
         }
         let _ = sleeper.stdin.take().unwrap().write_all(b"");

@@ -25,6 +25,7 @@ pub mod vmm;
 
 pub use crate::real::is_shared_runtime_file;
 pub use ipc::current::{after_sync, before_record, ipc_events_seen, note_ipc_event, sync_armed};
+pub use ipc::sharing;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
     mirror_foreign, pool_allocation_range,

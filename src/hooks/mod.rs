@@ -152,6 +152,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void) -> c_int {
+    api::sharing::note_shared();
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
         return next::cudaIpcGetMemHandle(handle, dev_ptr);
     };
@@ -192,6 +193,7 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
     handle: CudaIpcMemHandle,
     flags: c_uint,
 ) -> c_int {
+    api::sharing::note_imported();
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
         return next::cudaIpcOpenMemHandle(dev_ptr, handle, flags);
     };
@@ -385,6 +387,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: u64) -> u32 {
+    api::sharing::note_shared();
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
         return next_driver::cuIpcGetMemHandle(handle, dptr);
     };
@@ -408,6 +411,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
     handle: CudaIpcMemHandle,
     flags: c_uint,
 ) -> u32 {
+    api::sharing::note_imported();
     let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
         return next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags);
     };
@@ -570,6 +574,7 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
             .then(|| crate::vmm_hooks::for_caller(name, version))
             .flatten()
             .or_else(|| driver_hook_for(name, version, crate::vmm_hooks::caller_pc))
+            .or_else(|| order::seen_for_lookup(name, *pfn))
         {
             Some(p) => p,
             None => return,

@@ -1,8 +1,10 @@
 //! The program's orderings, seen so that a consumer without expseg reads what the producer
 //! ordered before them: after a device, stream or event synchronize, and before a record of
 //! an event it shared with another process, expseg copies its mirrors again
-//! (`api::ipc::mirror`, `EXPSEG_IPC_MIRROR_SYNC`). The driver's call is made in any case and
-//! its answer stands; expseg's part is inside the re-entrancy guard and the panic boundary.
+//! (`api::ipc::mirror`, `EXPSEG_IPC_MIRROR_SYNC`); and the sharing calls no other hook serves
+//! (a descriptor import or export, as NCCL's), noted for `expseg pause` (`api::sharing`). The
+//! driver's call is made in any case and its answer stands; expseg's part is inside the
+//! re-entrancy guard and the panic boundary.
 //!
 //! Exported under the driver's names (programs linked against `libcuda`), and handed out by
 //! the lookups (`cuGetProcAddress`, the runtime's entry point API: runtimes, static ones too,
@@ -50,12 +52,16 @@ static EVENT_SYNC: Slots = Slots::new();
 static RECORD: Slots = Slots::new();
 static RECORD_FLAGS: Slots = Slots::new();
 static IPC_EVENT: Slots = Slots::new();
+static IMPORT: Slots = Slots::new();
+static EXPORT: Slots = Slots::new();
 
 type Fn0 = unsafe extern "C" fn() -> u32;
 type Fn1 = unsafe extern "C" fn(usize) -> u32;
 type Fn2 = unsafe extern "C" fn(usize, usize) -> u32;
 type Fn3 = unsafe extern "C" fn(usize, usize, u32) -> u32;
 type FnIpc = unsafe extern "C" fn(*mut c_void, usize) -> u32;
+type FnImport = unsafe extern "C" fn(*mut u64, *mut c_void, u32) -> u32;
+type FnExport = unsafe extern "C" fn(*mut c_void, u64, u32, u64) -> u32;
 
 /// After a synchronize that succeeded: the mirrors are copied again.
 fn synchronized(name: &str, r: u32) {
@@ -123,6 +129,27 @@ unsafe extern "C" fn ipc_event_slot<const I: usize>(h: *mut c_void, e: usize) ->
     r
 }
 
+/// A descriptor import (`cuMemImportFromShareableHandle`, as NCCL's peers map each other's
+/// buffers): this process maps another's memory (`api::sharing`), then the driver's call.
+unsafe extern "C" fn import_slot<const I: usize>(h: *mut u64, os: *mut c_void, ty: u32) -> u32 {
+    let f: FnImport = std::mem::transmute(IMPORT.get(I));
+    mirror::sharing::note_imported();
+    f(h, os, ty)
+}
+
+/// A descriptor export by a caller other than PyTorch's allocator (whose export is
+/// `vmm_hooks`'): this process's memory may be mapped by another, then the driver's call.
+unsafe extern "C" fn export_slot<const I: usize>(
+    out: *mut c_void,
+    h: u64,
+    ty: u32,
+    fl: u64,
+) -> u32 {
+    let f: FnExport = std::mem::transmute(EXPORT.get(I));
+    mirror::sharing::note_shared();
+    f(out, h, ty, fl)
+}
+
 /// The forwarders of one function's slots, in slot order.
 macro_rules! slot_fns {
     ($f:ident) => {
@@ -149,6 +176,20 @@ pub(super) fn for_lookup(name: &[u8], found: *mut c_void) -> Option<*mut c_void>
     };
     // A forwarder handed back to a lookup (a runtime that looks itself up) is not wrapped
     // twice.
+    if fns.contains(&found) || found.is_null() {
+        return None;
+    }
+    slots.claim(found as usize).map(|i| fns[i])
+}
+
+/// What a lookup of `name` hands out instead of `found` where no other hook of expseg's serves
+/// the caller: the sharing calls, seen ([`import_slot`], [`export_slot`]).
+pub(super) fn seen_for_lookup(name: &[u8], found: *mut c_void) -> Option<*mut c_void> {
+    let (slots, fns) = match name {
+        b"cuMemImportFromShareableHandle" => (&IMPORT, slot_fns!(import_slot)),
+        b"cuMemExportToShareableHandle" => (&EXPORT, slot_fns!(export_slot)),
+        _ => return None,
+    };
     if fns.contains(&found) || found.is_null() {
         return None;
     }

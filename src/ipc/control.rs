@@ -2,7 +2,7 @@
 //! their own user over the per-user socket (`transport`), and its answer.
 //!
 //! A request is 16 bytes like a ticket's: the id says which ([`PAUSE_ID`], [`RESUME_ID`],
-//! [`QUERY_ID`]), the nonce carries the tag (low 32 bits, 0: every tag) and, for a pause,
+//! [`QUERY_ID`], [`SHARING_ID`]), the nonce carries the tag (low 32 bits, 0: every tag) and, for a pause,
 //! whether to discard (bit 32). The answer is a grant of no chunks whose size is the bytes
 //! paused, resumed or paused now; a refusal says why not ([`Refusal::NoMemory`]: a resume
 //! found no memory, what is still paused stays paused). Only a process's own user is served
@@ -16,6 +16,7 @@ use std::time::Duration;
 pub const PAUSE_ID: u32 = u32::MAX - 2;
 pub const RESUME_ID: u32 = u32::MAX - 3;
 pub const QUERY_ID: u32 = u32::MAX - 4;
+pub const SHARING_ID: u32 = u32::MAX - 5;
 
 /// Bit of the nonce that asks a pause to discard instead of offloading.
 const DISCARD: u64 = 1 << 32;
@@ -34,6 +35,8 @@ pub enum Control {
     },
     /// Bytes paused now.
     Query,
+    /// Whether the process shared memory or mapped another's by IPC (`api::sharing`'s bits).
+    Sharing,
 }
 
 impl Control {
@@ -46,6 +49,7 @@ impl Control {
             }
             Control::Resume { tag: t } => (RESUME_ID, tag(t)),
             Control::Query => (QUERY_ID, 0),
+            Control::Sharing => (SHARING_ID, 0),
         }
     }
 
@@ -62,6 +66,7 @@ impl Control {
             }),
             RESUME_ID => Some(Control::Resume { tag }),
             QUERY_ID => Some(Control::Query),
+            SHARING_ID => Some(Control::Sharing),
             _ => None,
         }
     }
@@ -94,6 +99,7 @@ mod tests {
             },
             Control::Resume { tag: None },
             Control::Query,
+            Control::Sharing,
         ] {
             let (id, nonce) = c.encode();
             assert_eq!(Control::of(id, nonce), Some(c));

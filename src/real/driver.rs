@@ -64,6 +64,12 @@ driver_table! {
     optional {
         cuMemGetAddressRange_v2(*mut CUdeviceptr, *mut size_t, CUdeviceptr);
         cuDriverGetVersion(*mut c_int);
+        cuGetErrorName(u32, *mut *const c_char);
+        cuCheckpointProcessGetState(c_int, *mut c_int);
+        cuCheckpointProcessLock(c_int, *mut c_void);
+        cuCheckpointProcessCheckpoint(c_int, *mut c_void);
+        cuCheckpointProcessRestore(c_int, *mut c_void);
+        cuCheckpointProcessUnlock(c_int, *mut c_void);
         cuDeviceGetName(*mut c_char, c_int, CUdevice);
         cuDeviceGetUuid_v2(*mut c_void, CUdevice);
         cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_void);

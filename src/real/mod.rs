@@ -11,6 +11,7 @@
 //! here if none is yet). Its symbols are split like cuinterpose's: without the *required* ones
 //! the pool cannot run and everything passes through.
 
+pub mod checkpoint;
 pub mod driver;
 pub mod lookup;
 pub mod primary;

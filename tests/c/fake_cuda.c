@@ -727,3 +727,46 @@ void* fakecu_real(const char* sym) {
 #endif
   return 0;
 }
+
+/* The process checkpoint (driver 570 on): a state per pid in the file FAKE_CKPT_DIR/<pid> (0
+ * running, 1 locked, 2 checkpointed); a pid without a file, or no FAKE_CKPT_DIR, has no CUDA
+ * (3). FAKE_CKPT_LOCK_RC / FAKE_CKPT_RC: the lock / the checkpoint fails with that CUresult. */
+static int ckpt_get(int pid) {
+  const char* d = getenv("FAKE_CKPT_DIR");
+  if (!d) return -1;
+  char p[512];
+  snprintf(p, sizeof p, "%s/%d", d, pid);
+  FILE* f = fopen(p, "r");
+  if (!f) return -1;
+  int s = -1;
+  if (fscanf(f, "%d", &s) != 1) s = -1;
+  fclose(f);
+  return s;
+}
+static void ckpt_set(int pid, int s) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%d", getenv("FAKE_CKPT_DIR"), pid);
+  FILE* f = fopen(p, "w");
+  if (f) { fprintf(f, "%d\n", s); fclose(f); }
+}
+CUresult cuCheckpointProcessGetState(int pid, int* st) { int s = ckpt_get(pid); if (s < 0) return 3; *st = s; return 0; }
+CUresult cuCheckpointProcessLock(int pid, void* a) {
+  (void)a;
+  int s = ckpt_get(pid);
+  if (s < 0) return 3;
+  if (s != 0) return 401;
+  long rc = envl("FAKE_CKPT_LOCK_RC", 0);
+  if (rc) return (CUresult)rc;
+  ckpt_set(pid, 1);
+  return 0;
+}
+CUresult cuCheckpointProcessCheckpoint(int pid, void* a) {
+  (void)a;
+  if (ckpt_get(pid) != 1) return 401;
+  long rc = envl("FAKE_CKPT_RC", 0);
+  if (rc) return (CUresult)rc;
+  ckpt_set(pid, 2);
+  return 0;
+}
+CUresult cuCheckpointProcessRestore(int pid, void* a) { (void)a; if (ckpt_get(pid) != 2) return 401; ckpt_set(pid, 1); return 0; }
+CUresult cuCheckpointProcessUnlock(int pid, void* a) { (void)a; if (ckpt_get(pid) != 1) return 401; ckpt_set(pid, 0); return 0; }

@@ -859,6 +859,15 @@ static int sleeper(void) {
       int ok = holds(p, 32 * MIB, 7) && holds(q, 32 * MIB, 8);
       printf("intact=%d\n", ok); fflush(stdout);
     }
+    if (!strncmp(line, "share", 5)) { /* an IPC handle of p: its memory is shared */
+      unsigned char h[64];
+      printf("shared=%d\n", cudaIpcGetMemHandle(h, p)); fflush(stdout);
+    }
+    if (!strncmp(line, "open", 4)) { /* an IPC open (of nothing valid): it maps another's */
+      IpcHandle h; void* o = 0;
+      memset(&h, 0, sizeof h);
+      printf("opened=%d\n", cudaIpcOpenMemHandle(&o, h, 1)); fflush(stdout);
+    }
   }
   return 0;
 }

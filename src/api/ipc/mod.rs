@@ -5,7 +5,8 @@
 //! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]) and how they are kept current
 //! ([`current`]), the program's runs of such memory ([`runs`]), tickets and their socket
 //! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
-//! ([`shares`]), and the consumer's side ([`open`]).
+//! ([`shares`]), the consumer's side ([`open`]), and whether this process shared or mapped
+//! another's memory at all ([`sharing`]).
 
 mod check;
 pub(crate) mod current;
@@ -15,6 +16,7 @@ mod mirror;
 mod open;
 mod runs;
 pub(super) mod shares;
+pub mod sharing;
 pub(super) mod tickets;
 
 pub use foreign::mirror_foreign;

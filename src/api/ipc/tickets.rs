@@ -296,6 +296,10 @@ fn control(c: Control) -> Reply {
             bytes: crate::api::sleep::paused_bytes(true),
             ..Default::default()
         }),
+        Control::Sharing => Ok(crate::api::sleep::Outcome {
+            bytes: super::sharing::state(),
+            ..Default::default()
+        }),
     };
     match done {
         Ok(o) => Ok((

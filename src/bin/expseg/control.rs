@@ -3,6 +3,7 @@
 //! as JSON lines.
 
 use super::bad_usage;
+use super::whole;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -52,6 +53,7 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
     use expseg::ipc::sockdir::current_uid;
     use expseg::ipc::transport::AskError;
     let (mut tag, mut discard, mut all, mut json) = (None, false, false, false);
+    let (mut pool, mut force, mut timeout_ms) = (false, false, 10_000u32);
     // Processes named by PID must answer; those found by --tree, --gpu or --all may be no
     // expseg process of the user's (a launcher, a data loader worker, another user's job on
     // the GPU): skipped with a note, not failures.
@@ -61,6 +63,12 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--discard" if cmd == "pause" => discard = true,
+            "--pool" => pool = true,
+            "--force" if cmd == "pause" => force = true,
+            "--timeout" if cmd == "pause" => match it.next().and_then(|t| t.parse::<f64>().ok()) {
+                Some(t) if t > 0.0 && t <= 3600.0 => timeout_ms = (t * 1e3).round() as u32,
+                _ => return bad_usage(Some(cmd), "--timeout needs seconds (0 < S <= 3600)"),
+            },
             "--json" => json = true,
             "--all" => all = true,
             "--tag" if cmd != "paused" => match it.next() {
@@ -131,6 +139,18 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
         .collect();
     pids.sort_unstable();
     pids.dedup();
+    // A pause is of the whole process (the driver's checkpoint) unless it is of the pool alone:
+    // --pool, or what only the pool has (--discard, --tag).
+    let whole_pause = cmd == "pause" && !pool && !discard && tag.is_none();
+    // The driver's checkpoint, looked for at the first process that exists and is the user's
+    // (so "no such process" comes first). resume and paused: the driver's state first, where
+    // it can say; a pause without it fails, naming --pool.
+    let mut ck: Option<Result<expseg::real::checkpoint::Checkpoint, String>> = None;
+    let want_ck = !pool && (whole_pause || cmd != "pause");
+    let used = match whole_pause {
+        true => whole::used_memory(),
+        false => Default::default(),
+    };
     let c = match cmd {
         "pause" => Control::Pause { tag, discard },
         "resume" => Control::Resume { tag },
@@ -169,6 +189,63 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
             }
             continue;
         }
+        if want_ck && ck.is_none() {
+            ck = Some(expseg::real::checkpoint::Checkpoint::get());
+        }
+        if let (true, Some(Err(e))) = (whole_pause, &ck) {
+            ok = false;
+            fail(pid, format!("{e}; 'expseg pause --pool PID' pauses the expseg pool alone, of a program that runs no GPU work meanwhile"), 0);
+            continue;
+        }
+        if let Some(Ok(ck)) = &ck {
+            let done = match c {
+                Control::Pause { .. } => {
+                    let may = || may_pause_whole(uid, pid, force);
+                    whole_line(pid, whole::pause(ck, pid, timeout_ms, may), used.get(&pid), json)
+                }
+                Control::Resume { .. } => match whole::resume(ck, pid) {
+                    // Not held by the driver (or no CUDA it can see): the pool's resume.
+                    Ok(None) => None,
+                    Err(f) if f.no_cuda => None,
+                    Ok(Some(s)) => {
+                        match json {
+                            true => println!("{{\"pid\":{pid},\"command\":\"resume\",\"mode\":\"whole\",\"seconds\":{s:.3}}}"),
+                            false => println!("pid {pid}: resumed the whole process in {s:.2} s"),
+                        }
+                        Some(Ok(()))
+                    }
+                    Err(f) => Some(Err(f)),
+                },
+                Control::Sharing => None,
+                Control::Query => whole::held(ck, pid).map(|s| {
+                    match json {
+                        true => println!("{{\"pid\":{pid},\"command\":\"paused\",\"mode\":\"whole\",\"state\":{}}}", json_str(&format!("{s:?}"))),
+                        false => println!("pid {pid}: the whole process is paused (driver state {s:?})"),
+                    }
+                    Ok(())
+                }),
+            };
+            match done {
+                None => {}
+                Some(Ok(())) => {
+                    answered.push(pid);
+                    continue;
+                }
+                Some(Err(f)) if f.no_cuda && found => {
+                    eprintln!("pid {pid}: {}: skipped", f.why);
+                    continue;
+                }
+                Some(Err(f)) if f.no_expseg && found => {
+                    eprintln!("pid {pid}: no expseg socket answers (not an expseg process, or no GPU allocation yet): skipped");
+                    continue;
+                }
+                Some(Err(f)) => {
+                    ok = false;
+                    fail(pid, f.why, 0);
+                    continue;
+                }
+            }
+        }
         let t = std::time::Instant::now();
         match control::ask(uid, pid, c, control::TIMEOUT) {
             Ok(n) => {
@@ -189,7 +266,7 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
                 match c {
                     Control::Pause { .. } => println!("pid {pid}: paused {n} in {s:.2} s"),
                     Control::Resume { .. } => println!("pid {pid}: resumed {n} in {s:.2} s"),
-                    Control::Query => println!("pid {pid}: {n} paused"),
+                    Control::Query | Control::Sharing => println!("pid {pid}: {n} paused"),
                 }
             }
             Err(AskError::Unreachable(_)) if found => {
@@ -207,10 +284,14 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
             }
         }
     }
+    let kind = match whole_pause && force {
+        true => "CUDA",
+        false => "expseg",
+    };
     for s in &selectors {
         if !s.pids.iter().any(|p| answered.contains(p)) {
             let hint = s.hint.as_ref().map_or(String::new(), |h| format!(" ({h})"));
-            eprintln!("expseg {cmd}: {}: no expseg process found{hint}", s.label);
+            eprintln!("expseg {cmd}: {}: no {kind} process found{hint}", s.label);
         }
     }
     if named.is_empty() && answered.is_empty() {
@@ -220,6 +301,73 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
         true => ExitCode::SUCCESS,
         false => ExitCode::FAILURE,
     }
+}
+
+/// Whether process `pid` may be paused whole: its expseg says it neither maps memory another
+/// process shared with it (the driver checkpoints such a process but cannot restore it) nor
+/// shared its own; a process that cannot be asked (no expseg in it) only with `--force`.
+fn may_pause_whole(uid: u32, pid: u32, force: bool) -> Result<(), whole::Failure> {
+    use expseg::api::sharing::{IMPORTED_BIT, SHARED_BIT};
+    use expseg::ipc::control::{self, Control};
+    use expseg::ipc::transport::AskError;
+    if force {
+        return Ok(());
+    }
+    let no = |why: String| {
+        Err(whole::Failure {
+            why,
+            no_cuda: false,
+            no_expseg: false,
+        })
+    };
+    match control::ask(uid, pid, Control::Sharing, std::time::Duration::from_secs(5)) {
+        Ok(bits) if bits & IMPORTED_BIT != 0 => no("it maps memory another process shared with it (IPC): the driver checkpoints such a process but cannot restore it, so it is not paused; pause it with --pool (its own pool memory), or pause the process that shared the memory".into()),
+        Ok(bits) if bits & SHARED_BIT != 0 => no("it shared its memory with another process (IPC), which may map it: not paused whole; pause it with --pool (memory shared by IPC stays), or with --force once no other process maps it".into()),
+        Ok(_) => Ok(()),
+        Err(AskError::Unreachable(_)) => Err(whole::Failure {
+            why: "no expseg in it to ask whether it maps memory another process shared with it (IPC), which the driver cannot restore: not paused; --force pauses it whole anyway".into(),
+            no_cuda: false,
+            no_expseg: true,
+        }),
+        Err(e) => no(format!("its expseg did not say whether it shares memory by IPC ({e:?}): not paused; --force pauses it whole anyway")),
+    }
+}
+
+/// Print a whole-process pause's line; what the caller does next.
+fn whole_line(
+    pid: u32,
+    r: Result<whole::Paused, whole::Failure>,
+    used: Option<&u64>,
+    json: bool,
+) -> Option<Result<(), whole::Failure>> {
+    let p = match r {
+        Ok(p) => p,
+        Err(f) => return Some(Err(f)),
+    };
+    let bytes = used.copied();
+    if json {
+        let b = bytes.map_or("null".to_string(), |b| b.to_string());
+        println!(
+            "{{\"pid\":{pid},\"command\":\"pause\",\"mode\":\"whole\",\"bytes\":{b},\"seconds\":{:.3},\"lock_seconds\":{:.3},\"copy_seconds\":{:.3},\"already\":{}}}",
+            p.lock + p.copy,
+            p.lock,
+            p.copy,
+            p.already
+        );
+    } else if p.already {
+        println!("pid {pid}: already paused (the whole process)");
+    } else {
+        let what = bytes.map_or(String::new(), |b| {
+            format!(", {} on the GPU before", human(b))
+        });
+        println!(
+            "pid {pid}: paused the whole process{what} in {:.2} s (its work stopped in {:.2} s, memory copied out in {:.2} s)",
+            p.lock + p.copy,
+            p.lock,
+            p.copy
+        );
+    }
+    Some(Ok(()))
 }
 
 /// Why a pause, resume or query was refused, and what was done before it (in bytes for
@@ -248,7 +396,7 @@ fn refused(
         Control::Resume { .. } => {
             format!("{why} ({done} resumed before the failure stay resumed)")
         }
-        Control::Query => why,
+        Control::Query | Control::Sharing => why,
     }
 }
 

@@ -18,6 +18,7 @@
 //! cannot read is named in one line with a hint, exit status 2, as git and cargo do.
 
 mod control;
+mod whole;
 
 use expseg::config::Config;
 use expseg::real::{self, DriverTable};
@@ -580,8 +581,8 @@ usage: expseg COMMAND [ARGS...]
 
 commands:
   doctor          can expseg work on this machine? one verdict per line
-  pause PID...    pause the GPU memory of running expseg processes of yours
-  resume PID...   bring paused memory back, at the same addresses
+  pause PID...    pause running CUDA processes of yours, their GPU memory to host memory
+  resume PID...   bring them back, at the same addresses
   paused PID...   how much memory is paused now
   glibc FILE      the highest GLIBC_ version FILE requires
   help COMMAND    a command's help (the same as expseg COMMAND --help)
@@ -649,33 +650,45 @@ when no expseg process is found; 2 for a command line it cannot read.
 ";
 
 const PAUSE_HELP: &str = "\
-usage: expseg pause (PID | --all | --tree PID | --gpu N)... [--discard] [--tag NAME] [--json]
+usage: expseg pause (PID | --all | --tree PID | --gpu N)... [--timeout S] [--json]
+       expseg pause --pool (PID | --all | --tree PID | --gpu N)... [--discard] [--tag NAME] [--json]
 
-Pauses the GPU memory of running expseg processes of yours: each waits for its GPU, copies its
-live bytes to host memory (--discard: drops them) and gives the GPU memory back to the driver,
-so another process can take it. Addresses stay reserved: tensors, pointers and CUDA graphs
-stay valid. The program must run no GPU work on paused memory until it is resumed (pause
-between steps). Memory shared with other processes by IPC is left alone.
+Pauses running CUDA processes of yours, whole, with the driver's process checkpoint (driver
+570 or later): each process's CUDA calls stop and the GPU work it queued finishes, then the
+driver copies all its GPU memory (the context's, NCCL's and every library's too) to host memory
+and gives the GPU back. Its threads run on; a CUDA call waits until 'expseg resume', which
+brings the memory back at the same addresses. A program busy on the GPU is paused exactly. One
+whose work does not stop within --timeout is not paused, nor one the driver cannot checkpoint
+(UVM memory; on some drivers memory shared by IPC): the line says why, and it runs on.
 
-  --discard       drop the bytes instead of copying them (they come back undefined); only
-                  where the process runs with EXPSEG_ALLOW_REMOTE_DISCARD=1
-  --tag NAME      only memory allocated under expseg.tag(NAME)
+  --timeout S     how long its work may take to stop (seconds, default 10)
+  --pool          pause only the memory of the expseg pool (no driver checkpoint; live bytes
+                  only, the context stays): the program must run no GPU work on paused
+                  memory until it is resumed (pause between steps); memory shared with
+                  other processes by IPC is left alone
+  --discard       (--pool) drop the bytes instead of copying them (they come back
+                  undefined); only where the process runs with EXPSEG_ALLOW_REMOTE_DISCARD=1
+  --tag NAME      (--pool) only memory allocated under expseg.tag(NAME)
 ";
 
 const RESUME_HELP: &str = "\
-usage: expseg resume (PID | --all | --tree PID | --gpu N)... [--tag NAME] [--json]
+usage: expseg resume (PID | --all | --tree PID | --gpu N)... [--pool] [--tag NAME] [--json]
 
-Makes paused memory again, at the same addresses, and copies its bytes back. Where the GPU has
-too little free memory, what fits is resumed and the rest stays paused with its bytes (exit
-status 1): resume again once memory is free.
+Brings a paused process back. Paused whole: the driver restores its GPU memory at the same
+addresses and lets its CUDA calls go on. Paused with --pool: the pool's memory is made again,
+at the same addresses, and its bytes copied back; where the GPU has too little free memory,
+what fits is resumed and the rest stays paused with its bytes (exit status 1): resume again
+once memory is free.
 
+  --pool          only the pool's memory (not a driver checkpoint)
   --tag NAME      only memory allocated under expseg.tag(NAME)
 ";
 
 const PAUSED_HELP: &str = "\
 usage: expseg paused (PID | --all | --tree PID | --gpu N)... [--json]
 
-How much GPU memory each process has paused now.
+How much GPU memory each process has paused now (a process the driver holds paused whole
+says so).
 ";
 
 /// A command's help text, whole.
