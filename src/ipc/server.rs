@@ -23,7 +23,7 @@ pub const MAX_READING: usize = 32;
 pub const MAX_IN_FLIGHT: usize = 32;
 
 /// Answers beyond [`MAX_IN_FLIGHT`] that only the server's own user's control requests
-/// (pause, resume, query, reclaim: ids from [`FIRST_REQUEST_ID`] below `u32::MAX`) may take, so
+/// (pause, resume, query, sharing, reclaim: ids from [`FIRST_REQUEST_ID`] below `u32::MAX`) may take, so
 /// slow tickets cannot keep `expseg pause` or a reclaim waiting.
 pub const RESERVED: usize = 8;
 

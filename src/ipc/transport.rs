@@ -34,10 +34,10 @@ pub const BATCH: usize = 64;
 /// coalesced pages shared whole, without a split); 0 is a grant without a lead.
 pub const GRANTED_WITH_LEAD: u32 = 6;
 
-/// Request ids from here up name requests, not tickets: `control`'s `QUERY_ID`, `RESUME_ID`
-/// and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and `fdshare`'s `GETFD_ID` (`u32::MAX`). Ticket ids
-/// stay below it.
-pub const FIRST_REQUEST_ID: u32 = u32::MAX - 4;
+/// Request ids from here up name requests, not tickets: `control`'s `SHARING_ID`,
+/// `QUERY_ID`, `RESUME_ID` and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and `fdshare`'s `GETFD_ID`
+/// (`u32::MAX`). Ticket ids stay below it.
+pub const FIRST_REQUEST_ID: u32 = u32::MAX - 5;
 
 /// Fill `buf` from the kernel's random source (`getrandom`, else `/dev/urandom`). Never from
 /// anything guessable: without a random source there are no tickets.

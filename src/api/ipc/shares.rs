@@ -249,6 +249,7 @@ mod tests {
     fn ticket_ids_wrap_below_the_request_ids_and_past_live_ones() {
         use crate::ipc::{control, reclaim};
         for request in [
+            control::SHARING_ID,
             control::QUERY_ID,
             control::RESUME_ID,
             control::PAUSE_ID,

@@ -366,7 +366,7 @@ pub(super) const NOT_SUPPORTED: i32 = 801;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ipc::control::{PAUSE_ID, QUERY_ID, RESUME_ID};
+    use crate::ipc::control::{PAUSE_ID, QUERY_ID, RESUME_ID, SHARING_ID};
 
     /// The rows of docs/contract.md's "Who may do what": the peer, then one cell per column.
     fn contract_table() -> Vec<(String, Vec<String>)> {
@@ -438,7 +438,7 @@ mod tests {
         }
         .encode();
         assert_eq!(What::of(discard.0, discard.1), What::Discard);
-        for id in [PAUSE_ID, RESUME_ID, QUERY_ID, RECLAIM_ID] {
+        for id in [PAUSE_ID, RESUME_ID, QUERY_ID, SHARING_ID, RECLAIM_ID] {
             assert_eq!(What::of(id, 5), What::Control, "{id:#x}");
         }
         assert_eq!(What::of(GETFD_ID, 3), What::Descriptor);
