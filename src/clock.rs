@@ -27,8 +27,24 @@ fn origin() -> (Instant, u64) {
 }
 
 extern "C" fn take_origin() {
-    // A panic must not leave a load-time constructor; a later `origin()` takes it then.
-    let _ = std::panic::catch_unwind(origin);
+    // `Instant::now()` panics where the kernel refuses the monotonic clock (a seccomp filter),
+    // and a panic's message is printed even when it is caught: ask the kernel first, and where
+    // it refuses take nothing now (a later `origin()` takes it, inside a hook's boundary). A
+    // panic must not leave a load-time constructor.
+    if monotonic_clock_works() {
+        let _ = std::panic::catch_unwind(origin);
+    }
+}
+
+/// Whether the kernel answers `clock_gettime(CLOCK_MONOTONIC)`, as `Instant::now()` asks it.
+#[allow(unsafe_code)]
+fn monotonic_clock_works() -> bool {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) == 0 }
 }
 
 /// Taken at load, so that a hook's reading touches no memory at all (not even a flag).

@@ -130,6 +130,10 @@ pub struct Config {
     /// producer's expseg over its socket. `0`: the kernel's answer stands, no socket is made
     /// for it (a sandbox whose seccomp filter kills on `socket()`).
     pub pidfd_rescue: bool,
+    /// `EXPSEG_SOCKETS`: `0` makes expseg open and connect no socket at all (no tickets, no
+    /// `expseg pause` from outside, no reclaims, no descriptor rescue), for sandboxes whose
+    /// seccomp filter kills a process on `socket()`.
+    pub sockets: bool,
     /// `EXPSEG_COALESCE`: whose VMM pages get coalesced: `torch` (PyTorch's expandable
     /// segments: callers of the runtime's driver entry points in `libc10_cuda`), `all` (every
     /// caller of those entry points), `off`.
@@ -239,6 +243,7 @@ impl Default for Config {
             ipc_mirror_sync: MirrorSync::Plain,
             ipc_allow_uids: Vec::new(),
             pidfd_rescue: true,
+            sockets: true,
             coalesce: Coalesce::Torch,
             driver_api: true,
             // Bounds the temporary memory a compaction needs (the live part of one handle),
@@ -522,6 +527,11 @@ const VARS: &[Var] = &[
         show: |c| c.pidfd_rescue.to_string(),
     },
     Var {
+        name: "EXPSEG_SOCKETS",
+        set: |c, v| parse_bool(v).map(|b| c.sockets = b),
+        show: |c| c.sockets.to_string(),
+    },
+    Var {
         name: "EXPSEG_REPORT",
         set: |c, v| {
             // `none` is off, as for expseg-run (a file named "none" is `./none`).
@@ -681,12 +691,18 @@ impl Config {
 /// `EXPSEG_IPC_DIR` must name an existing directory by an absolute path (an empty value would
 /// mean the working directory; a missing one would be created with its parents).
 pub fn valid_ipc_dir(v: &str) -> Result<(), &'static str> {
+    use std::os::unix::fs::PermissionsExt;
     let p = std::path::Path::new(v);
-    if p.is_absolute() && p.is_dir() {
-        Ok(())
-    } else {
-        Err("the absolute path of an existing directory")
+    if !(p.is_absolute() && p.is_dir()) {
+        return Err("the absolute path of an existing directory");
     }
+    // Where others may write and the sticky bit is off, another user could rename or remove
+    // the socket directories made there, or take their names first.
+    let mode = std::fs::metadata(p).map_or(0, |m| m.permissions().mode());
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err("a directory others cannot write to, or a sticky one (as /tmp)");
+    }
+    Ok(())
 }
 
 /// A switch's word: 1/0, true/false, yes/no, on/off (any case); nothing else.

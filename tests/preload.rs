@@ -791,6 +791,43 @@ fn a_plain_consumers_mirror_follows_the_programs_synchronizes_and_shared_events(
 }
 
 #[test]
+fn with_expseg_sockets_0_no_socket_is_made_at_all() {
+    // A sandbox whose seccomp filter kills a process on socket(): here a socket() that aborts.
+    let f = fixture();
+    let dir = f.dir.join("nosocket");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("nosocket.c"),
+        "#include <stdlib.h>\nint socket(int d, int t, int p) { (void)d; (void)t; (void)p; abort(); }\n",
+    )
+    .unwrap();
+    cc(
+        &["-shared", "-fPIC", "-o", "libnosocket.so", "nosocket.c"],
+        &dir,
+    );
+    let preload = format!(
+        "{}:{}",
+        dir.join("libnosocket.so").display(),
+        f.shim.display()
+    );
+    // Allocation, a handle (a mirror: no ticket), its open, a free: no socket.
+    let r = run("ipc", &[("LD_PRELOAD", &preload), ("EXPSEG_SOCKETS", "0")]).ok();
+    assert_eq!(r.get("ipc_rc"), "0");
+    assert_eq!(r.get("data_ok"), "1", "{}", r.stderr());
+    assert_eq!(
+        r.get("same_address"),
+        "0",
+        "a mirror, not the producer's memory"
+    );
+    // EXPSEG_PIDFD_RESCUE=0 alone leaves the other sockets: such a sandbox kills the process.
+    let r = run(
+        "ipc",
+        &[("LD_PRELOAD", &preload), ("EXPSEG_PIDFD_RESCUE", "0")],
+    );
+    assert!(!r.out.status.success(), "{}", r.stderr());
+}
+
+#[test]
 fn ipc_falls_back_to_a_mirror_and_says_so_once() {
     // Tickets off: the plain mirror behaviour (tickets have their own tests).
     let r = run("ipc", &[("EXPSEG_IPC_TICKETS", "0")]).ok();
@@ -3103,6 +3140,36 @@ fn host_buffers_kept_after_a_resume_go_when_the_host_runs_short_or_when_told() {
     )
     .ok();
     assert_eq!(r.get("later_pause_host_kept_bytes"), kept);
+}
+
+#[test]
+fn a_clock_the_kernel_refuses_at_load_prints_nothing() {
+    // A sandbox that refuses clock_gettime: expseg's load-time constructor takes no reading
+    // (std's Instant::now() would panic, and the caught panic's message print in every process).
+    let f = fixture();
+    let dir = f.dir.join("noclock");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("noclock.c"),
+        "#include <errno.h>\n#include <time.h>\nint clock_gettime(clockid_t c, struct timespec* t) { (void)c; (void)t; errno = EPERM; return -1; }\n",
+    )
+    .unwrap();
+    cc(
+        &["-shared", "-fPIC", "-o", "libnoclock.so", "noclock.c"],
+        &dir,
+    );
+    let preload = format!(
+        "{}:{}",
+        dir.join("libnoclock.so").display(),
+        f.shim.display()
+    );
+    let o = Command::new("/bin/true")
+        .env("LD_PRELOAD", &preload)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[test]

@@ -102,7 +102,7 @@ pub fn serve_reclaims() {
     if ONCE.is_completed() {
         return;
     }
-    if (config().keeps() || config().control) && !bypass() {
+    if (config().keeps() || config().control) && config().sockets && !bypass() {
         ONCE.call_once(|| {
             ipc::tickets::ensure_server();
         });
@@ -114,6 +114,10 @@ pub fn serve_reclaims() {
 /// success the shares of runs that start in the range (mirrors, tickets) end, since they
 /// stand for nothing any more. For the exported hook and the VMM hook's pass-through alike.
 pub fn unmap_unserved(va: u64, size: u64, real: impl FnOnce() -> u32) -> u32 {
+    // A forked child's copies of expseg's locks may be held by threads it does not have.
+    if forked() {
+        return real();
+    }
     let unmapping = std::panic::catch_unwind(|| reads::begin_unmap(va, size)).ok();
     let r = real();
     drop(unmapping);

@@ -161,8 +161,9 @@ pub fn make_room(dev: Option<i32>) -> bool {
 /// (on every GPU when `dev` is unknown: one request each, not one per GPU): the bytes they
 /// gave.
 fn reclaim_from_peers(dev: Option<i32>) -> u64 {
-    // Off (`EXPSEG_DISABLE=1`: pure pass-through) or a forked child: nobody is asked.
-    if state::bypass() {
+    // Off (`EXPSEG_DISABLE=1`: pure pass-through), a forked child, or no sockets
+    // (`EXPSEG_SOCKETS=0`): nobody is asked.
+    if state::bypass() || !state::config().sockets {
         return 0;
     }
     let key = dev.map_or(reclaim::EVERY_GPU, key_of);

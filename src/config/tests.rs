@@ -232,6 +232,24 @@ fn the_ipc_directory_must_exist_and_be_absolute() {
         assert_eq!(bad.len(), 1, "{v:?}");
     }
     assert!(with(&[("EXPSEG_IPC_DIR", "/tmp")]).1.is_empty());
+    // Writable by others without the sticky bit: anyone could take or remove what is made
+    // there. Sticky (as /tmp) or private: taken.
+    use std::os::unix::fs::PermissionsExt;
+    let d = std::env::temp_dir().join(format!("expseg-ipcbase-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let v = d.to_str().unwrap();
+    for (mode, ok) in [
+        (0o777, false),
+        (0o775, false),
+        (0o1777, true),
+        (0o755, true),
+    ] {
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).unwrap();
+        let (c, bad) = with(&[("EXPSEG_IPC_DIR", v)]);
+        assert_eq!(bad.is_empty(), ok, "{mode:o}: {bad:?}");
+        assert_eq!(c.ipc_dir == v, ok, "{mode:o}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]

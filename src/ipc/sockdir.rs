@@ -12,7 +12,12 @@
 //! 2. otherwise `$XDG_RUNTIME_DIR/<name>` where that is the user's own runtime directory
 //!    (absolute, owned by the user, 0700; not with `EXPSEG_IPC_ALLOW_UIDS`, whose users
 //!    could not enter it): no other user can take that name first;
-//! 3. then `/tmp/<name>`, and where another user took that name first (any local user can
+//! 3. then, where the user's home directory is private to them (owned, not writable by
+//!    others), `~/.cache/expseg/<boot>/<name>` (`<boot>`: the kernel's boot id, so that nodes
+//!    sharing a home never meet in one directory); not with `EXPSEG_IPC_ALLOW_UIDS`. No one
+//!    else can take that name first where there is no runtime directory (cron, batch steps,
+//!    containers);
+//! 4. then `/tmp/<name>`, and where another user took that name first (any local user can
 //!    `mkdir /tmp/expseg-1000`), `/tmp/<name>.1` … `/tmp/<name>.8`.
 //!
 //! Consumers find a producer by its uid and pid alone (a ticket says no more): they look for
@@ -48,13 +53,73 @@ pub fn places(uid: u32) -> Result<Vec<Place>, String> {
         .ok()
         .filter(|v| crate::config::valid_ipc_dir(v).is_ok());
     let xdg = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);
+    let own = uid == current_uid();
+    let home = own.then(|| home_place(uid)).flatten();
     Ok(places_from(
         &dir_name(uid, ns::own()?),
         uid,
         ipc_dir.as_deref().map(Path::new),
-        xdg.as_deref().filter(|_| uid == current_uid()),
+        xdg.as_deref().filter(|_| own),
         Path::new("/run/user"),
+        home.as_deref(),
     ))
+}
+
+/// `~/.cache/expseg/<boot>` of user `uid` (their home directory as the password database
+/// says, whatever `HOME` is), where that home is private to them: absolute, a directory owned
+/// by `uid` that no one else may write; and every part of the path that exists already so too.
+fn home_place(uid: u32) -> Option<PathBuf> {
+    let home = home_of(uid)?;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let boot: String = boot.trim().chars().filter(|c| *c != '-').take(12).collect();
+    if boot.is_empty() {
+        return None;
+    }
+    let dir = home.join(".cache").join("expseg").join(boot);
+    private_chain(&home, &dir, uid).then_some(dir)
+}
+
+/// Whether `home` and each part of `dir` below it that exists is a directory owned by `uid`
+/// that others cannot write (parts not made yet are made private by [`make_parents`]).
+fn private_chain(home: &Path, dir: &Path, uid: u32) -> bool {
+    let private = |p: &Path| {
+        std::fs::symlink_metadata(p)
+            .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o022 == 0)
+    };
+    if !home.is_absolute() || !private(home) {
+        return false;
+    }
+    let mut p = home.to_path_buf();
+    for c in dir
+        .strip_prefix(home)
+        .ok()
+        .into_iter()
+        .flat_map(|r| r.components())
+    {
+        p.push(c);
+        if std::fs::symlink_metadata(&p).is_ok() && !private(&p) {
+            return false;
+        }
+    }
+    true
+}
+
+/// User `uid`'s home directory, from the password database.
+#[allow(unsafe_code)]
+fn home_of(uid: u32) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0 as libc::c_char; 16384];
+    // SAFETY: a zeroed passwd is a valid out-value; the strings it gets point into `buf`.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: valid pointers and the buffer's length.
+    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+    if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated string inside `buf`, alive here.
+    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())))
 }
 
 /// [`places`] for directory name `name` of `uid`, with `EXPSEG_IPC_DIR` = `ipc_dir`, the
@@ -67,6 +132,7 @@ fn places_from(
     ipc_dir: Option<&Path>,
     xdg: Option<&Path>,
     run_user: &Path,
+    home: Option<&Path>,
 ) -> Vec<Place> {
     let shared = |base: &Path| {
         std::iter::once(name.to_string())
@@ -101,6 +167,13 @@ fn places_from(
             dir: run.join(name),
             private: true,
             serve: false,
+        });
+    }
+    if let Some(h) = home {
+        out.push(Place {
+            dir: h.join(name),
+            private: true,
+            serve: true,
         });
     }
     out.extend(shared(Path::new("/tmp")));
@@ -175,6 +248,20 @@ pub fn prepare_dir(uid: u32, others: bool) -> Result<PathBuf, String> {
 fn prepare_in(places: &[Place], uid: u32, others: bool) -> Result<PathBuf, String> {
     let mut skipped = Vec::new();
     for p in places.iter().filter(|p| p.serve && !(others && p.private)) {
+        // A socket's path must fit a sockaddr_un (108 bytes with its NUL).
+        if p.dir.join("4294967295.sock").as_os_str().len() >= 108 {
+            skipped.push(format!("{}: too long a path for a socket", p.dir.display()));
+            continue;
+        }
+        // A private place under the home directory: its parents are made private too.
+        if p.private {
+            if let Some(parent) = p.dir.parent() {
+                let _ = std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(parent);
+            }
+        }
         match make_or_check(&p.dir, uid, others) {
             Ok(()) => {
                 if !skipped.is_empty() {
@@ -317,6 +404,55 @@ mod tests {
     }
 
     #[test]
+    fn without_a_runtime_directory_a_private_home_comes_before_tmp() {
+        let uid = current_uid();
+        let base = scratch("home-place");
+        let home = base.join("home");
+        std::fs::create_dir_all(&home).unwrap();
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let place = home.join(".cache/expseg/b00t");
+        assert!(
+            private_chain(&home, &place, uid),
+            "nothing made yet: private"
+        );
+        let ps = places_from("expseg-7", uid, None, None, &base.join("run"), Some(&place));
+        assert_eq!(ps[0].dir, place.join("expseg-7"));
+        assert!(ps[0].private && ps[0].serve);
+        assert_eq!(ps[1].dir, PathBuf::from("/tmp/expseg-7"));
+        // Served there, its parents made private; with other users allowed, /tmp instead.
+        assert_eq!(
+            prepare_in(&ps[..1], uid, false).unwrap(),
+            place.join("expseg-7")
+        );
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&home.join(".cache")), 0o700);
+        assert!(prepare_in(&ps[..1], uid, true).is_err());
+        // A part of the path others may write (a group-writable ~/.cache): not private.
+        std::fs::set_permissions(home.join(".cache"), std::fs::Permissions::from_mode(0o770))
+            .unwrap();
+        assert!(!private_chain(&home, &place, uid));
+        std::fs::set_permissions(home.join(".cache"), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        // A home others may write: not private.
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(!private_chain(&home, &place, uid));
+        // A path too long for a socket is skipped, and the error says so.
+        let long = base.join("x".repeat(90));
+        let e = prepare_in(
+            &[Place {
+                dir: long,
+                private: false,
+                serve: true,
+            }],
+            uid,
+            false,
+        )
+        .unwrap_err();
+        assert!(e.contains("too long a path for a socket"), "{e}");
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
     fn the_users_runtime_directory_comes_first_and_a_taken_name_is_skipped() {
         let uid = current_uid();
         let base = scratch("places");
@@ -329,14 +465,14 @@ mod tests {
         }
         let dirs = |ps: &[Place]| ps.iter().map(|p| p.dir.clone()).collect::<Vec<_>>();
         // EXPSEG_IPC_DIR: its own names only, the usual one first.
-        let shared = places_from("expseg-7", uid, Some(&base), Some(&xdg), &run_user);
+        let shared = places_from("expseg-7", uid, Some(&base), Some(&xdg), &run_user, None);
         assert_eq!(shared.len(), 1 + FALLBACKS as usize);
         assert_eq!(shared[0].dir, base.join("expseg-7"));
         assert_eq!(shared[8].dir, base.join("expseg-7.8"));
         assert!(shared.iter().all(|p| p.serve && !p.private));
         // Otherwise the user's runtime directory, /run/user/<uid> (looked in, not served in),
         // then /tmp's names.
-        let all = places_from("expseg-7", uid, None, Some(&xdg), &run_user);
+        let all = places_from("expseg-7", uid, None, Some(&xdg), &run_user, None);
         assert_eq!(
             dirs(&all[..4]),
             vec![
@@ -350,13 +486,13 @@ mod tests {
         assert!(!all[1].serve && all[1].private);
         // A runtime directory others may enter is no private one: not used.
         std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let open = places_from("expseg-7", uid, None, Some(&xdg), &run_user);
+        let open = places_from("expseg-7", uid, None, Some(&xdg), &run_user, None);
         assert!(!dirs(&open).contains(&xdg.join("expseg-7")));
         std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700)).unwrap();
 
         // The usual name taken (by another user; here: a directory others can write): the
         // next one, and consumers find the socket there, not in the taken one.
-        let ps = places_from("expseg-7", uid, Some(&base), None, &run_user);
+        let ps = places_from("expseg-7", uid, Some(&base), None, &run_user, None);
         std::fs::create_dir(base.join("expseg-7")).unwrap();
         std::fs::set_permissions(
             base.join("expseg-7"),
@@ -386,7 +522,7 @@ mod tests {
         );
         // With other users allowed, never the private runtime directory (they could not
         // enter it).
-        let both = places_from("expseg-7", uid, None, Some(&xdg), &run_user);
+        let both = places_from("expseg-7", uid, None, Some(&xdg), &run_user, None);
         assert_eq!(prepare_in(&both, uid, false).unwrap(), xdg.join("expseg-7"));
         // (That goes on to /tmp's name: made here, it is taken away again.)
         let in_tmp = PathBuf::from("/tmp/expseg-7");

@@ -22,10 +22,13 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Most chunks one grant carries (a foreign VMM run of 20 MiB pages: 1.25 TiB).
 pub const MAX_CHUNKS: usize = 1 << 16;
+
+/// The longest a ticket's request may take, from connecting to its last descriptor.
+pub const TICKET_TIME: Duration = Duration::from_secs(10);
 
 /// Most descriptors in one message.
 pub const BATCH: usize = 64;
@@ -301,17 +304,61 @@ fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> std::io::Result<()>
     Ok(())
 }
 
+/// Time left until `deadline`, or `TimedOut` where none is.
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    match deadline.checked_duration_since(Instant::now()) {
+        Some(d) if !d.is_zero() => Ok(d),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no answer in time",
+        )),
+    }
+}
+
+/// `read_exact`, each read bounded by what is left until `deadline`: a peer that trickles its
+/// answer a byte at a time cannot stretch the request past it.
+fn read_exact_by(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        s.set_read_timeout(Some(left(deadline)?))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all`, bounded as [`read_exact_by`].
+fn write_all_by(s: &mut UnixStream, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let mut put = 0;
+    while put < buf.len() {
+        s.set_write_timeout(Some(left(deadline)?))?;
+        match s.write(&buf[put..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => put += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Connect to `path`, check that process `pid` of `uid` serves it, send request `id` with
 /// `nonce` and read the answer's header: the stream and the header of an accepted request
-/// (a refusal is `AskError::Refused`). Reads and writes wait at most `timeout`.
+/// (a refusal is `AskError::Refused`). The whole request, connecting included, ends by
+/// `deadline`.
 fn request(
     path: &Path,
     uid: u32,
     pid: u32,
     id: u32,
     nonce: u64,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<(UnixStream, [u8; 16]), AskError> {
+    let timeout = left(deadline).map_err(AskError::Unreachable)?;
     let mut s = connect_within(path, timeout).map_err(AskError::Unreachable)?;
     match peer_cred(&s) {
         Some(c) if c == (uid, pid) => {}
@@ -323,16 +370,13 @@ fn request(
         }
         None => return Err(AskError::Untrusted("no credentials on the socket".into())),
     }
-    s.set_read_timeout(Some(timeout))
-        .and_then(|_| s.set_write_timeout(Some(timeout)))
-        .map_err(AskError::Unreachable)?;
     let mut req = [0u8; 16];
     req[0..4].copy_from_slice(&id.to_le_bytes());
     req[8..16].copy_from_slice(&nonce.to_le_bytes());
-    s.write_all(&req).map_err(AskError::Unreachable)?;
+    write_all_by(&mut s, &req, deadline).map_err(AskError::Unreachable)?;
     // The header carries no descriptors; exact reads never reach into the first batch.
     let mut head = [0u8; 16];
-    s.read_exact(&mut head).map_err(AskError::Unreachable)?;
+    read_exact_by(&mut s, &mut head, deadline).map_err(AskError::Unreachable)?;
     let status = u32::from_le_bytes(head[0..4].try_into().unwrap());
     if status != 0 && status != GRANTED_WITH_LEAD {
         let done = u64::from_le_bytes(head[8..16].try_into().unwrap());
@@ -352,7 +396,7 @@ pub fn ask_plain(
     nonce: u64,
     timeout: Duration,
 ) -> Result<u64, AskError> {
-    let (_, head) = request(path, uid, pid, id, nonce, timeout)?;
+    let (_, head) = request(path, uid, pid, id, nonce, Instant::now() + timeout)?;
     if head[0..8] != [0; 8] {
         return Err(AskError::Protocol("this answer carries no chunks"));
     }
@@ -374,10 +418,11 @@ pub enum AskError {
     Untrusted(String),
 }
 
-/// The descriptors of a grant as they arrive.
+/// The descriptors of a grant as they arrive, by the request's deadline.
 pub struct Incoming {
     s: UnixStream,
     left: usize,
+    deadline: Instant,
 }
 
 impl Incoming {
@@ -387,6 +432,9 @@ impl Incoming {
             return Ok(Vec::new());
         }
         let mut n = [0u8; 4];
+        left(self.deadline)
+            .and_then(|d| self.s.set_read_timeout(Some(d)))
+            .map_err(AskError::Unreachable)?;
         let (got, fds) =
             recv_with_fds(self.s.as_raw_fd(), &mut n).map_err(AskError::Unreachable)?;
         let want = u32::from_le_bytes(n) as usize;
@@ -414,7 +462,8 @@ pub fn ask(
             dir_trusted(dir, uid).map_err(AskError::Untrusted)?;
         }
     }
-    let (mut s, head) = request(path, uid, pid, id, nonce, Duration::from_secs(10))?;
+    let deadline = Instant::now() + TICKET_TIME;
+    let (mut s, head) = request(path, uid, pid, id, nonce, deadline)?;
     let count = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
     let size = u64::from_le_bytes(head[8..16].try_into().unwrap());
     if count == 0 || count > MAX_CHUNKS {
@@ -423,11 +472,11 @@ pub fn ask(
     let mut lead = 0u64;
     if head[0..4] == GRANTED_WITH_LEAD.to_le_bytes() {
         let mut b = [0u8; 8];
-        s.read_exact(&mut b).map_err(AskError::Unreachable)?;
+        read_exact_by(&mut s, &mut b, deadline).map_err(AskError::Unreachable)?;
         lead = u64::from_le_bytes(b);
     }
     let mut sizes = vec![0u8; 8 * count];
-    s.read_exact(&mut sizes).map_err(AskError::Unreachable)?;
+    read_exact_by(&mut s, &mut sizes, deadline).map_err(AskError::Unreachable)?;
     let chunks: Vec<u64> = sizes
         .chunks_exact(8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
@@ -452,7 +501,12 @@ pub fn ask(
             ))
         }
     }
-    Ok((Grant { size, chunks, lead }, Incoming { s, left: count }))
+    let incoming = Incoming {
+        s,
+        left: count,
+        deadline,
+    };
+    Ok((Grant { size, chunks, lead }, incoming))
 }
 
 /// One message: its bytes into `data`, and the descriptors attached to it.
@@ -627,6 +681,39 @@ mod tests {
             ask(&dir.join("none.sock"), me.0, me.1, 3, 99),
             Err(AskError::Unreachable(_))
         ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_peer_that_trickles_its_answer_is_cut_off_at_the_requests_deadline() {
+        // A same-uid socket answering one byte every 150 ms: each read would come in time, the
+        // whole answer (16 bytes, 2.4 s) would not. The request ends at its deadline.
+        let dir = std::env::temp_dir().join(format!("expseg-trickle-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut req = [0u8; 16];
+            c.read_exact(&mut req).unwrap();
+            for _ in 0..16 {
+                if c.write_all(&[0]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        });
+        let me = (current_uid(), std::process::id());
+        let t0 = Instant::now();
+        let r = ask_plain(&path, me.0, me.1, 7, 0, Duration::from_millis(400));
+        let took = t0.elapsed();
+        assert!(matches!(r, Err(AskError::Unreachable(_))), "{r:?}");
+        assert!(
+            took < Duration::from_millis(1000),
+            "one deadline for the request: {took:?}"
+        );
+        server.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 

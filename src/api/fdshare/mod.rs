@@ -31,7 +31,7 @@ use std::sync::atomic::Ordering;
 /// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
 /// remember it, and make sure the socket serves (nothing with `EXPSEG_PIDFD_RESCUE=0`).
 pub fn exported(fd: i32, handle: u64) {
-    if !config().pidfd_rescue {
+    if !config().pidfd_rescue || !config().sockets {
         return;
     }
     let Some(id) = identity(fd) else { return };
@@ -54,7 +54,7 @@ pub fn exported(fd: i32, handle: u64) {
 /// kernel's refusal). With `EXPSEG_PIDFD_RESCUE=0` nothing is asked (no socket is made: a
 /// seccomp filter may kill on `socket()`).
 pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
-    if !config().pidfd_rescue {
+    if !config().pidfd_rescue || !config().sockets {
         return None;
     }
     let pid = pid_of_pidfd(pidfd)?;

@@ -37,6 +37,14 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             return Answer::Done(Ok(va));
         }
     }
+    if !crate::api::state::config().sockets {
+        // EXPSEG_SOCKETS=0: the producer is not asked; its mirror, where the handle has one.
+        if ticket_only {
+            log::error!("IPC: a handle with a ticket only, and EXPSEG_SOCKETS=0: not opened");
+            return Answer::Done(Err(INVALID_HANDLE));
+        }
+        return Answer::PassThrough;
+    }
     let started = std::time::Instant::now();
     let asked = sockdir::socket_path(t.uid, t.pid)
         .map_err(AskError::Untrusted)

@@ -134,9 +134,15 @@ pub(crate) fn ensure_server() -> bool {
 /// Start the ticket socket on first use; whether it serves.
 fn server_ready(st: &mut State) -> bool {
     if st.ipc.server.is_none() {
-        let started = start_server();
+        let started = match config().sockets {
+            true => start_server(),
+            false => Err("EXPSEG_SOCKETS=0: no socket is made (handles carry mirrors only)".into()),
+        };
         if let Err(e) = &started {
-            log::warn!("IPC tickets disabled: {e}");
+            match config().sockets {
+                true => log::warn!("IPC tickets disabled: {e}"),
+                false => log::info!("IPC tickets disabled: {e}"),
+            }
             st.ipc.server_error = Some(e.clone());
         }
         st.ipc.server = Some(started.is_ok());
