@@ -13,9 +13,23 @@ use std::time::Duration;
 
 /// Connections whose request is being read at once. Each has [`FIRST_BYTE`] to start its
 /// request and [`REQUEST_WITHIN`] to send all 16 bytes, so peers that send nothing, or a byte
-/// at a time, hold a place briefly; a connection beyond them waits for one up to
-/// [`SLOT_WAIT`], then is closed unread.
+/// at a time, hold a place briefly; a connection beyond them waits among the parked ones
+/// ([`MAX_PARKED`]), never on the accepting thread (one that waited there kept the owner's
+/// own request, from another process, behind a silent flood for 1-2.3 s).
 pub const MAX_READING: usize = 32;
+
+/// Places of [`MAX_READING`] one process may hold at once: a flood from one process leaves
+/// the others room (the own user's reserve has no such cap).
+pub const PER_PEER_READING: usize = 16;
+
+/// Connections that found no reading place, waiting (unread, in order) for one up to
+/// [`SLOT_WAIT`] on a thread of their own; beyond them a connection is closed at once.
+pub const MAX_PARKED: usize = 256;
+
+/// Reading places beyond [`MAX_READING`] that only processes of the server's own user may take:
+/// another user's flood (an `EXPSEG_IPC_ALLOW_UIDS` user's) cannot keep the owner's
+/// `expseg pause` or a reclaim out.
+pub const RESERVED_READING: usize = 16;
 
 /// Requests answered at once (a burst of consumers opening one producer's handles); a request
 /// beyond them waits for one to end up to [`SLOT_WAIT`] (well within the asker's 10 s), then
@@ -75,14 +89,76 @@ impl Places {
     }
 }
 
+/// The reading places: how many are taken, of the shared ones by each process, and of the own
+/// user's reserve.
+#[derive(Default)]
+struct Readers(std::sync::Mutex<Taken>);
+
+#[derive(Default)]
+struct Taken {
+    shared: usize,
+    reserve: usize,
+    by_pid: std::collections::HashMap<u32, usize>,
+}
+
+/// A reading place, given back when dropped (a panic included): of `pid`'s shared ones, or
+/// of the reserve (`None`).
+struct Reading(std::sync::Arc<Readers>, Option<u32>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        let mut t = self.0.lock();
+        match self.1 {
+            None => t.reserve -= 1,
+            Some(pid) => {
+                t.shared -= 1;
+                if let Some(n) = t.by_pid.get_mut(&pid) {
+                    *n -= 1;
+                    if *n == 0 {
+                        t.by_pid.remove(&pid);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Readers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Taken> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for a connection of process `pid` (of the server's own user: `own`), at once or
+    /// not at all: a shared one while fewer than [`MAX_READING`] are taken and `pid` holds
+    /// fewer than [`PER_PEER_READING`], else for the own user one of [`RESERVED_READING`].
+    fn admit(self: &std::sync::Arc<Self>, pid: u32, own: bool) -> Option<Reading> {
+        let mut t = self.lock();
+        let mine = t.by_pid.get(&pid).copied().unwrap_or(0);
+        if t.shared < MAX_READING && mine < PER_PEER_READING {
+            t.shared += 1;
+            *t.by_pid.entry(pid).or_insert(0) += 1;
+            return Some(Reading(self.clone(), Some(pid)));
+        }
+        if own && t.reserve < RESERVED_READING {
+            t.reserve += 1;
+            return Some(Reading(self.clone(), None));
+        }
+        None
+    }
+}
+
+/// A connection admitted but not yet read: its stream, peer and when it came.
+type Parked = (UnixStream, u32, u32, std::time::Instant);
+
 /// Listen at `path` on a thread of its own. Each connection's peer is checked with
 /// `SO_PEERCRED` before a byte is read: a process of another pid namespace is closed at once,
 /// whatever its uid (it could not be told from a process of this one with the same pid, and
 /// a container must not reach into another that shares its `/tmp`), and so is one that
 /// `admit(uid)` refuses. `Err` where this process's pid namespace is unknown. Then each
 /// admitted connection is read and answered on a thread of its own, so an idle or slow peer
-/// delays nobody else: at most [`MAX_READING`] read at once, within [`FIRST_BYTE`] and
-/// [`REQUEST_WITHIN`]; at most [`MAX_IN_FLIGHT`] answered at once, plus [`RESERVED`] for the
+/// delays nobody else: at most [`MAX_READING`] read at once ([`PER_PEER_READING`] a process,
+/// [`RESERVED_READING`] more for the own user), within [`FIRST_BYTE`] and [`REQUEST_WITHIN`],
+/// the rest parked (never on the accepting thread) up to [`SLOT_WAIT`]; at most [`MAX_IN_FLIGHT`] answered at once, plus [`RESERVED`] for the
 /// own user's control requests; `decide(id, nonce, peer_uid)` answers.
 pub fn serve(
     path: &Path,
@@ -99,7 +175,45 @@ pub fn serve(
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let decide = std::sync::Arc::new(decide);
-    let (reading, answering) = (Places::new(), Places::new());
+    let (reading, answering) = (std::sync::Arc::new(Readers::default()), Places::new());
+    let me = super::sockdir::current_uid();
+    // Read and answer one connection on a thread of its own.
+    let start = {
+        let (decide, answering) = (decide.clone(), answering.clone());
+        move |s: UnixStream, uid: u32, read_place: Reading| {
+            let (decide, answering) = (decide.clone(), answering.clone());
+            let _ = std::thread::Builder::new()
+                .name("expseg-ipc-req".into())
+                .spawn(move || {
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        answer(s, uid, read_place, &answering, &*decide)
+                    }));
+                });
+            // A thread that could not start drops the connection and its place.
+        }
+    };
+    // Connections that found no place wait here, in order, for one.
+    let (park, parked) = crossbeam::channel::bounded::<Parked>(MAX_PARKED);
+    {
+        let (reading, start) = (reading.clone(), start.clone());
+        std::thread::Builder::new()
+            .name("expseg-ipc-wait".into())
+            .spawn(move || {
+                for (s, uid, pid, came) in parked {
+                    loop {
+                        if let Some(place) = reading.admit(pid, uid == me) {
+                            start(s, uid, place);
+                            break;
+                        }
+                        if came.elapsed() >= SLOT_WAIT {
+                            break; // closed unread
+                        }
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
+    }
     std::thread::Builder::new()
         .name("expseg-ipc".into())
         .spawn(move || {
@@ -112,28 +226,23 @@ pub fn serve(
                 };
                 let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     match peer_uid(&s, own_ns) {
-                        Ok(uid) => admit(uid).then_some(uid),
+                        Ok((uid, pid)) => admit(uid).then_some((uid, pid)),
                         Err(why) => {
                             refused_once(&why);
                             None
                         }
                     }
                 }));
-                let Ok(Some(uid)) = admitted else {
+                let Ok(Some((uid, pid))) = admitted else {
                     continue; // closed unread
                 };
-                let Some(read_place) = reading.take(MAX_READING) else {
-                    continue; // closed unread
-                };
-                let (decide, answering) = (decide.clone(), answering.clone());
-                let _ = std::thread::Builder::new()
-                    .name("expseg-ipc-req".into())
-                    .spawn(move || {
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            answer(s, uid, read_place, &answering, &*decide)
-                        }));
-                    });
-                // A thread that could not start drops the connection and its place.
+                match reading.admit(pid, uid == me) {
+                    Some(place) => start(s, uid, place),
+                    // No place now: parked, or closed at once where too many are.
+                    None => {
+                        let _ = park.try_send((s, uid, pid, std::time::Instant::now()));
+                    }
+                }
             }
         })
         .map_err(|e| format!("cannot start the IPC thread: {e}"))?;
@@ -182,7 +291,7 @@ fn refused_once(why: &str) {
 fn answer(
     mut s: UnixStream,
     uid: u32,
-    read_place: Place,
+    read_place: Reading,
     answering: &std::sync::Arc<Places>,
     decide: &dyn Fn(u32, u64, u32) -> Reply,
 ) {
@@ -342,6 +451,81 @@ mod tests {
     /// A grant of no chunks whose size is `size` (a control request's answer).
     fn plain(size: u64) -> Reply {
         Ok((Grant::new(size, vec![]), fds_of(vec![])))
+    }
+
+    #[test]
+    fn reading_places_are_capped_per_process_and_kept_for_the_own_user_without_a_wait() {
+        let r = std::sync::Arc::new(Readers::default());
+        let t0 = std::time::Instant::now();
+        let one: Vec<_> = (0..PER_PEER_READING)
+            .map(|_| r.admit(7, false).unwrap())
+            .collect();
+        assert!(r.admit(7, false).is_none(), "one process's cap");
+        let rest: Vec<_> = (0..MAX_READING - PER_PEER_READING)
+            .map(|i| r.admit(100 + i as u32, false).unwrap())
+            .collect();
+        assert!(r.admit(999, false).is_none(), "every shared place taken");
+        let own: Vec<_> = (0..RESERVED_READING)
+            .map(|_| r.admit(7, true).unwrap())
+            .collect();
+        assert!(r.admit(3000, true).is_none(), "the reserve taken too");
+        assert!(
+            t0.elapsed() < Duration::from_millis(100),
+            "never waits: {:?}",
+            t0.elapsed()
+        );
+        drop(one);
+        assert!(r.admit(7, false).is_some(), "given back when dropped");
+        drop((rest, own));
+        let t = r.lock();
+        assert_eq!((t.shared, t.reserve, t.by_pid.len()), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_silent_flood_from_another_process_does_not_delay_the_owners_request() {
+        // Another process keeps 48 silent connections open (more than the shared places):
+        // capped per process, it leaves this process a place at once, where the accepting
+        // thread that waited for places kept the owner's request behind the flood.
+        let path = server_with("flood", |_, _, _| plain(42));
+        let Some(mut child) = helper(
+            "silent_helper",
+            false,
+            ("EXPSEG_TEST_SILENT", path.as_path()),
+        ) else {
+            return;
+        };
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while helper_said(&line, "silent").is_none() {
+            line.clear();
+            if std::io::BufRead::read_line(&mut out, &mut line).unwrap_or(0) == 0 {
+                panic!("the helper said nothing");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let me = (current_uid(), std::process::id());
+        let mut worst = Duration::ZERO;
+        for _ in 0..10 {
+            let t = std::time::Instant::now();
+            let asked = ask_plain(
+                &path,
+                me.0,
+                me.1,
+                FIRST_REQUEST_ID,
+                0,
+                Duration::from_secs(5),
+            );
+            assert_eq!(asked.unwrap(), 42);
+            worst = worst.max(t.elapsed());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            worst < Duration::from_millis(60),
+            "answered within {worst:?}"
+        );
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
     #[test]

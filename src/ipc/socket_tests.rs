@@ -103,3 +103,30 @@ fn serve_helper() {
     println!("serving={}", r.is_ok());
     std::thread::sleep(Duration::from_secs(10));
 }
+
+/// Helper (does nothing unless `EXPSEG_TEST_SILENT` names a socket): keep 48 connections open
+/// that send nothing, opening a new one for each the server closes, for 3 s ("silent=48" once
+/// they are open).
+#[test]
+fn silent_helper() {
+    let Some(path) = std::env::var_os("EXPSEG_TEST_SILENT") else {
+        return;
+    };
+    let mut open: Vec<UnixStream> = (0..48)
+        .filter_map(|_| UnixStream::connect(&path).ok())
+        .collect();
+    println!("silent={}", open.len());
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        for s in open.iter_mut() {
+            let _ = s.set_nonblocking(true);
+            // Closed by the server (read 0): connect again.
+            if matches!(s.read(&mut [0u8; 1]), Ok(0)) {
+                if let Ok(n) = UnixStream::connect(&path) {
+                    *s = n;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -66,18 +66,18 @@ pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The uid of the process at the other end of `s`, if it is a process of pid namespace `own`
+/// The uid and pid of the process at the other end of `s`, if it is a process of pid namespace `own`
 /// (`ns::check_peer`); `Err` says why it is not, or cannot be told. Where the kernel gives a
 /// pidfd of the peer (`SO_PEERPIDFD`, Linux 6.5), the process must still be alive after the
 /// check: its pid was then not handed on to another process while `/proc` was read.
-pub(super) fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<u32, String> {
+pub(super) fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<(u32, u32), String> {
     let pidfd = peer_pidfd(s);
     let (uid, pid) = peer_cred(s).ok_or("no credentials on the connection")?;
     ns::check_peer(pid, own)?;
     if pidfd.is_some_and(|fd| !alive(&fd)) {
         return Err(format!("process {pid} exited before it could be checked"));
     }
-    Ok(uid)
+    Ok((uid, pid))
 }
 
 /// A pidfd of the process at the other end of `s` (`None` before Linux 6.5).

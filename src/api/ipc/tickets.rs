@@ -398,25 +398,45 @@ mod tests {
 
     #[test]
     fn who_may_do_what_is_the_contracts_table_row_by_row() {
-        let rows = contract_table();
-        assert_eq!(rows.len(), 5, "{rows:?}");
-        let columns = [What::Ticket, What::Descriptor, What::Control, What::Discard];
+        // The rows, as the test knows them: who the peer is to this process, not read from the
+        // row's words. `same_ns`: of this pid namespace (the server closes any other before
+        // anything else; `ipc::server`'s two-namespace test shows it does). A process of
+        // another user namespace whose uid maps to ours is, to the kernel's SO_PEERCRED, our
+        // uid: served as such.
         let (own, allowed_uid, stranger) = (1000, 1001, 1002);
+        let known: [(&str, u32, bool); 6] = [
+            ("same uid, same pid namespace", own, true),
+            (
+                "same uid (another user namespace mapping to it), same pid namespace",
+                own,
+                true,
+            ),
+            ("same uid, other pid namespace", own, false),
+            (
+                "uid in EXPSEG_IPC_ALLOW_UIDS, same pid namespace",
+                allowed_uid,
+                true,
+            ),
+            (
+                "uid in EXPSEG_IPC_ALLOW_UIDS, other pid namespace",
+                allowed_uid,
+                false,
+            ),
+            ("other uid", stranger, true),
+        ];
+        let rows = contract_table();
+        assert_eq!(
+            rows.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
+            known.iter().map(|k| k.0).collect::<Vec<_>>(),
+            "the table's rows"
+        );
+        let columns = [What::Ticket, What::Descriptor, What::Control, What::Discard];
         let allowed = [allowed_uid];
-        for (peer, cells) in &rows {
+        for ((peer, cells), (_, uid, same_ns)) in rows.iter().zip(known) {
             assert_eq!(cells.len(), columns.len(), "{peer}");
-            let uid = match peer.as_str() {
-                p if p.starts_with("same uid") => own,
-                p if p.starts_with("uid in EXPSEG_IPC_ALLOW_UIDS") => allowed_uid,
-                "other uid" => stranger,
-                p => panic!("a row the test does not know: {p}"),
-            };
-            // Another pid namespace: the server closes it before anything else
-            // (`ipc::server`'s two-namespace test shows it does).
-            let other_namespace = peer.ends_with("other pid namespace");
             let who = Who::of(uid, own, &allowed);
             for (what, cell) in columns.iter().zip(cells) {
-                let read = !other_namespace && who != Who::Other;
+                let read = same_ns && who != Who::Other;
                 let (without, with) = match read {
                     false => ("closed unread", "closed unread"),
                     true => {
