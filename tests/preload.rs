@@ -2193,6 +2193,9 @@ fn terminated(env: &[(&str, &str)]) -> std::process::ExitStatus {
         .env("EXPSEG_IPC_DIR", ipc_dir(false))
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
+        // What it says (a deliberate panic's message, under EXPSEG_TEST_PANIC) is not the
+        // test's output.
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let mut line = String::new();

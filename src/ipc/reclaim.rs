@@ -68,13 +68,12 @@ fn sockets_in(dirs: &[PathBuf], uid: u32, me: u32) -> Vec<(u32, PathBuf)> {
         };
         for e in entries.flatten() {
             let name = e.file_name();
-            let pid = name
-                .to_str()
-                .and_then(|n| n.strip_suffix(".sock"))
-                .and_then(|p| p.parse::<u32>().ok());
+            // Any of a producer's names ([`sockdir::socket_names`]) stands for it; it is asked
+            // at its usual name, and the asker tries the others (`transport`).
+            let pid = name.to_str().and_then(sockdir::pid_of_name);
             match pid {
                 Some(pid) if pid != me && !out.iter().any(|(p, _)| *p == pid) => {
-                    out.push((pid, e.path()))
+                    out.push((pid, dir.join(format!("{pid}.sock"))))
                 }
                 _ => {}
             }

@@ -249,6 +249,30 @@ pub fn serve(
     Ok(())
 }
 
+/// [`serve`] in `dir` under the first of producer `pid`'s names ([`sockdir::socket_names`])
+/// that no live process holds (one of another pid namespace can bind the usual name first:
+/// this process then serves under the next, where askers look too): the path served.
+pub fn serve_named(
+    dir: &Path,
+    pid: u32,
+    others: bool,
+    admit: impl Fn(u32) -> bool + Send + 'static,
+    decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
+) -> Result<std::path::PathBuf, String> {
+    let mut first_err = None;
+    for name in super::sockdir::socket_names(pid) {
+        let path = dir.join(&name);
+        if let Err(e) = clear_stale(&path) {
+            log::warn!("IPC: {e}; trying the next name");
+            first_err.get_or_insert(e);
+            continue;
+        }
+        serve(&path, others, admit, decide)?;
+        return Ok(path);
+    }
+    Err(first_err.unwrap_or_else(|| "no socket name left".into()))
+}
+
 /// Make way for a socket at `path`: a file there that no process listens on (the socket of a
 /// dead process that had this pid) is removed; a live socket is never touched: another process
 /// serves there (of another pid namespace whose directory name is the same), and this one
@@ -268,11 +292,11 @@ pub fn clear_stale(path: &Path) -> Result<(), String> {
             Ok(())
         }
         Ok(_) => Err(format!(
-            "{}: another process serves this socket; this process serves none",
+            "{}: another process serves this socket",
             path.display()
         )),
         Err(e) => Err(format!(
-            "{}: a socket that may be another process's ({e}); this process serves none",
+            "{}: a socket that may be another process's ({e})",
             path.display()
         )),
     }
@@ -526,6 +550,46 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    #[test]
+    fn a_name_another_process_holds_is_left_and_askers_find_the_next() {
+        // Another process (here a helper, of another pid: as one of another pid namespace
+        // would) serves at this process's usual name first. This process serves under the
+        // next name; an asker of this process's socket, sent to the usual name, finds it.
+        let dir = std::env::temp_dir().join(format!("expseg-squat-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let me = (current_uid(), std::process::id());
+        let usual = dir.join(format!("{}.sock", me.1));
+        let Some(mut squatter) = helper("serve_helper", false, ("EXPSEG_TEST_SERVE", &usual))
+        else {
+            return;
+        };
+        let t0 = std::time::Instant::now();
+        while std::fs::symlink_metadata(&usual).is_err() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let served = serve_named(&dir, me.1, false, |_| true, |_, _, _| plain(42)).unwrap();
+        assert_eq!(served, dir.join(format!("{}.1.sock", me.1)));
+        assert!(
+            std::fs::symlink_metadata(&usual).is_ok(),
+            "the other's socket stays"
+        );
+        let asked = ask_plain(
+            &usual,
+            me.0,
+            me.1,
+            FIRST_REQUEST_ID,
+            0,
+            Duration::from_secs(5),
+        );
+        assert_eq!(asked.unwrap(), 42, "found under the next name");
+        let _ = squatter.kill();
+        let _ = squatter.wait();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -218,15 +218,38 @@ pub fn socket_path(uid: u32, pid: u32) -> Result<PathBuf, String> {
 
 fn find_socket(places: &[Place], uid: u32, pid: u32) -> PathBuf {
     let name = format!("{pid}.sock");
+    // The usual name in the first trusted directory that holds any of the producer's names
+    // (the asker tries the others there: `transport`).
     places
         .iter()
-        .map(|p| p.dir.join(&name))
-        .find(|s| {
-            std::fs::symlink_metadata(s).is_ok()
-                && s.parent().is_some_and(|d| dir_trusted(d, uid).is_ok())
+        .find(|p| {
+            socket_names(pid).any(|n| std::fs::symlink_metadata(p.dir.join(n)).is_ok())
+                && dir_trusted(&p.dir, uid).is_ok()
         })
-        .or_else(|| places.first().map(|p| p.dir.join(&name)))
+        .or_else(|| places.first())
+        .map(|p| p.dir.join(&name))
         .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// The names producer `pid` may serve under in a directory, in order: `<pid>.sock`, then, where
+/// a live process of another pid namespace holds that name (it can bind there first),
+/// `<pid>.1.sock` … `<pid>.8.sock`.
+pub fn socket_names(pid: u32) -> impl Iterator<Item = String> {
+    std::iter::once(format!("{pid}.sock"))
+        .chain((1..=FALLBACKS).map(move |n| format!("{pid}.{n}.sock")))
+}
+
+/// The pid a socket's file name is of ([`socket_names`]), if it is one.
+pub fn pid_of_name(name: &str) -> Option<u32> {
+    let stem = name.strip_suffix(".sock")?;
+    let (pid, n) = match stem.split_once('.') {
+        Some((p, n)) => (p, Some(n)),
+        None => (stem, None),
+    };
+    if n.is_some_and(|n| !n.parse::<u32>().is_ok_and(|n| (1..=FALLBACKS).contains(&n))) {
+        return None;
+    }
+    pid.parse().ok()
 }
 
 /// This process's effective uid: whose socket directory it uses.
@@ -401,6 +424,29 @@ mod tests {
             "a directory others can list is refused"
         );
         let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn a_producers_names_and_the_pid_they_are_of() {
+        let names: Vec<String> = socket_names(42).collect();
+        assert_eq!(names.len(), 1 + FALLBACKS as usize);
+        assert_eq!(
+            (names[0].as_str(), names[1].as_str()),
+            ("42.sock", "42.1.sock")
+        );
+        for n in &names {
+            assert_eq!(pid_of_name(n), Some(42), "{n}");
+        }
+        for n in [
+            "42.9.sock",
+            "42.x.sock",
+            "ab.sock",
+            "42.sock.tmp",
+            "42",
+            "42.0.sock",
+        ] {
+            assert_eq!(pid_of_name(n), None, "{n}");
+        }
     }
 
     #[test]

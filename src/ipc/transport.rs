@@ -346,6 +346,46 @@ fn write_all_by(s: &mut UnixStream, buf: &[u8], deadline: Instant) -> std::io::R
     Ok(())
 }
 
+/// Connect to `path` and check that process `pid` of `uid` serves it. Where it is not served
+/// so (a process of another pid namespace may hold the usual name first) or cannot be
+/// reached, the producer's other names in the same directory ([`sockdir::socket_names`]) that
+/// exist are tried in order; the first one's error stands where none is the producer's.
+fn connect_served_by(
+    path: &Path,
+    uid: u32,
+    pid: u32,
+    deadline: Instant,
+) -> Result<UnixStream, AskError> {
+    let one = |p: &Path| -> Result<UnixStream, AskError> {
+        let timeout = left(deadline).map_err(AskError::Unreachable)?;
+        let s = connect_within(p, timeout).map_err(AskError::Unreachable)?;
+        match peer_cred(&s) {
+            Some(c) if c == (uid, pid) => Ok(s),
+            Some((u, q)) => Err(AskError::Untrusted(format!(
+                "{} is served by process {q} of uid {u}, not by process {pid} of uid {uid}",
+                p.display()
+            ))),
+            None => Err(AskError::Untrusted("no credentials on the socket".into())),
+        }
+    };
+    let first = match one(path) {
+        Ok(s) => return Ok(s),
+        Err(e) => e,
+    };
+    let usual = path.file_name().and_then(|n| n.to_str()) == Some(&format!("{pid}.sock"));
+    if let (true, Some(dir)) = (usual, path.parent()) {
+        for other in super::sockdir::socket_names(pid).skip(1) {
+            let p = dir.join(other);
+            if std::fs::symlink_metadata(&p).is_ok() {
+                if let Ok(s) = one(&p) {
+                    return Ok(s);
+                }
+            }
+        }
+    }
+    Err(first)
+}
+
 /// Connect to `path`, check that process `pid` of `uid` serves it, send request `id` with
 /// `nonce` and read the answer's header: the stream and the header of an accepted request
 /// (a refusal is `AskError::Refused`). The whole request, connecting included, ends by
@@ -358,18 +398,7 @@ fn request(
     nonce: u64,
     deadline: Instant,
 ) -> Result<(UnixStream, [u8; 16]), AskError> {
-    let timeout = left(deadline).map_err(AskError::Unreachable)?;
-    let mut s = connect_within(path, timeout).map_err(AskError::Unreachable)?;
-    match peer_cred(&s) {
-        Some(c) if c == (uid, pid) => {}
-        Some((u, p)) => {
-            return Err(AskError::Untrusted(format!(
-                "{} is served by process {p} of uid {u}, not by process {pid} of uid {uid}",
-                path.display()
-            )))
-        }
-        None => return Err(AskError::Untrusted("no credentials on the socket".into())),
-    }
+    let mut s = connect_served_by(path, uid, pid, deadline)?;
     let mut req = [0u8; 16];
     req[0..4].copy_from_slice(&id.to_le_bytes());
     req[8..16].copy_from_slice(&nonce.to_le_bytes());

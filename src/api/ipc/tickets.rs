@@ -167,8 +167,8 @@ fn start_server() -> Result<(), String> {
             let _ = server::clear_stale(&earlier.dir.join(&name));
         }
     }
-    let path = dir.join(name);
-    server::serve(&path, others, admitted, decide)?;
+    // The usual name, or where a process of another pid namespace holds it, the next free one.
+    let path = server::serve_named(&dir, std::process::id(), others, admitted, decide)?;
     let _ = SERVED.set((std::process::id(), path));
     extern "C" fn remove_socket() {
         // A forked child exits with this handler too: the socket stays its parent's.
