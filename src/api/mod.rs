@@ -28,7 +28,7 @@ pub use ipc::current::{after_sync, before_record, ipc_events_seen, note_ipc_even
 pub use ipc::sharing;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
-    mirror_foreign, pool_allocation_range,
+    mirror_foreign, pool_allocation_range, serve_decisions_at,
 };
 pub use state::{
     config, forget_foreign_range, forked, write_exit_report, Answer, OUT_OF_MEMORY, UNKNOWN,
@@ -605,4 +605,54 @@ pub fn live_report_json(library: &str) -> String {
     snap.global
         .push(("pause_host_kept_bytes", hostkeep::kept()));
     stats::render_live_json(&snap, why.as_deref(), library)
+}
+
+#[cfg(test)]
+mod fork_tests {
+    use std::time::{Duration, Instant};
+
+    /// Helper, alone in a process of its own (does nothing unless `EXPSEG_TEST_FORKED_UNMAP` is
+    /// set: marking the process forked would send every other test on the plain path): a
+    /// read of a range is registered on another thread, as a mirror refresh of the parent's
+    /// would be at a fork, and this "child" unmaps in that range.
+    #[test]
+    fn forked_unmap_helper() {
+        if std::env::var_os("EXPSEG_TEST_FORKED_UNMAP").is_none() {
+            return;
+        }
+        let reader = std::thread::spawn(|| {
+            let r = super::reads::begin(0x10_0000, 0x10_0000);
+            std::thread::sleep(Duration::from_secs(3));
+            drop(r);
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        super::state::FORKED.store(true, std::sync::atomic::Ordering::Relaxed);
+        let t = Instant::now();
+        let rc = super::unmap_unserved(0x10_0000, 0x1000, || 0);
+        println!("forked_unmap_ms={} rc={rc}", t.elapsed().as_millis());
+        reader.join().unwrap();
+    }
+
+    #[test]
+    fn a_forked_childs_unmap_never_waits_for_expseg_locks() {
+        // In a forked child the threads that hold expseg's reads are not there to end them:
+        // its unmaps are the driver's alone.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "api::fork_tests::forked_unmap_helper",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("EXPSEG_TEST_FORKED_UNMAP", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ms: u64 = text
+            .split_whitespace()
+            .find_map(|t| t.strip_prefix("forked_unmap_ms="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("the helper said: {text}"));
+        assert!(ms < 1000, "the unmap waited {ms} ms");
+    }
 }

@@ -24,3 +24,5 @@ pub use get::cudaIpcGetMemHandle;
 pub use open::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
 };
+#[doc(hidden)]
+pub use tickets::serve_decisions_at;

@@ -186,6 +186,14 @@ fn start_server() -> Result<(), String> {
     Ok(())
 }
 
+/// Serve the socket at `path` with this process's own decisions ([`admitted`], [`decide`]:
+/// tickets, descriptors, pause, resume, queries, reclaims), for tests that throw hostile
+/// requests at the real thing (`tests/socket_flood.rs`).
+#[doc(hidden)]
+pub fn serve_decisions_at(path: &std::path::Path) -> Result<(), String> {
+    server::serve(path, false, admitted, decide)
+}
+
 /// Who asks, as the socket tells (a process of another pid namespace never gets this far: the
 /// server closes it unread).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
