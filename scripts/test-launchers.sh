@@ -227,6 +227,14 @@ alloc EXPSEG_DISABLE=1
 [ "$got" = "- -" ] && [ "$lines" = "expseg-run: EXPSEG_DISABLE=1: PyTorch's allocator left as it is" ] ||
   { r=1; why="EXPSEG_DISABLE=1: child sees '$got', expseg-run said '$lines'"; }
 check "EXPSEG_DISABLE=1 expseg-run: PyTorch's allocator left alone, said in one line" real $r "$why"
+# torch_memory_saver's hook preloaded (a stand-in of its name): it refuses expandable segments.
+why= r=0
+tms_so="$work/torch_memory_saver_hook_mode_preload.so"
+cc -shared -fPIC -o "$tms_so" -x c /dev/null 2>/dev/null || r=1
+alloc LD_PRELOAD="$tms_so" LD_LIBRARY_PATH="$work/fakes${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ "$got" = "- 0" ] && [ "$lines" = "expseg-run: torch_memory_saver is preloaded: PyTorch's allocator left as it is (it refuses expandable segments)" ] ||
+  { r=1; why="child sees '$got', expseg-run said '$lines'"; }
+check "expseg-run beside torch_memory_saver's preloaded hook: PyTorch's allocator left alone (EXPSEG_TORCH_DEFAULTS=0 for the library), said in one line" real $r "$why"
 # A driver for the loader: the fake libcuda.so.1, through LD_LIBRARY_PATH.
 why= r=0
 alloc LD_LIBRARY_PATH="$work/fakes${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -791,6 +791,51 @@ fn a_plain_consumers_mirror_follows_the_programs_synchronizes_and_shared_events(
 }
 
 #[test]
+fn inside_a_torch_memory_saver_region_its_hook_serves_and_outside_the_pool() {
+    let f = fixture();
+    let dir = f.dir.join("tms");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_tms.c");
+    cc(
+        &[
+            "-shared",
+            "-fPIC",
+            "-o",
+            "libtorch_memory_saver_fake.so",
+            src.to_str().unwrap(),
+            "-ldl",
+        ],
+        &dir,
+    );
+    // expseg first, as expseg-run puts it.
+    let preload = format!(
+        "{}:{}",
+        f.shim.display(),
+        dir.join("libtorch_memory_saver_fake.so").display()
+    );
+    let r = run("tms", &[("LD_PRELOAD", &preload)]).ok();
+    assert_eq!(r.get("region_tms_served"), "1", "{}", r.stderr());
+    assert_eq!(
+        r.get("region_pool_creates"),
+        "0",
+        "the hook's, not the pool's"
+    );
+    assert_eq!(r.get("outside_tms_served"), "1");
+    assert_ne!(
+        r.get("outside_pool_creates"),
+        "0",
+        "outside, the pool serves"
+    );
+    assert_eq!((r.get("free_a"), r.get("free_b")), ("0".into(), "0".into()));
+    // At load, PyTorch's allocator is left alone (the hook refuses expandable segments).
+    assert!(
+        r.stderr().contains("torch_memory_saver is preloaded"),
+        "{}",
+        r.stderr()
+    );
+}
+
+#[test]
 fn with_expseg_sockets_0_no_socket_is_made_at_all() {
     // A sandbox whose seccomp filter kills a process on socket(): here a socket() that aborts.
     let f = fixture();

@@ -61,6 +61,13 @@ pub fn cudaMalloc(size: usize) -> Answer<Result<u64, i32>> {
     if bypass() || size == 0 || (size as u64) < c.passthrough_below {
         return pass_alloc(size);
     }
+    // Inside a torch_memory_saver region its preload hook (next in line) serves, so that its
+    // pause gives the memory back (expseg serving would leave that pause a silent no-op).
+    if real::tms::in_region() {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| log::info!("torch_memory_saver's region: its hook serves cudaMalloc there (expseg passes it on)"));
+        return pass_alloc(size);
+    }
     // Any trouble before the pool is reached: the real cudaMalloc reports it exactly.
     let Ok(dev) = runtime::get_device() else {
         return pass_alloc(size);

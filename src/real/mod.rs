@@ -16,6 +16,7 @@ pub mod driver;
 pub mod lookup;
 pub mod primary;
 pub mod python;
+pub mod tms;
 
 pub use driver::{driver, DriverTable};
 

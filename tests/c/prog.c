@@ -848,6 +848,25 @@ static int pause_self(void) {
  * on stdin with whether its bytes are intact, until stdin closes. */
 /* 64 MiB in two allocations of 32 (a resume with room for one resumes one), checked on
  * "check". */
+/* Beside torch_memory_saver's preload hook (tests/c/fake_tms.c, preloaded after expseg): in a
+ * region its cudaMalloc serves (the pool makes nothing), outside expseg's pool does. */
+static int tms(void) {
+  void (*set)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "tms_set_interesting_region");
+  long (*served)(void) = (long (*)(void))dlsym(RTLD_DEFAULT, "fake_tms_served");
+  CHECK(set && served);
+  void *a = 0, *b = 0;
+  long creates = fakecu_count("cuMemCreate");
+  set(1);
+  CHECK(cudaMalloc(&a, 64 * MIB) == 0);
+  set(0);
+  printf("region_tms_served=%ld region_pool_creates=%ld\n", served(), fakecu_count("cuMemCreate") - creates);
+  creates = fakecu_count("cuMemCreate");
+  CHECK(cudaMalloc(&b, 64 * MIB) == 0);
+  printf("outside_tms_served=%ld outside_pool_creates=%ld\n", served(), fakecu_count("cuMemCreate") - creates);
+  printf("free_a=%d free_b=%d\n", cudaFree(a), cudaFree(b));
+  return 0;
+}
+
 static int sleeper(void) {
   void *p = 0, *q = 0;
   CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&q, 32 * MIB) == 0);
@@ -972,6 +991,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "keep") && argc > 2) return keep((size_t)atol(argv[2]));
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "pause_self")) return pause_self();
+  if (!strcmp(s, "tms")) return tms();
   if (!strcmp(s, "sleeper")) return sleeper();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "foreign_unmap_hooked")) return foreign_unmap_hooked();
