@@ -467,13 +467,9 @@ extern "C" fn apply_torch_defaults() {
         {
             return;
         }
-        // torch_memory_saver turns itself off under expandable segments: left alone, said once.
+        // torch_memory_saver turns itself off under expandable segments: left alone (silently
+        // here, in every process of the job; expseg-run says it once).
         if real::tms::preloaded() {
-            let line = b"expseg: torch_memory_saver is preloaded: PyTorch's allocator left as it is (it refuses expandable segments)\n";
-            // SAFETY: writes a constant buffer to stderr.
-            unsafe {
-                libc::write(2, line.as_ptr().cast(), line.len());
-            }
             return;
         }
         // SAFETY: constant NUL-terminated strings; no other thread runs at load time.

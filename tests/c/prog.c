@@ -864,6 +864,8 @@ static int tms(void) {
   CHECK(cudaMalloc(&b, 64 * MIB) == 0);
   printf("outside_tms_served=%ld outside_pool_creates=%ld\n", served(), fakecu_count("cuMemCreate") - creates);
   printf("free_a=%d free_b=%d\n", cudaFree(a), cudaFree(b));
+  const char* conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
+  printf("torch_conf=%s\n", conf && *conf ? conf : "-");
   return 0;
 }
 

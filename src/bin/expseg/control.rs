@@ -310,9 +310,6 @@ fn may_pause_whole(uid: u32, pid: u32, force: bool) -> Result<(), whole::Failure
     use expseg::api::sharing::{IMPORTED_BIT, SHARED_BIT};
     use expseg::ipc::control::{self, Control};
     use expseg::ipc::transport::AskError;
-    if force {
-        return Ok(());
-    }
     let no = |why: String| {
         Err(whole::Failure {
             why,
@@ -320,6 +317,14 @@ fn may_pause_whole(uid: u32, pid: u32, force: bool) -> Result<(), whole::Failure
             no_expseg: false,
         })
     };
+    // A pause from outside stays within the pid namespace (the container), --force or not.
+    let same_ns = expseg::ipc::ns::own().and_then(|own| expseg::ipc::ns::check_peer(pid, own));
+    if let Err(e) = same_ns {
+        return no(format!("{e}: expseg pauses only processes of its own pid namespace (run it inside that container)"));
+    }
+    if force {
+        return Ok(());
+    }
     match control::ask(uid, pid, Control::Sharing, std::time::Duration::from_secs(5)) {
         Ok(bits) if bits & IMPORTED_BIT != 0 => no("it maps memory another process shared with it (IPC): the driver checkpoints such a process but cannot restore it, so it is not paused; pause it with --pool (its own pool memory), or pause the process that shared the memory".into()),
         Ok(bits) if bits & SHARED_BIT != 0 => no("it shared its memory with another process (IPC), which may map it: not paused whole; pause it with --pool (memory shared by IPC stays), or with --force once no other process maps it".into()),
