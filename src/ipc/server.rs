@@ -1,11 +1,10 @@
 //! The socket's server: who is read and answered, when, and on which thread. A connection's
-//! peer is checked before a byte of it is read (`transport::peer_uid`), its request is read
+//! peer is checked before a byte of it is read (`transport::peer_of`), its request is read
 //! within bounds, and it is answered (`transport::reply`) once one of a limited number of
 //! places is free.
 
 use super::ns;
-use super::transport::{connect_within, peer_uid, reply, Reply, FIRST_REQUEST_ID};
-use std::io::Read;
+use super::transport::{connect_within, peer_of, read_exact_by, reply, Reply, FIRST_REQUEST_ID};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -225,7 +224,7 @@ pub fn serve(
                     continue;
                 };
                 let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    match peer_uid(&s, own_ns) {
+                    match peer_of(&s, own_ns) {
                         Ok((uid, pid)) => admit(uid).then_some((uid, pid)),
                         Err(why) => {
                             refused_once(&why);
@@ -342,23 +341,8 @@ fn answer(
 fn read_request(s: &mut UnixStream) -> Option<[u8; 16]> {
     let started = std::time::Instant::now();
     let mut req = [0u8; 16];
-    let mut got = 0;
-    while got < req.len() {
-        let bound = match got {
-            0 => FIRST_BYTE,
-            _ => REQUEST_WITHIN,
-        };
-        let left = bound
-            .checked_sub(started.elapsed())
-            .filter(|d| !d.is_zero())?;
-        s.set_read_timeout(Some(left)).ok()?;
-        match s.read(&mut req[got..]) {
-            Ok(0) => return None,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return None,
-        }
-    }
+    read_exact_by(s, &mut req[..1], started + FIRST_BYTE).ok()?;
+    read_exact_by(s, &mut req[1..], started + REQUEST_WITHIN).ok()?;
     Some(req)
 }
 
@@ -369,6 +353,7 @@ mod tests {
     use crate::ipc::socket_tests::{counting_server, helper, helper_said};
     use crate::ipc::transport::{ask, ask_plain, fds_of, AskError};
     use crate::ipc::{Grant, Refusal};
+    use std::io::Read;
     use std::io::Write;
     use std::path::PathBuf;
 
@@ -472,6 +457,21 @@ mod tests {
         path
     }
 
+    /// The owner's control request (the first request id) of the server at `path`, as this
+    /// process: its answer and how long it took.
+    fn owners_query(path: &Path) -> (u64, Duration) {
+        let t = std::time::Instant::now();
+        let asked = ask_plain(
+            path,
+            current_uid(),
+            std::process::id(),
+            FIRST_REQUEST_ID,
+            0,
+            Duration::from_secs(5),
+        );
+        (asked.unwrap(), t.elapsed())
+    }
+
     /// A grant of no chunks whose size is `size` (a control request's answer).
     fn plain(size: u64) -> Reply {
         Ok((Grant::new(size, vec![]), fds_of(vec![])))
@@ -527,20 +527,11 @@ mod tests {
             }
         }
         std::thread::sleep(Duration::from_millis(300));
-        let me = (current_uid(), std::process::id());
         let mut worst = Duration::ZERO;
         for _ in 0..10 {
-            let t = std::time::Instant::now();
-            let asked = ask_plain(
-                &path,
-                me.0,
-                me.1,
-                FIRST_REQUEST_ID,
-                0,
-                Duration::from_secs(5),
-            );
-            assert_eq!(asked.unwrap(), 42);
-            worst = worst.max(t.elapsed());
+            let (asked, took) = owners_query(&path);
+            assert_eq!(asked, 42);
+            worst = worst.max(took);
             std::thread::sleep(Duration::from_millis(50));
         }
         assert!(
@@ -600,22 +591,9 @@ mod tests {
             .map(|_| UnixStream::connect(&path).unwrap())
             .collect();
         std::thread::sleep(Duration::from_millis(50));
-        let me = (current_uid(), std::process::id());
-        let t = std::time::Instant::now();
-        let asked = ask_plain(
-            &path,
-            me.0,
-            me.1,
-            FIRST_REQUEST_ID,
-            0,
-            Duration::from_secs(5),
-        );
-        assert_eq!(asked.unwrap(), 42);
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "answered in {:?}",
-            t.elapsed()
-        );
+        let (asked, took) = owners_query(&path);
+        assert_eq!(asked, 42);
+        assert!(took < Duration::from_secs(1), "answered in {took:?}");
         // The silent ones were closed unanswered.
         for mut s in silent {
             s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();

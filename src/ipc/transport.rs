@@ -70,7 +70,7 @@ pub fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
 /// (`ns::check_peer`); `Err` says why it is not, or cannot be told. Where the kernel gives a
 /// pidfd of the peer (`SO_PEERPIDFD`, Linux 6.5), the process must still be alive after the
 /// check: its pid was then not handed on to another process while `/proc` was read.
-pub(super) fn peer_uid(s: &UnixStream, own: PidNamespace) -> Result<(u32, u32), String> {
+pub(super) fn peer_of(s: &UnixStream, own: PidNamespace) -> Result<(u32, u32), String> {
     let pidfd = peer_pidfd(s);
     let (uid, pid) = peer_cred(s).ok_or("no credentials on the connection")?;
     ns::check_peer(pid, own)?;
@@ -317,7 +317,11 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 
 /// `read_exact`, each read bounded by what is left until `deadline`: a peer that trickles its
 /// answer a byte at a time cannot stretch the request past it.
-fn read_exact_by(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+pub(super) fn read_exact_by(
+    s: &mut UnixStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         s.set_read_timeout(Some(left(deadline)?))?;

@@ -1,8 +1,7 @@
 //! Whether this process has shared GPU memory with another process, or mapped memory another
 //! process shared with it, at any time of its life: what `expseg pause` asks before it pauses a
-//! whole process, since the driver's checkpoint of a process that maps another's memory cannot
-//! be restored (H200, driver 580.159.04: the restore fails with `CUDA_ERROR_INVALID_VALUE` and
-//! the process stays checkpointed; shim-tests/RESULTS.md, 2026-11-29).
+//! whole process, since the driver does not restore a checkpointed process that maps another's
+//! memory (it stays checkpointed: docs/failed-approaches.md).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
