@@ -5,6 +5,7 @@ the pause/resume times against pinned-memcpy baselines of the same bytes.
 
     pip install --no-deps --target DIR torch_memory_saver-0.0.10-...whl
     python3 tms_sleep.py --tms-dir DIR --json OUT [--gib 24] [--no-warm]
+    expseg-run python3 tms_sleep.py --tms-dir DIR --json OUT --beside after|before
 
 torch_memory_saver's hook is an LD_PRELOAD library (its default hook mode, "preload"): the
 script re-executes itself with LD_PRELOAD=DIR/torch_memory_saver_hook_mode_preload_cu<N>.abi3.so
@@ -32,16 +33,20 @@ from torch_sleep import GIB, Report, build, child_alloc, digest, plain_env, stat
 HOOK = "torch_memory_saver_hook_mode_preload"
 
 
-def reexec_preloaded(tms_dir):
-    """Start this script again with torch_memory_saver's hook preloaded (and nothing else)."""
+def reexec_preloaded(tms_dir, beside=None):
+    """Start this script again with torch_memory_saver's hook preloaded (and nothing else), or
+    with `beside` ("after" or "before"): the hook put after or before what LD_PRELOAD names now
+    (expseg, under expseg-run), the launcher's environment kept."""
     import torch  # its CUDA major picks the .so; its libcudart is the one the hook needs
 
     major = torch.version.cuda.split(".")[0]
     hooks = glob.glob(os.path.join(tms_dir, f"{HOOK}_cu{major}.*.so")) or glob.glob(os.path.join(tms_dir, "torch_memory_saver", f"{HOOK}_cu{major}.*.so"))
     if len(hooks) != 1:
         sys.exit(f"FAIL tms_hook_found: {len(hooks)} files {HOOK}_cu{major}.*.so in {tms_dir}")
-    env = plain_env()
-    env.update(LD_PRELOAD=hooks[0], TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    env = plain_env() if beside is None else dict(os.environ)
+    now = os.environ.get("LD_PRELOAD", "")
+    pre = {None: hooks[0], "after": f"{now}:{hooks[0]}", "before": f"{hooks[0]}:{now}"}[beside]
+    env.update(LD_PRELOAD=pre.strip(":"), TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
     # The hook needs libcudart.so.<major> at process start: pip's CUDA runtime is not on the
     # loader's path, so add the folder of the one torch loaded.
     rt = [l.split()[-1] for l in open("/proc/self/maps") if "libcudart.so" in l]
@@ -178,6 +183,8 @@ def main():
     ap.add_argument("--no-warm", action="store_true", help="skip the cycles with retained CPU backups")
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--child-alloc", type=int)
+    ap.add_argument("--beside", choices=["after", "before"],
+                    help="keep what LD_PRELOAD names (expseg under expseg-run), the hook after or before it")
     args = ap.parse_args()
     if args.child_alloc is not None:
         return child_alloc(args.child_alloc)
@@ -186,7 +193,7 @@ def main():
     args.tms_dir = os.path.abspath(args.tms_dir)
     sys.path.insert(0, args.tms_dir)
     if HOOK not in os.environ.get("LD_PRELOAD", ""):
-        reexec_preloaded(args.tms_dir)
+        reexec_preloaded(args.tms_dir, args.beside)
     if args.reference:
         model, opt, gen = build(args.gib)
         print("LOSSES " + json.dumps(train(model, opt, gen, 6)), flush=True)
@@ -194,7 +201,7 @@ def main():
     if not args.json:
         ap.error("--json OUT is needed")
     r = Report(args.json)
-    r.data["allocator"] = "torch_memory_saver 0.0.10"
+    r.data["allocator"] = "torch_memory_saver 0.0.10" + (f" beside {os.environ['LD_PRELOAD']}" if args.beside else "")
     try:
         run(args, r)
     except Exception as e:

@@ -446,6 +446,23 @@ fn env_set(name: &std::ffi::CStr) -> bool {
     unsafe { !libc::getenv(name.as_ptr()).is_null() }
 }
 
+/// PyTorch's allocator setting expseg applies, and the variable that says expseg applied it
+/// (set beside it by this library and by expseg-run, with the same value).
+const DEFAULT: &std::ffi::CStr = c"expandable_segments:True";
+const APPLIED: &std::ffi::CStr = c"EXPSEG_TORCH_DEFAULTS_APPLIED";
+
+/// Whether `PYTORCH_CUDA_ALLOC_CONF` is the setting expseg applied (not one of the user's).
+fn expsegs_own_setting() -> bool {
+    let get = |name: &std::ffi::CStr| {
+        // SAFETY: getenv with a NUL-terminated name; the value is copied at once.
+        let p = unsafe { libc::getenv(name.as_ptr()) };
+        // SAFETY: a non-null getenv result is a NUL-terminated string.
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_owned())
+    };
+    let conf = get(c"PYTORCH_CUDA_ALLOC_CONF");
+    conf.as_deref() == Some(DEFAULT) && get(APPLIED) == conf
+}
+
 /// Load time, in `libexpseg.so` only (not in test programs or tools that link the crate):
 /// PyTorch's allocator default, as `expseg-run` applies it, when the user set none.
 extern "C" fn apply_torch_defaults() {
@@ -458,6 +475,18 @@ extern "C" fn apply_torch_defaults() {
         // `EXPSEG_COALESCE=0`, `EXPSEG_TORCH_DEFAULTS=off` all count); an invalid value is
         // said once, when the configuration is read at the first hooked call.
         let c = crate::config::Config::from_lookup(crate::config::Config::env_value, |_| {});
+        // torch_memory_saver turns itself off under expandable segments. Its
+        // `configure_subprocess()` adds its hook to LD_PRELOAD of a process started under
+        // expseg-run (or under a parent where this library applied the default), so that
+        // process inherits expseg's own setting: taken back here. The user's own setting stays.
+        if real::tms::preloaded() && expsegs_own_setting() {
+            // SAFETY: constant NUL-terminated names; no other thread runs at load time.
+            unsafe {
+                libc::unsetenv(c"PYTORCH_CUDA_ALLOC_CONF".as_ptr());
+                libc::unsetenv(APPLIED.as_ptr());
+            }
+            return;
+        }
         if !c.torch_defaults
             || c.disabled
             || c.coalesce == Coalesce::Off
@@ -474,11 +503,8 @@ extern "C" fn apply_torch_defaults() {
         }
         // SAFETY: constant NUL-terminated strings; no other thread runs at load time.
         unsafe {
-            libc::setenv(
-                c"PYTORCH_CUDA_ALLOC_CONF".as_ptr(),
-                c"expandable_segments:True".as_ptr(),
-                0,
-            );
+            libc::setenv(c"PYTORCH_CUDA_ALLOC_CONF".as_ptr(), DEFAULT.as_ptr(), 0);
+            libc::setenv(APPLIED.as_ptr(), DEFAULT.as_ptr(), 0);
         }
         DEFAULTS_APPLIED.store(true, Ordering::Relaxed);
     });

@@ -831,6 +831,20 @@ fn inside_a_torch_memory_saver_region_its_hook_serves_and_outside_the_pool() {
     // nothing is said in each process.
     assert_eq!(r.get("torch_conf"), "-");
     assert!(!r.stderr().contains("torch_memory_saver"), "{}", r.stderr());
+    // Started by torch_memory_saver's configure_subprocess() under a parent that runs expseg:
+    // the setting expseg applied there is taken back; the user's own stays.
+    let conf = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+    let applied = ("EXPSEG_TORCH_DEFAULTS_APPLIED", "expandable_segments:True");
+    let r = run("tms", &[("LD_PRELOAD", &preload), conf, applied]).ok();
+    assert_eq!(r.get("torch_conf"), "-", "{}", r.stderr());
+    let r = run("tms", &[("LD_PRELOAD", &preload), conf]).ok();
+    assert_eq!(r.get("torch_conf"), "expandable_segments:True");
+    let user = (
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "expandable_segments:True,max_split_size_mb:64",
+    );
+    let r = run("tms", &[("LD_PRELOAD", &preload), user, applied]).ok();
+    assert_eq!(r.get("torch_conf"), user.1);
 }
 
 #[test]

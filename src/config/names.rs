@@ -8,6 +8,8 @@ const TOOL_VARS: &[&str] = &[
     "EXPSEG_REPORT_DIR",
     "EXPSEG_LIB",
     "EXPSEG_CUDART",
+    // set by the library and expseg-run beside the PyTorch setting they applied
+    "EXPSEG_TORCH_DEFAULTS_APPLIED",
     // pip wheel, scripts/build-portable.sh (docs/configuration.md)
     "EXPSEG_PREBUILT",
     "EXPSEG_WHEEL_PLAT",
