@@ -154,7 +154,7 @@ MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", 
 # Every mode mode_env knows (a name it does not know would run as the default allocator).
 KNOWN_MODES = set(MODES) | set(HANDOFF_MODES) | {
     "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead", "expseg-nolearn",
-    "expseg-tail", "expseg-tail-noahead", "expseg-compact",
+    "expseg-tail", "expseg-tail-noahead", "expseg-compact", "expseg-keepoff", "expseg-keepauto",
 }
 
 
@@ -201,6 +201,16 @@ def mode_env(mode, lib):
     elif mode == "expseg-release0":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "0"
+    elif mode == "expseg-keepauto":
+        # Opt-in: released memory kept while only expseg processes share the GPU
+        # (EXPSEG_KEEP=auto: api::keep); run with --fill-expseg so the filler is one of them.
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_KEEP"] = "auto"
+    elif mode == "expseg-keepoff":
+        # Released memory always back at once (EXPSEG_KEEP=off), even where only expseg
+        # processes share the GPU (the default keeps it there: api::keep).
+        env["LD_PRELOAD"] = lib
+        env["EXPSEG_KEEP"] = "off"
     elif mode in ("expseg-tail", "expseg-tail-noahead"):
         # The last page of each batch alone (EXPSEG_SPLIT_TAIL=1), with or without growing ahead.
         env["LD_PRELOAD"] = lib
@@ -1188,7 +1198,10 @@ def run_all(args):
         fill = free_now() / GIB - budget - 0.75 if budget else 0
         fp = None
         if fill > 0:
-            fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            # --fill-expseg: the filler runs expseg too (every process on the GPU does: what
+            # EXPSEG_KEEP=auto keeps released memory for); else it is a plain process.
+            fenv = dict(os.environ, LD_PRELOAD=args.lib) if args.fill_expseg else None
+            fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=fenv)
             fp.stdout.readline()
         # With --rounds N the modes run N times, interleaved (mode order rotated each round),
         # so that drift of the machine hits every mode alike; a mode's step time is then the
@@ -1620,6 +1633,7 @@ def main():
                     " handoff: rounds per pair, default 20)")
     ap.add_argument("--handoff-rounds", type=int, help="handoff: rounds per pair (default: --rounds, else 20)")
     ap.add_argument("--handoff-modes", nargs="*", default=HANDOFF_MODES, help="handoff: trainer modes")
+    ap.add_argument("--fill-expseg", action="store_true", help="the process that holds all but the budget runs expseg too (every process on the GPU runs expseg)")
     ap.add_argument("--handoff-trainer", action="store_true")
     ap.add_argument("--handoff-consumer", action="store_true")
     ap.add_argument("--worker")

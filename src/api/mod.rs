@@ -16,6 +16,7 @@ mod allocator;
 pub mod fdshare;
 mod hostkeep;
 mod ipc;
+mod keep;
 pub mod reads;
 pub mod sleep;
 mod state;
@@ -603,6 +604,7 @@ pub fn live_report_json(library: &str) -> String {
     } else {
         None
     };
+    let status = status + &keep::status_suffix();
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(vmm::report_rows());
     snap.global

@@ -457,6 +457,7 @@ pub fn write_exit_report() {
         None if !STATE_STARTED.load(Ordering::Acquire) => (not_started_status(false), Vec::new()),
         None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
     };
+    let status = status + &crate::api::keep::status_suffix();
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(coalescers::report_rows());
     if let Err(e) = stats::write_report(&template, &snap) {
@@ -517,15 +518,37 @@ pub(super) mod coalescers {
             Ok(t) => {
                 let n = cuda::device_count(t).unwrap_or(0);
                 let c = config();
+                // EXPSEG_KEEP=auto where the user set no delay: kept while only expseg
+                // processes share the GPU (`api::keep`), where NVML can tell.
+                let watched = match c.keep_auto && c.release_delay_ms == 0 && n > 0 {
+                    true => {
+                        let uuids: Vec<(i32, Option<[u8; 16]>)> =
+                            (0..n).map(|d| (d, cuda::device_uuid(t, d))).collect();
+                        crate::api::keep::watchable(&uuids)
+                    }
+                    false => Vec::new(),
+                };
+                let delay_ms = match watched.is_empty() {
+                    true => c.release_delay_ms,
+                    false => crate::api::keep::DELAY_MS,
+                };
                 // Without the thread that gives kept handles back, nothing would after the delay:
                 // release at once instead.
-                let threaded = n > 0 && start_releaser();
-                let cfg = CoalesceConfig::from_config(c, threaded);
+                let threaded = n > 0 && start_releaser(delay_ms);
+                let mut cfg = CoalesceConfig::from_config(c, threaded);
+                if threaded {
+                    cfg.release_delay = Duration::from_millis(delay_ms);
+                }
+                let watching = threaded && !watched.is_empty();
                 let devs: Vec<Option<Coalescer<CudaDriver>>> = (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
                         Ok(drv) => {
                             let mut co = Coalescer::new(drv, cfg);
                             co.keep_host(c.pause_keep_host.keeps());
+                            if watching {
+                                // Until the watcher has looked at the GPU's processes.
+                                co.set_keeping(false);
+                            }
                             Some(co)
                         }
                         Err(why) => {
@@ -542,6 +565,15 @@ pub(super) mod coalescers {
                     .collect();
                 let trace = c.test_trace.as_deref();
                 crate::api::trace::begin(trace, &cfg, c.pause_keep_host.keeps(), &granularity);
+                if watching {
+                    let hooks = crate::api::keep::Hooks {
+                        set_keeping: set_keeping_of,
+                        forked: crate::api::state::forked,
+                    };
+                    if !crate::api::keep::start(watched, hooks) {
+                        log::warn!("no thread to watch the GPU's processes: released memory goes back at once");
+                    }
+                }
                 devs
             }
             Err(_) => Vec::new(),
@@ -661,8 +693,23 @@ pub(super) mod coalescers {
     /// one of the program's allocator calls (outside them its threads launch work on those
     /// pages; tried on the fake driver: the program faulted, issue 21). Pages a release loop
     /// left stranded wait for the program's next call.
-    fn start_releaser() -> bool {
-        let delay = Duration::from_millis(config().release_delay_ms);
+    /// Device `dev`'s coalescer keeps released memory from now on, or gives back what it
+    /// keeps: the bytes given back (`api::keep`'s watcher).
+    fn set_keeping_of(dev: i32, keep: bool) -> u64 {
+        use crate::gpu::Driver as _;
+        if !started() {
+            return 0;
+        }
+        let mut v = lock();
+        let mut freed = 0;
+        for c in v.all().filter(|c| c.driver().device() == dev) {
+            freed += in_context(c, |c| c.set_keeping(keep));
+        }
+        freed
+    }
+
+    fn start_releaser(delay_ms: u64) -> bool {
+        let delay = Duration::from_millis(delay_ms);
         if delay.is_zero() {
             return false;
         }

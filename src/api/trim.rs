@@ -157,6 +157,21 @@ pub fn make_room(dev: Option<i32>) -> bool {
     own + reclaim_from_peers(dev) > 0
 }
 
+/// A free-memory query while this process keeps released memory (`api::keep`: only expseg
+/// processes of the user on its GPUs, which keep theirs too): they are asked to give back
+/// what they keep, on every GPU, at most once in 10 ms (a loop of queries asks once).
+pub fn peers_give_back() {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    {
+        let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < std::time::Duration::from_millis(10)) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+    }
+    reclaim_from_peers(None);
+}
+
 /// Ask the other expseg processes of the user to give back what they hold on `dev`'s GPU
 /// (on every GPU when `dev` is unknown: one request each, not one per GPU): the bytes they
 /// gave.

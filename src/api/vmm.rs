@@ -423,4 +423,9 @@ pub fn settle() {
             }
         });
     }
+    // The other expseg processes on the GPU keep what they released too (`api::keep`): what
+    // they keep is free for this program as well, so it is asked back first.
+    if super::keep::any_keeping() {
+        super::trim::peers_give_back();
+    }
 }

@@ -349,6 +349,9 @@ pub struct Coalescer<D: Driver> {
     pub(super) kept_seq: u64,
     /// The program's last call.
     pub(super) last_call: Instant,
+    /// Whether released handles may be kept now (with a release delay): off while a process
+    /// that cannot ask for them shares the GPU (`set_keeping`).
+    pub(super) keeping: bool,
     /// Released pages of a handle still stranded because the next page of the same handle
     /// may be released next (the program's loop over a free range): (phys, offset of that
     /// page). Settled at the program's next call that is not the loop's (only inside the
@@ -420,6 +423,7 @@ impl<D: Driver> Coalescer<D> {
             kept_bytes: 0,
             kept_seq: 0,
             last_call: Instant::now(),
+            keeping: true,
             deferred: None,
             peak_held: 0,
             grown: false,
@@ -485,7 +489,25 @@ impl<D: Driver> Coalescer<D> {
     }
 
     pub(super) fn parking(&self) -> bool {
-        !self.cfg.release_delay.is_zero()
+        self.keeping && !self.cfg.release_delay.is_zero()
+    }
+
+    /// Whether released handles may be kept from now on (where a release delay is set): off,
+    /// every kept handle goes back to the driver at once (a parked one unmapped first; one
+    /// that will not unmap stays, tried again at the next release). The bytes given back.
+    pub fn set_keeping(&mut self, keeping: bool) -> u64 {
+        self.keeping = keeping;
+        if keeping {
+            return 0;
+        }
+        let before = self.kept_bytes;
+        self.release_kept();
+        before - self.kept_bytes
+    }
+
+    /// Whether released handles are kept now.
+    pub fn keeping(&self) -> bool {
+        self.parking()
     }
 
     /// Whether a parked handle overlaps `[va, va+size)`.

@@ -369,3 +369,20 @@ fn edit_distance_counts_a_swap_as_one() {
     assert_eq!(edit_distance(b"LOG", b"LOG"), 0);
     assert_eq!(edit_distance(b"CACHE_SIZE", b"CACHE_MAX"), 4);
 }
+
+#[test]
+fn keeping_for_expseg_only_gpus_is_opt_in() {
+    let (c, bad) = with(&[]);
+    assert!(!c.keep_auto && !c.keeps() && bad.is_empty());
+    let (c, _) = with(&[("EXPSEG_KEEP", " Auto ")]);
+    assert!(
+        c.keep_auto && c.keeps(),
+        "a process that keeps serves reclaims"
+    );
+    let (c, _) = with(&[("EXPSEG_KEEP", "off")]);
+    assert!(!c.keep_auto);
+    let (c, bad) = with(&[("EXPSEG_KEEP", "always")]);
+    assert!(!c.keep_auto);
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(bad[0].contains("EXPSEG_KEEP"), "{bad:?}");
+}

@@ -14,6 +14,7 @@
 pub mod checkpoint;
 pub mod driver;
 pub mod lookup;
+pub mod nvml;
 pub mod primary;
 pub mod python;
 pub mod tms;

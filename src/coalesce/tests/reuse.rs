@@ -145,3 +145,31 @@ fn a_handle_the_driver_will_not_take_back_stays_counted_and_goes_later() {
     assert_eq!(c.physical_bytes(), 0);
     assert_eq!(c.driver().used(), 0);
 }
+
+#[test]
+fn keeping_turned_off_gives_every_kept_handle_back_and_keeps_none_until_turned_on() {
+    let (mut c, va) = setup(20 * PAGE, delayed());
+    let a = grow(&mut c, va, 4).unwrap();
+    shrink(&mut c, va, &a);
+    assert_eq!(c.kept_bytes(), 4 * PAGE);
+    assert!(c.keeping());
+    // Another process came to the GPU: what is kept goes back, and releases go back at once.
+    assert_eq!(c.set_keeping(false), 4 * PAGE);
+    assert_eq!((c.kept_bytes(), c.driver().used()), (0, 0));
+    assert!(!c.keeping());
+    let b = grow(&mut c, va, 3).unwrap();
+    fill(&mut c, va, 3);
+    assert!(intact(&c, va, 3));
+    shrink(&mut c, va, &b);
+    assert_eq!(
+        (c.kept_bytes(), c.driver().used()),
+        (0, 0),
+        "released at once"
+    );
+    // It left: kept again.
+    assert_eq!(c.set_keeping(true), 0);
+    let d = grow(&mut c, va, 2).unwrap();
+    shrink(&mut c, va, &d);
+    assert_eq!(c.kept_bytes(), 2 * PAGE);
+    all_given_back(&mut c);
+}
