@@ -1750,6 +1750,27 @@ fn doctor_passes_on_a_working_driver_and_names_bad_values() {
         "{t}"
     );
     assert!(t.contains("glibc needed by libexpseg.so"), "{t}");
+    // What expseg does with released memory, and beside the others' sleep tools.
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("released memory (EXPSEG_KEEP)")
+                && l.contains("off (the default)")),
+        "{t}"
+    );
+    assert!(
+        t.contains("beside sleep tools") && t.contains("torch_memory_saver"),
+        "{t}"
+    );
+    // Opted in where NVML cannot list the fake GPU's processes: said, per GPU.
+    let out = doctor(&fixture().dir, &[("EXPSEG_KEEP", "auto")]);
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("released memory kept, GPU 0")
+                && l.contains("warn")
+                && l.contains("NVML cannot list")),
+        "{t}"
+    );
 }
 
 #[test]
@@ -3405,6 +3426,40 @@ fn a_whole_process_pause_is_the_drivers_checkpoint_and_says_why_when_it_did_not_
         let _ = p.wait();
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_pause_line_says_what_happens_to_torch_memory_savers_memory() {
+    let f = fixture();
+    let dir = f.dir.join("whole-pause-tms");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A process with torch_memory_saver loaded: its maps name it (here, its program's name).
+    let exe = dir.join("torch_memory_saver_hook_mode_preload_sleep");
+    std::fs::copy("/bin/sleep", &exe).unwrap();
+    let mut target = Command::new(&exe).arg("60").spawn().unwrap();
+    let pid = target.id().to_string();
+    std::fs::write(dir.join(&pid), "0\n").unwrap();
+    let cli = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_expseg"));
+        one_shared_gpu(&mut c, &dir);
+        let o = c.env("FAKE_CKPT_DIR", &dir).args(args).output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        )
+    };
+    let (rc, out) = cli(&["pause", "--force", &pid]);
+    assert_eq!(rc, Some(0), "{out}");
+    assert!(
+        out.starts_with(&format!("pid {pid}: paused the whole process"))
+            && out.ends_with("torch_memory_saver's memory in it is paused too"),
+        "{out}"
+    );
+    let (rc, _) = cli(&["resume", &pid]);
+    assert_eq!(rc, Some(0));
+    target.kill().unwrap();
+    target.wait().unwrap();
 }
 
 #[test]

@@ -80,7 +80,8 @@ def stats():
     """The live figures of this process, as the exit report has them (``EXPSEG_REPORT``):
 
     - ``active``: whether expseg serves this process; ``why`` says why not;
-    - ``status``, ``pid``, ``rank``, ``version``, ``library``;
+    - ``status``, ``pid``, ``rank``, ``version``, ``library`` (with ``EXPSEG_KEEP=auto``, the
+      status ends with each GPU's keeping mode and why);
     - ``devices``: per device, the pool's figures (``live_bytes``, ``cached_bytes``,
       ``peak_held_bytes``, ``allocs``, ``ipc_moved``, ``ipc_mirrored``, ...);
     - ``process``: pass-throughs, IPC handle requests, tickets (``ipc_tickets_issued``,

@@ -264,6 +264,7 @@ pub(super) fn control(cmd: &str, args: &[String]) -> ExitCode {
                 }
                 let n = human(n);
                 match c {
+                    Control::Pause { .. } if beside_tms(pid) => println!("pid {pid}: paused {n} in {s:.2} s (expseg's pool only: torch_memory_saver's memory in it is its own, paused by its pause(), or with the rest by expseg pause without --pool)"),
                     Control::Pause { .. } => println!("pid {pid}: paused {n} in {s:.2} s"),
                     Control::Resume { .. } => println!("pid {pid}: resumed {n} in {s:.2} s"),
                     Control::Query | Control::Sharing => println!("pid {pid}: {n} paused"),
@@ -338,6 +339,13 @@ fn may_pause_whole(uid: u32, pid: u32, force: bool) -> Result<(), whole::Failure
     }
 }
 
+/// Whether torch_memory_saver's preload hook is loaded in `pid` (its pause line says what
+/// happens to that memory).
+fn beside_tms(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .is_ok_and(|m| m.contains("torch_memory_saver"))
+}
+
 /// Print a whole-process pause's line; what the caller does next.
 fn whole_line(
     pid: u32,
@@ -365,8 +373,12 @@ fn whole_line(
         let what = bytes.map_or(String::new(), |b| {
             format!(", {} on the GPU before", human(b))
         });
+        let tms = match beside_tms(pid) {
+            true => "; torch_memory_saver's memory in it is paused too",
+            false => "",
+        };
         println!(
-            "pid {pid}: paused the whole process{what} in {:.2} s (its work stopped in {:.2} s, memory copied out in {:.2} s)",
+            "pid {pid}: paused the whole process{what} in {:.2} s (its work stopped in {:.2} s, memory copied out in {:.2} s){tms}",
             p.lock + p.copy,
             p.lock,
             p.copy

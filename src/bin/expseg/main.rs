@@ -391,6 +391,43 @@ fn check_devices(r: &mut Report, t: &'static DriverTable, n: i32) -> bool {
     any_served
 }
 
+/// EXPSEG_KEEP: whether released memory is kept where only expseg processes share a GPU, and
+/// whether NVML can list each GPU's processes for it.
+fn check_keep(r: &mut Report, t: &'static DriverTable, n: i32) {
+    let c = Config::from_lookup(Config::env_value, |_| {});
+    if !c.keep_auto {
+        r.add(
+            "released memory (EXPSEG_KEEP)",
+            "off (the default): memory the program releases goes back to the driver at once; EXPSEG_KEEP=auto keeps it while only expseg processes of yours share the GPU (opt-in: a plain process arriving may find it not yet given back)",
+            Verdict::Info,
+        );
+        return;
+    }
+    if c.release_delay_ms > 0 {
+        r.add(
+            "released memory (EXPSEG_KEEP)",
+            format!("auto, but EXPSEG_RELEASE_DELAY={} is set and rules: kept for that long whoever shares the GPU", c.release_delay_ms),
+            Verdict::Info,
+        );
+        return;
+    }
+    for d in 0..n {
+        let listed = expseg::gpu::cuda::device_uuid(t, d).and_then(|u| real::nvml::gpu(&u));
+        match listed {
+            Some(_) => r.add(
+                format!("released memory kept, GPU {d}"),
+                "auto: NVML lists the GPU's processes; kept while all others are expseg processes of yours, given back when another arrives",
+                Verdict::Ok,
+            ),
+            None => r.add(
+                format!("released memory kept, GPU {d}"),
+                "auto, but NVML cannot list the GPU's processes (no libnvidia-ml.so.1, or a MIG instance): released memory goes back at once there",
+                Verdict::Warn,
+            ),
+        }
+    }
+}
+
 fn check_pidfd(r: &mut Report) {
     let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
         .map(|s| s.trim().to_string())
@@ -558,7 +595,13 @@ fn doctor(json: bool) -> ExitCode {
                 Verdict::Fail,
             );
         }
+        check_keep(&mut r, t, n);
     }
+    r.add(
+        "beside sleep tools",
+        "torch_memory_saver's preload hook serves cudaMalloc inside its regions (expseg passes those calls to it) and, where LD_PRELOAD names it, PyTorch's allocator keeps its default, as the hook needs; its torch mode and vLLM's sleep mode need EXPSEG_TORCH_DEFAULTS=0; 'expseg pause PID' (whole) pauses their memory too, 'expseg pause --pool' only expseg's",
+        Verdict::Info,
+    );
     check_pidfd(&mut r);
     if r.works() {
         check_ipc(&mut r, cudart);
