@@ -848,6 +848,25 @@ fn inside_a_torch_memory_saver_region_its_hook_serves_and_outside_the_pool() {
 }
 
 #[test]
+fn a_range_with_a_dma_buf_is_never_paused() {
+    // NCCL's network plugins register GPU memory for RDMA with a dma-buf of the range, made
+    // through the driver's lookup: a NIC may write it until the descriptor closes.
+    let r = run("dmabuf", &[]).ok();
+    assert_eq!(r.get("range_rc"), "0", "{}", r.stderr());
+    assert_eq!(r.get("pause_rc"), "0");
+    assert_eq!(
+        r.get("paused_mib"),
+        "32",
+        "only the allocation without a dma-buf"
+    );
+    assert_eq!(r.get("p_intact"), "1", "left mapped, bytes in place");
+    assert_eq!(
+        (r.get("resume_rc"), r.get("q_back")),
+        ("0".into(), "1".into())
+    );
+}
+
+#[test]
 fn with_expseg_sockets_0_no_socket_is_made_at_all() {
     // A sandbox whose seccomp filter kills a process on socket(): here a socket() that aborts.
     let f = fixture();

@@ -29,7 +29,7 @@ pub use ipc::current::{after_sync, before_record, ipc_events_seen, note_ipc_even
 pub use ipc::sharing;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
-    mirror_foreign, pool_allocation_range, serve_decisions_at,
+    mirror_foreign, pool_allocation_range, range_exported, serve_decisions_at,
 };
 pub use state::{
     config, forget_foreign_range, forked, write_exit_report, Answer, OUT_OF_MEMORY, UNKNOWN,

@@ -2,7 +2,8 @@
 //! ordered before them: after a device, stream or event synchronize, and before a record of
 //! an event it shared with another process, expseg copies its mirrors again
 //! (`api::ipc::mirror`, `EXPSEG_IPC_MIRROR_SYNC`); and the sharing calls no other hook serves
-//! (a descriptor import or export, as NCCL's), noted for `expseg pause` (`api::sharing`). The
+//! (a descriptor import or export, as NCCL's, noted for `expseg pause`: `api::sharing`; a
+//! dma-buf of a range, whose memory then never moves or pauses: `api::range_exported`). The
 //! driver's call is made in any case and its answer stands; expseg's part is inside the
 //! re-entrancy guard and the panic boundary.
 //!
@@ -54,6 +55,7 @@ static RECORD_FLAGS: Slots = Slots::new();
 static IPC_EVENT: Slots = Slots::new();
 static IMPORT: Slots = Slots::new();
 static EXPORT: Slots = Slots::new();
+static RANGE_HANDLE: Slots = Slots::new();
 
 type Fn0 = unsafe extern "C" fn() -> u32;
 type Fn1 = unsafe extern "C" fn(usize) -> u32;
@@ -62,6 +64,7 @@ type Fn3 = unsafe extern "C" fn(usize, usize, u32) -> u32;
 type FnIpc = unsafe extern "C" fn(*mut c_void, usize) -> u32;
 type FnImport = unsafe extern "C" fn(*mut u64, *mut c_void, u32) -> u32;
 type FnExport = unsafe extern "C" fn(*mut c_void, u64, u32, u64) -> u32;
+type FnRangeHandle = unsafe extern "C" fn(*mut c_void, u64, usize, u32, u64) -> u32;
 
 /// After a synchronize that succeeded: the mirrors are copied again.
 fn synchronized(name: &str, r: u32) {
@@ -150,6 +153,28 @@ unsafe extern "C" fn export_slot<const I: usize>(
     f(out, h, ty, fl)
 }
 
+/// A dma-buf of a range (`cuMemGetHandleForAddressRange`, NCCL's network plugins' RDMA
+/// registration): the driver's call, then, where it made one, the range never moves or pauses
+/// again (`api::range_exported`).
+unsafe extern "C" fn range_handle_slot<const I: usize>(
+    out: *mut c_void,
+    ptr: u64,
+    size: usize,
+    ty: u32,
+    fl: u64,
+) -> u32 {
+    let f: FnRangeHandle = std::mem::transmute(RANGE_HANDLE.get(I));
+    let r = f(out, ptr, size, ty, fl);
+    if r == 0 {
+        around_real(
+            "cuMemGetHandleForAddressRange",
+            "its memory may still move or pause",
+            || mirror::range_exported(ptr, size as u64),
+        );
+    }
+    r
+}
+
 /// The forwarders of one function's slots, in slot order.
 macro_rules! slot_fns {
     ($f:ident) => {
@@ -188,6 +213,7 @@ pub(super) fn seen_for_lookup(name: &[u8], found: *mut c_void) -> Option<*mut c_
     let (slots, fns) = match name {
         b"cuMemImportFromShareableHandle" => (&IMPORT, slot_fns!(import_slot)),
         b"cuMemExportToShareableHandle" => (&EXPORT, slot_fns!(export_slot)),
+        b"cuMemGetHandleForAddressRange" => (&RANGE_HANDLE, slot_fns!(range_handle_slot)),
         _ => return None,
     };
     if fns.contains(&found) || found.is_null() {

@@ -186,6 +186,25 @@ impl<D: Driver> Pool<D> {
         }
     }
 
+    /// A device outside this process may read and write `[ptr, ptr+size)` (a dma-buf of the
+    /// range, for RDMA): every live allocation overlapping it is shared from now on (never
+    /// reused, paused or moved), as after an IPC share, without descriptors of its own. The
+    /// allocations marked.
+    pub fn share_range(&mut self, ptr: u64, size: u64) -> usize {
+        let end = ptr.saturating_add(size.max(1));
+        let mut n = 0;
+        for (base, b) in self.blocks.range_mut(..end).rev() {
+            if base + b.size <= ptr {
+                break;
+            }
+            if b.cached_at.is_none() && b.asleep.is_none() {
+                b.shared = true;
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Mark the live allocation containing `ptr` as shared with other processes: from now on
     /// its chunks may be mapped elsewhere, so they are never reused. Returns base and size.
     /// `None` for a paused allocation (it has no chunks to share: [`Pool::wake_for`] first).

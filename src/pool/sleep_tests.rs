@@ -128,6 +128,27 @@ fn discard_tags_and_shared_blocks() {
 }
 
 #[test]
+fn a_range_another_device_may_use_is_never_paused() {
+    let mut p = pool(1 << 30);
+    let a = p.alloc(16 * MIB).unwrap();
+    let b = p.alloc(16 * MIB).unwrap();
+    let c = p.alloc(16 * MIB).unwrap();
+    stamp(&mut p, b, 16 * MIB, 5);
+    // A dma-buf of a range from inside a to inside b: both are shared, c is not.
+    assert_eq!(p.share_range(a + 4 * MIB, b + MIB - (a + 4 * MIB)), 2);
+    let out = p.pause(&|_| OFFLOAD).unwrap();
+    assert_eq!((out.bytes, out.shared), (16 * MIB, 32 * MIB));
+    assert!(stamped(&p, b, 16 * MIB, 5), "mapped and untouched");
+    assert!(!p.driver().is_accessible(c, 16 * MIB, 0), "c paused");
+    assert_eq!(p.resume(&|_| true).unwrap(), 16 * MIB);
+    check(&p);
+    for x in [a, b, c] {
+        p.free(x).unwrap();
+    }
+    check(&p);
+}
+
+#[test]
 fn freeing_a_paused_block_drops_its_host_copy_and_an_export_resumes_it() {
     let mut p = pool(1 << 30);
     let a = p.alloc(16 * MIB).unwrap();

@@ -791,6 +791,33 @@ static int layers(void) {
 
 static void print_figure(const char* when, const char* key);
 
+/* A dma-buf of a pool allocation, made through the driver's lookup as a statically linked
+ * runtime (NCCL's network plugin) makes it: that allocation is not paused, the other one is. */
+static int dmabuf(void) {
+  int (*getproc)(const char*, void**, int, unsigned long long, int*) =
+      (int (*)(const char*, void**, int, unsigned long long, int*))dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2");
+  int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
+  int (*resume_)(const char*, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_resume");
+  CHECK(getproc && pause_ && resume_);
+  void* fn = 0; int st = 0;
+  CHECK(getproc("cuMemGetHandleForAddressRange", &fn, 12000, 0, &st) == 0 && fn);
+  int (*range)(void*, uint64_t, size_t, int, unsigned long long) =
+      (int (*)(void*, uint64_t, size_t, int, unsigned long long))fn;
+  void *p = 0, *q = 0;
+  CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&q, 32 * MIB) == 0);
+  fill(p, 32 * MIB, 7); fill(q, 32 * MIB, 8);
+  int fd = -1;
+  printf("range_rc=%d\n", range(&fd, (uint64_t)p + MIB, 8 * MIB, 1, 0));
+  uint64_t n = 0;
+  printf("pause_rc=%d\n", pause_(0, 0, &n, 0));
+  printf("paused_mib=%lu\n", (unsigned long)(n >> 20));
+  printf("p_intact=%d\n", holds(p, 32 * MIB, 7));
+  printf("resume_rc=%d\n", resume_(0, &n, 0));
+  printf("q_back=%d\n", holds(q, 32 * MIB, 8));
+  close(fd);
+  return 0;
+}
+
 /* Pausing from inside: expseg's C functions (found with dlsym, as Python's ctypes does). */
 static int pause_self(void) {
   int (*pause_)(const char*, int, uint64_t*, double*) = dlsym(RTLD_DEFAULT, "expseg_pause");
@@ -994,6 +1021,7 @@ int main(int argc, char** argv) {
   if (!strcmp(s, "basic")) return basic();
   if (!strcmp(s, "pause_self")) return pause_self();
   if (!strcmp(s, "tms")) return tms();
+  if (!strcmp(s, "dmabuf")) return dmabuf();
   if (!strcmp(s, "sleeper")) return sleeper();
   if (!strcmp(s, "retry")) return retry();
   if (!strcmp(s, "foreign_unmap_hooked")) return foreign_unmap_hooked();

@@ -5,8 +5,8 @@
 //! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]) and how they are kept current
 //! ([`current`]), the program's runs of such memory ([`runs`]), tickets and their socket
 //! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
-//! ([`shares`]), the consumer's side ([`open`]), and whether this process shared or mapped
-//! another's memory at all ([`sharing`]).
+//! ([`shares`]), the consumer's side ([`open`]), whether this process shared or mapped
+//! another's memory at all ([`sharing`]), and dma-bufs of its ranges ([`ranges`]).
 
 mod check;
 pub(crate) mod current;
@@ -14,6 +14,7 @@ mod foreign;
 mod get;
 mod mirror;
 mod open;
+mod ranges;
 mod runs;
 pub(super) mod shares;
 pub mod sharing;
@@ -24,5 +25,6 @@ pub use get::cudaIpcGetMemHandle;
 pub use open::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
 };
+pub use ranges::range_exported;
 #[doc(hidden)]
 pub use tickets::serve_decisions_at;
