@@ -859,7 +859,12 @@ fn a_range_with_a_dma_buf_is_never_paused() {
         "32",
         "only the allocation without a dma-buf"
     );
-    assert_eq!(r.get("p_intact"), "1", "left mapped, bytes in place");
+    assert_eq!(r.get("direct_rc"), "0");
+    assert_eq!(
+        (r.get("p_intact"), r.get("r_intact")),
+        ("1".into(), "1".into()),
+        "left mapped, bytes in place"
+    );
     assert_eq!(
         (r.get("resume_rc"), r.get("q_back")),
         ("0".into(), "1".into())

@@ -690,6 +690,7 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuEventRecordWithFlags" => order::cuEventRecordWithFlags as *mut c_void,
         b"cuEventRecordWithFlags_ptsz" => order::cuEventRecordWithFlags_ptsz as *mut c_void,
         b"cuIpcGetEventHandle" => order::cuIpcGetEventHandle as *mut c_void,
+        b"cuMemGetHandleForAddressRange" => order::cuMemGetHandleForAddressRange as *mut c_void,
         _ => return None,
     })
 }

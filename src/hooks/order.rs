@@ -165,6 +165,12 @@ unsafe extern "C" fn range_handle_slot<const I: usize>(
 ) -> u32 {
     let f: FnRangeHandle = std::mem::transmute(RANGE_HANDLE.get(I));
     let r = f(out, ptr, size, ty, fl);
+    range_made(r, ptr, size);
+    r
+}
+
+/// A dma-buf of `[ptr, ptr+size)` was made (`r` 0): its memory never moves or pauses again.
+fn range_made(r: u32, ptr: u64, size: usize) {
     if r == 0 {
         around_real(
             "cuMemGetHandleForAddressRange",
@@ -172,7 +178,6 @@ unsafe extern "C" fn range_handle_slot<const I: usize>(
             || mirror::range_exported(ptr, size as u64),
         );
     }
-    r
 }
 
 /// The forwarders of one function's slots, in slot order.
@@ -224,6 +229,21 @@ pub(super) fn seen_for_lookup(name: &[u8], found: *mut c_void) -> Option<*mut c_
 
 // The exported names, for programs linked against the driver: the driver's own function by
 // its symbol name, then expseg's part.
+
+/// # Safety
+/// As the driver's `cuMemGetHandleForAddressRange`: `handle` points to room for the handle.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemGetHandleForAddressRange(
+    handle: *mut c_void,
+    ptr: u64,
+    size: usize,
+    kind: u32,
+    flags: u64,
+) -> u32 {
+    let r = next_driver::cuMemGetHandleForAddressRange(handle, ptr, size, kind, flags);
+    range_made(r, ptr, size);
+    r
+}
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxSynchronize() -> u32 {

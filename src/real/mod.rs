@@ -235,6 +235,7 @@ forwarders! {
     cuEventRecordWithFlags(event: usize, stream: usize, flags: c_uint);
     cuEventRecordWithFlags_ptsz(event: usize, stream: usize, flags: c_uint);
     cuIpcGetEventHandle(handle: *mut c_void, event: usize);
+    cuMemGetHandleForAddressRange(handle: *mut c_void, ptr: u64, size: size_t, kind: c_uint, flags: u64);
 }
 
 /// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's

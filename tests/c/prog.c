@@ -791,6 +791,7 @@ static int layers(void) {
 
 static void print_figure(const char* when, const char* key);
 
+int cuMemGetHandleForAddressRange(void*, uint64_t, size_t, int, unsigned long long);
 /* A dma-buf of a pool allocation, made through the driver's lookup as a statically linked
  * runtime (NCCL's network plugin) makes it: that allocation is not paused, the other one is. */
 static int dmabuf(void) {
@@ -803,18 +804,20 @@ static int dmabuf(void) {
   CHECK(getproc("cuMemGetHandleForAddressRange", &fn, 12000, 0, &st) == 0 && fn);
   int (*range)(void*, uint64_t, size_t, int, unsigned long long) =
       (int (*)(void*, uint64_t, size_t, int, unsigned long long))fn;
-  void *p = 0, *q = 0;
-  CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&q, 32 * MIB) == 0);
-  fill(p, 32 * MIB, 7); fill(q, 32 * MIB, 8);
-  int fd = -1;
+  void *p = 0, *q = 0, *r = 0;
+  CHECK(cudaMalloc(&p, 32 * MIB) == 0 && cudaMalloc(&q, 32 * MIB) == 0 && cudaMalloc(&r, 32 * MIB) == 0);
+  fill(p, 32 * MIB, 7); fill(q, 32 * MIB, 8); fill(r, 32 * MIB, 9);
+  int fd = -1, fd2 = -1;
   printf("range_rc=%d\n", range(&fd, (uint64_t)p + MIB, 8 * MIB, 1, 0));
+  /* and by its symbol, as a program linked against libcuda calls it */
+  printf("direct_rc=%d\n", cuMemGetHandleForAddressRange(&fd2, (uint64_t)r, 32 * MIB, 1, 0));
   uint64_t n = 0;
   printf("pause_rc=%d\n", pause_(0, 0, &n, 0));
   printf("paused_mib=%lu\n", (unsigned long)(n >> 20));
-  printf("p_intact=%d\n", holds(p, 32 * MIB, 7));
+  printf("p_intact=%d r_intact=%d\n", holds(p, 32 * MIB, 7), holds(r, 32 * MIB, 9));
   printf("resume_rc=%d\n", resume_(0, &n, 0));
   printf("q_back=%d\n", holds(q, 32 * MIB, 8));
-  close(fd);
+  close(fd); close(fd2);
   return 0;
 }
 
