@@ -1845,6 +1845,54 @@ fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
 }
 
 #[test]
+fn with_expseg_keep_auto_released_pages_stay_kept_until_another_process_is_listed() {
+    // A stand-in NVML lists the pids of the file FAKE_NVML_PIDS on the fake GPU.
+    let f = fixture();
+    let dir = f.dir.join("nvml");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_nvml.c");
+    cc(
+        &[
+            "-shared",
+            "-fPIC",
+            "-o",
+            "libnvidia-ml.so.1",
+            src.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    let pids = dir.join("pids");
+    std::fs::write(&pids, "self\n").unwrap();
+    let libs = std::env::join_paths([dir.clone(), f.dir.clone()]).unwrap();
+    let report = dir.join("report.txt");
+    let env = [
+        ("LD_LIBRARY_PATH", libs.to_str().unwrap()),
+        ("FAKE_UUID", "1"),
+        ("FAKE_NVML_PIDS", pids.to_str().unwrap()),
+        ("EXPSEG_KEEP", "auto"),
+        ("EXPSEG_REPORT", report.to_str().unwrap()),
+    ];
+    let r = pages("libc10_cuda.so", "keep", &env).ok();
+    // Alone on the GPU: the 8 pages released are kept (one handle of 160 MiB).
+    assert_eq!(r.get("kept_mib"), "160", "{}", r.stderr());
+    // Process 1 (not an expseg process of this user) is listed: given back, and from then on
+    // released at once.
+    assert_eq!(r.get("after_stranger_mib"), "0");
+    assert_eq!(r.get("released_at_once_mib"), "0");
+    let text = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        text.contains(
+            "GPU 0: releasing at once (process 1 on the GPU does not run expseg as this user)"
+        ),
+        "{text}"
+    );
+    // Without EXPSEG_KEEP=auto (the default), released at once from the start.
+    std::fs::write(&pids, "self\n").unwrap();
+    let r = pages("libc10_cuda.so", "keep", &env[..3]).ok();
+    assert_eq!(r.get("kept_mib"), "0");
+}
+
+#[test]
 fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
     // Compaction is opt-in (EXPSEG_COMPACT=1).
     let r = pages("libc10_cuda.so", "full", &[("EXPSEG_COMPACT", "1")]).ok();

@@ -124,7 +124,8 @@ pub fn any_keeping() -> bool {
 /// what it keeps (the bytes given back), and whether this is a forked child (stop).
 #[derive(Clone, Copy)]
 pub struct Hooks {
-    pub set_keeping: fn(i32, bool) -> u64,
+    /// None: the coalescers are not there yet (asked again at the next poll).
+    pub set_keeping: fn(i32, bool) -> Option<u64>,
     pub forked: fn() -> bool,
 }
 
@@ -144,7 +145,7 @@ pub fn start(gpus: Vec<(i32, nvml::Gpu)>, hooks: Hooks) -> bool {
                 log::error!("expseg-keep: internal error caught; released memory goes back at once from now on");
                 let stop = std::panic::AssertUnwindSafe(|| {
                     for (d, _) in &gpus {
-                        apply(hooks, *d, false, "releasing at once (internal error)");
+                        let _ = apply(hooks, *d, false, "releasing at once (internal error)");
                     }
                 });
                 let _ = std::panic::catch_unwind(stop);
@@ -186,9 +187,8 @@ fn watch(gpus: &[(i32, nvml::Gpu)], hooks: Hooks) {
                     }
                 }
             };
-            if state[i] != Some(keep) {
+            if state[i] != Some(keep) && apply(hooks, *dev, keep, &why) {
                 state[i] = Some(keep);
-                apply(hooks, *dev, keep, &why);
             }
         }
         known.retain(|p, _| seen.contains(p));
@@ -197,10 +197,13 @@ fn watch(gpus: &[(i32, nvml::Gpu)], hooks: Hooks) {
     }
 }
 
-/// Device `dev`'s coalescer keeps released memory from now on, or gives back what it keeps.
-fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) {
+/// Device `dev`'s coalescer keeps released memory from now on, or gives back what it keeps;
+/// false if the coalescers are not there yet.
+fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) -> bool {
     let t0 = Instant::now();
-    let freed = (hooks.set_keeping)(dev, keep);
+    let Some(freed) = (hooks.set_keeping)(dev, keep) else {
+        return false;
+    };
     match (keep, freed) {
         (true, _) => log::debug!("GPU {dev}: {why}"),
         (false, 0) => log::debug!("GPU {dev}: {why}"),
@@ -210,6 +213,7 @@ fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) {
         ),
     }
     set_modes(std::iter::once((dev, why.to_string())));
+    true
 }
 
 #[cfg(test)]

@@ -694,18 +694,19 @@ pub(super) mod coalescers {
     /// pages; tried on the fake driver: the program faulted, issue 21). Pages a release loop
     /// left stranded wait for the program's next call.
     /// Device `dev`'s coalescer keeps released memory from now on, or gives back what it
-    /// keeps: the bytes given back (`api::keep`'s watcher).
-    fn set_keeping_of(dev: i32, keep: bool) -> u64 {
+    /// keeps: the bytes given back (`api::keep`'s watcher); None before the coalescers exist
+    /// (the watcher's first look may come while they are being made).
+    fn set_keeping_of(dev: i32, keep: bool) -> Option<u64> {
         use crate::gpu::Driver as _;
         if !started() {
-            return 0;
+            return None;
         }
         let mut v = lock();
         let mut freed = 0;
         for c in v.all().filter(|c| c.driver().device() == dev) {
             freed += in_context(c, |c| c.set_keeping(keep));
         }
-        freed
+        Some(freed)
     }
 
     fn start_releaser(delay_ms: u64) -> bool {

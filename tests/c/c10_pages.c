@@ -450,6 +450,23 @@ int expandable(const char* what) {
     printf(" new_shrink_rc=%d new_released=%ld\n", rc, fakecu_count("cuMemRelease") - r0);
     return 0;
   }
+  if (!strcmp(what, "keep")) {
+    /* EXPSEG_KEEP=auto beside a fake NVML (FAKE_NVML_PIDS: the pids listed on the GPU): pages
+     * released while only expseg processes are listed stay kept; once another is listed, what
+     * is kept goes back, and later releases go back at once. */
+    usleep(50 * 1000);
+    if (grow(0, 8)) return 3;
+    usleep(50 * 1000); /* the watcher looks every 5 ms */
+    if (shrink(0, 8)) return 4;
+    printf("kept_mib=%ld\n", fakecu_used() >> 20);
+    FILE* f = fopen(getenv("FAKE_NVML_PIDS"), "w");
+    if (!f || fprintf(f, "self 1\n") < 0 || fclose(f)) return 5;
+    usleep(100 * 1000);
+    printf("after_stranger_mib=%ld\n", fakecu_used() >> 20);
+    if (grow(0, 4) || shrink(0, 4)) return 6;
+    printf("released_at_once_mib=%ld\n", fakecu_used() >> 20);
+    return 0;
+  }
   if (!strcmp(what, "oom")) {
     /* Pages until the driver has none: as many as fit natively, then out of memory (2). */
     Prop p = prop(); int n = 0; CUresult r = 0;

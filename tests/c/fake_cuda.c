@@ -229,6 +229,13 @@ CUresult cuCtxSynchronize(void) {
 }
 CUresult cuDeviceGet(CUdevice* d, int o) { if (o < 0 || o >= ndev()) return 101; *d = o; return 0; }
 CUresult cuDeviceGetCount(int* n) { *n = ndev(); return 0; }
+/* A UUID only with FAKE_UUID set (fa ce 00 .. 00 <device>); else not supported, as before. */
+CUresult cuDeviceGetUuid_v2(unsigned char* u, CUdevice d) {
+  if (!getenv("FAKE_UUID")) return 801;
+  if (d < 0 || d >= ndev()) return 101;
+  memset(u, 0, 16); u[0] = 0xfa; u[1] = 0xce; u[15] = (unsigned char)d;
+  return 0;
+}
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
   if (d < 0 || d >= ndev()) return 101;
   /* VMM supported; FAKE_NO_VMM_ATTR: by no device, FAKE_NO_VMM_DEVICE=N: not by device N */
