@@ -186,6 +186,7 @@ impl Header {
         s
     }
 
+    #[cfg(any(test, feature = "test-switches"))]
     /// Take what a comment line says into the header (other comments are ignored).
     pub fn read_comment(&mut self, line: &str) {
         let words: Vec<&str> = line.trim_start_matches('#').split_whitespace().collect();
@@ -219,6 +220,7 @@ impl Header {
         }
     }
 
+    #[cfg(any(test, feature = "test-switches"))]
     /// The configuration's value of `key`, as written.
     pub fn get(&self, key: &str) -> Option<&str> {
         self.config
@@ -341,11 +343,13 @@ impl fmt::Display for Event<'_> {
 }
 
 /// A hexadecimal number, with or without `0x`.
+#[cfg(any(test, feature = "test-switches"))]
 fn hex(w: &str) -> Result<u64, String> {
     let digits = w.strip_prefix("0x").unwrap_or(w);
     u64::from_str_radix(digits, 16).map_err(|_| format!("not a hex number: {w:?}"))
 }
 
+#[cfg(any(test, feature = "test-switches"))]
 fn switch(w: &str) -> Result<bool, String> {
     match w {
         "0" => Ok(false),
@@ -354,6 +358,7 @@ fn switch(w: &str) -> Result<bool, String> {
     }
 }
 
+#[cfg(any(test, feature = "test-switches"))]
 fn dev_or_none(w: &str) -> Result<Option<i32>, String> {
     match w {
         "-" => Ok(None),
@@ -364,6 +369,7 @@ fn dev_or_none(w: &str) -> Result<Option<i32>, String> {
     }
 }
 
+#[cfg(any(test, feature = "test-switches"))]
 fn tag_or_none(w: &str) -> Result<Option<u32>, String> {
     match w {
         "-" => Ok(None),
@@ -373,6 +379,7 @@ fn tag_or_none(w: &str) -> Result<Option<u32>, String> {
     }
 }
 
+#[cfg(any(test, feature = "test-switches"))]
 fn descs(w: &str) -> Result<Vec<(i32, u32)>, String> {
     if w == "-" {
         return Ok(Vec::new());
@@ -389,6 +396,8 @@ fn descs(w: &str) -> Result<Vec<(i32, u32)>, String> {
         .collect()
 }
 
+// The reading side, for the replay and the tests: not in the shipped library.
+#[cfg(any(test, feature = "test-switches"))]
 /// Parse one line. `None`: a comment or a blank line; `Some(Err(why))`: a line that is not an
 /// event (the replay skips it and counts it).
 pub fn parse(line: &str) -> Option<Result<Event<'static>, String>> {
@@ -399,6 +408,7 @@ pub fn parse(line: &str) -> Option<Result<Event<'static>, String>> {
     Some(parse_event(line))
 }
 
+#[cfg(any(test, feature = "test-switches"))]
 fn parse_event(line: &str) -> Result<Event<'static>, String> {
     let (call_part, out_part) = line
         .split_once(" = ")

@@ -6,6 +6,8 @@
 //! (`cuMemCreate` handles), virtual reservations and mappings between them.
 
 pub mod cuda;
+// The stand-in driver of the unit tests and the trace replay: not in the shipped library.
+#[cfg(any(test, feature = "test-switches"))]
 pub mod fake;
 pub mod fence;
 pub mod stream;
