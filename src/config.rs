@@ -140,8 +140,8 @@ pub struct Config {
     pub coalesce: Coalesce,
     /// `EXPSEG_DRIVER_API`: serve the driver's allocation calls (`cuMemAlloc_v2` of programs
     /// that reach the driver themselves: static runtimes, driver API users) from the pool.
-    /// On by default since the static-runtime, driver API, CuPy and JAX entries of shim-tests
-    /// passed on an H100 (2026-11-23). `0`: those programs get the driver's own memory.
+    /// On by default (the static-runtime, driver API, CuPy and JAX entries of shim-tests pass
+    /// on the GPU). `0`: those programs get the driver's own memory.
     pub driver_api: bool,
     /// `EXPSEG_COALESCE_MAX`: largest physical handle behind coalesced pages.
     pub coalesce_max: u64,
@@ -175,8 +175,7 @@ pub struct Config {
     /// user's, released coalesced handles are kept for reuse while every other process with a
     /// context on the GPU is an expseg process of the user (they ask for kept memory when they
     /// need it), and given back from the moment another process is listed (`api::keep`). Opt-in:
-    /// a plain process arriving can ask before the give-back ends (9/10 got their memory,
-    /// H200, 2026-11-29).
+    /// a plain process arriving can ask before the give-back ends (measured: RESULTS.md).
     pub keep_auto: bool,
     /// `EXPSEG_GROW_AHEAD`: most bytes a new coalesced handle covers beyond the program's
     /// last page (at most 1/64 of the most held), so that its next pages need no driver call;
@@ -222,14 +221,14 @@ impl Default for Config {
             // while cudaMalloc packs them. PyTorch's smallest segment is exactly 2 MiB.
             passthrough_below: 2 * MIB,
             // Freed memory goes back at once: any cache is held from a process without expseg
-            // (handoff 0/20 with 64G, H100, issue 21); keeping is opt-in.
+            // (a plain process missed its handoff every time with 64G kept); keeping is opt-in.
             cache_max: 0,
             // One chunk per allocation: measured as fast as or faster than 2 GiB pieces at 4 and
             // 16 GiB (shim-tests/RESULTS.md, "cache0_onechunk" against "cache0").
             max_chunk: 0,
             // Off: a move unmaps the allocation for a moment, and expseg cannot tell whether
-            // another thread is using it (a writer thread beside a move crashed 8/8 runs,
-            // issue 13). Programs that guarantee no such use may set it; 20M is the size
+            // another thread is using it (a writer thread beside a move crashed every run).
+            // Programs that guarantee no such use may set it; 20M is the size
             // measured reliable (cudaMalloc of at most 20 MiB shares the address heap of VMM
             // reservations, ../shared/notes/driver-facts.md).
             ipc_move_max: 0,
@@ -244,8 +243,8 @@ impl Default for Config {
             pause_keep_host: KeepHost::Auto,
             ipc_peers_expseg: false,
             // A tensor ends inside its PyTorch block; the run of mappings after its page is
-            // the rest of the segment (280 GiB of mirrors against 2.8 GiB of tensors for a
-            // trained model's 7 parameters, H100, 2026-11-24, shim-tests/ipc_reach.py).
+            // the rest of the segment (unbounded, a trained model's 7 parameters of 2.8 GiB
+            // took 280 GiB of mirrors: shim-tests/ipc_reach.py).
             ipc_extent_torch: true,
             ipc_mirror_sync: MirrorSync::Plain,
             ipc_allow_uids: Vec::new(),

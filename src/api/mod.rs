@@ -362,7 +362,7 @@ static NOTICING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// [`cudaDeviceReset`]) saw coming: forget the context's id again. A driver-API call on
 /// another thread may have read the old id between the hook and the real reset and recorded
 /// it; left there, the next call would take the new id for a reset no hook saw and free what
-/// was allocated after this one (before 2026-11-25, preload test
+/// was allocated after this one (preload test
 /// `a_reset_between_an_id_read_and_its_record_frees_nothing_made_after_it`).
 pub fn reset_done(dev: i32) {
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {

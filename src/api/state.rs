@@ -691,7 +691,7 @@ pub(super) mod coalescers {
     ///
     /// It never compacts: a compaction briefly unmaps live pages, which is safe only inside
     /// one of the program's allocator calls (outside them its threads launch work on those
-    /// pages; tried on the fake driver: the program faulted, issue 21). Pages a release loop
+    /// pages; tried on the fake driver: the program faulted). Pages a release loop
     /// left stranded wait for the program's next call.
     /// Device `dev`'s coalescer keeps released memory from now on, or gives back what it
     /// keeps: the bytes given back (`api::keep`'s watcher); None before the coalescers exist

@@ -65,10 +65,8 @@ fn code(r: Result<(), DrvError>) -> u32 {
 
 /// `cuMemCreate` of a page with coalescable properties on `dev`: `None` to pass through.
 ///
-/// Every device a process uses is coalesced. (Until 2026-11-24 only the first one was: a
-/// process on two GPUs hit an illegal address under coalescing on 2 x H200. The library of
-/// c904993, first device only, faulted 3 times in 19 runs of the two-device stress; this one,
-/// both devices coalesced, passed 19 of 19 — shim-tests/RESULTS.md, session 10.)
+/// Every device a process uses is coalesced, each by a coalescer of its own (coalescing only
+/// the first device faulted in the two-device stress on two GPUs: RESULTS.md).
 pub fn create(dev: i32, size: u64, props: PageProps) -> Option<Result<u64, u32>> {
     if super::state::forked() {
         return None;

@@ -27,11 +27,10 @@ pub fn is_virtual(h: u64) -> bool {
 pub(super) static NEXT_VH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// The books' maps of pages by virtual handle and of phys by number. The keys are expseg's
-/// own (counters), so SipHash's resistance to chosen keys buys nothing; it cost a fifth of the
-/// coalescer's time in the replay of a GPT-2 run (perf, 2026-11-27). The phys were in a
-/// BTreeMap until 2026-11-27: a lookup walked two or three nodes, each a miss or two in a
-/// training loop; in a hash map it is a control byte and the entry (-19 % of a release's
-/// cold misses, -7 % of an unmap's, train_ec's trace).
+/// own (counters), so SipHash's resistance to chosen keys buys nothing (it cost a fifth of the
+/// coalescer's time in a replayed GPT-2 run). Phys are in a hash map, not a BTreeMap: a
+/// lookup is a control byte and the entry, not two or three nodes, each a cache miss or two
+/// in a training loop (design.md, the books' cost).
 pub(super) type PageMap<V> = HashMap<u64, V, BuildKeyHasher>;
 
 /// The key's own low bits choose the bucket, so the pages of a batch (handles numbered one

@@ -494,7 +494,7 @@ impl<D: Driver> Coalescer<D> {
     /// current context, which is not this device's when `empty_cache()` frees every device's
     /// pages from one thread. So when the caller is elsewhere, a handle whose last page goes
     /// waits for this device's default stream before it leaves its address (natively that
-    /// unmap runs under the kernels still using the memory: an illegal address, issue 24).
+    /// unmap runs under the kernels still using the memory: an illegal address).
     pub fn unmap_from(&mut self, va: u64, size: u64, caller: Option<i32>) -> DrvResult<bool> {
         self.note_call();
         self.on_mapped_in(va, size, |c, inside| {
@@ -512,9 +512,9 @@ impl<D: Driver> Coalescer<D> {
         caller: Option<i32>,
     ) -> DrvResult<bool> {
         let elsewhere = caller != Some(self.drv.device());
-        // Whole mappings back to back from `va` to its end, as the driver requires (before
-        // 2026-11-25 only the sizes were added up, so a range with a hole passed and the page
-        // after it was unmapped past the range's end).
+        // Whole mappings back to back from `va` to its end, as the driver requires (adding up
+        // sizes alone let a range with a hole pass, and the page after it was unmapped past
+        // the range's end).
         let mut at = va;
         for (a, v) in inside {
             if *a != at {

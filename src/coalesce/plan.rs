@@ -476,8 +476,7 @@ impl<D: Driver> Coalescer<D> {
     /// Where live pages never move, what a handle grew ahead may end up stranded (the next
     /// pages there have their own lifetimes). Counting stranded bytes against the same share
     /// was measured and undone: it stopped growing ahead in the RL loop's trainer, whose
-    /// stranded bytes do not come from it (254 ms a step against 192, H200, 2026-11-26:
-    /// docs/failed-approaches.md).
+    /// stranded bytes do not come from it (a slower step: docs/failed-approaches.md).
     fn ahead_for(&self, end: u64, total: u64, unit: u64) -> u64 {
         let mut cap = self
             .cfg
@@ -631,8 +630,7 @@ impl<D: Driver> Coalescer<D> {
         if !whole && !shared {
             // Pages elsewhere or unmapped, or released pages among them (the program may have
             // mapped something else where those were: mapped whole, the handle would not
-            // fit; before 2026-11-25 the access call failed): one handle each, mapped one by
-            // one.
+            // fit, and the access call would fail): one handle each, mapped one by one.
             return self.compact(pid, true);
         }
         let h = ph.handle;

@@ -113,8 +113,7 @@ impl<D: Driver> Coalescer<D> {
         let mut failed = None;
         let mut queued = Ok(());
         // The smallest handle that found no memory: larger ones are not tried (they would
-        // fail too), smaller ones are (what fits is resumed; before 2026-11-25 the first
-        // handle without memory ended the resume).
+        // fail too), smaller ones are (what fits is resumed).
         let mut too_big = u64::MAX;
         for &pid in pids {
             let size = self.phys[&pid].size;

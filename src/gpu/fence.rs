@@ -240,9 +240,8 @@ fn start_wait(wait: PeerWait) -> Duration {
 
 /// The longest a patient move ([`PeerWait::Patient`]: one the program's call needs, or one
 /// giving memory back where it is asked for) waits for its peers' holds to start: the work
-/// their streams queued before the holds must end first (on 2 x H100 a thread adding
-/// into 256 MiB through peer access kept device 1's queue longer than 200 ms at every move,
-/// 2026-11-26).
+/// their streams queued before the holds must end first (on two GPUs a thread adding into
+/// 256 MiB through peer access kept device 1's queue longer than 200 ms at every move).
 pub const PEER_START_MAX: Duration = Duration::from_secs(10);
 
 /// The longest peers stay held through a move: past it the watchdog lets them go, with a

@@ -35,8 +35,8 @@ enum Range {
     /// custom all-reduce) ask `cudaIpcGetMemHandle` of the `RANGE_START_ADDR` they get and
     /// add `ptr - RANGE_START_ADDR` in the consumer: with the reservation's start, the handle
     /// names the reservation's first page and a plain consumer's mirror, bounded by PyTorch's
-    /// blocks over that page, lies short of the tensor (wrong bytes on 3 of 7 tensors, H100,
-    /// 2026-11-26), and unbounded it would be the whole reservation. IPC of VMM memory fails
+    /// blocks over that page, lies short of the tensor (wrong bytes, measured: RESULTS.md),
+    /// and unbounded it would be the whole reservation. IPC of VMM memory fails
     /// natively, so no native program relies on the reservation here for IPC.
     Page((u64, u64)),
     /// Only expseg's memory is mapped here (grown ahead, released pages not given back yet):

@@ -530,9 +530,9 @@ impl<D: Driver> Pool<D> {
 }
 
 /// Whether an export may move block `b` in place: never shared or mirrored, and the program's
-/// size at most `EXPSEG_IPC_MOVE_MAX` (the size `api::ipc::get` compares too; before
-/// 2026-11-25 this compared the rounded block, so a 3 MiB allocation under `3M` was mirrored
-/// after the caller had skipped the ticket check a mirror needs outside the lock).
+/// size at most `EXPSEG_IPC_MOVE_MAX` (the size `api::ipc::get` compares too: comparing the
+/// rounded block would mirror a 3 MiB allocation under `3M` after the caller had skipped the
+/// ticket check a mirror needs outside the lock).
 fn movable(b: &super::Block, policy: &ExportPolicy) -> bool {
     b.mirror.is_none() && !b.shared && b.user <= policy.move_max
 }

@@ -168,7 +168,7 @@ fn move_max_zero_always_mirrors() {
 #[test]
 fn move_max_counts_the_programs_size_not_the_rounded_block() {
     // 3 MiB asked (a 4 MiB block) under a bound of 3 MiB: moved, as the caller, which
-    // compares the program's size, expects (before 2026-11-25: mirrored).
+    // compares the program's size, expects (not mirrored).
     let mut p = pool(Placement::SharedLowHeap);
     let a = p.alloc(3 * MIB).unwrap();
     stamp(&mut p, a, 3 * MIB, 4);

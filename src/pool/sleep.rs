@@ -102,8 +102,7 @@ impl<D: Driver> Pool<D> {
         let mut failed = None;
         let mut queued = Ok(());
         // The smallest block that found no memory: larger ones are not tried (they would fail
-        // too), smaller ones are (what fits is resumed; before 2026-11-25 the first block
-        // without memory ended the resume).
+        // too), smaller ones are (what fits is resumed).
         let mut too_big = u64::MAX;
         for &base in bases {
             let size = self.blocks[&base].size;

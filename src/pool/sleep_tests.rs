@@ -294,7 +294,7 @@ fn a_block_that_cannot_resume_does_not_hold_back_the_others() {
 #[test]
 fn a_resume_short_of_memory_resumes_the_smaller_blocks_that_fit() {
     // A large block first, a small one after it: the large one finds no memory, the small
-    // one still comes back (before 2026-11-25 the first failure ended the resume).
+    // one still comes back (the first failure does not end the resume).
     let mut p = pool(1 << 30);
     let big = p.alloc(64 * MIB).unwrap();
     let small = p.alloc(4 * MIB).unwrap();

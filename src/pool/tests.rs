@@ -427,8 +427,8 @@ fn a_device_reset_frees_every_allocation_and_gives_every_byte_back() {
 #[test]
 fn a_request_beyond_free_memory_in_many_chunks_is_refused_without_creating_any() {
     // EXPSEG_MAX_CHUNK splits a request into chunks: one beyond the device is refused at once
-    // (before 2026-11-25, 1ull<<62 bytes sized a host list of 32 TiB and aborted the process,
-    // and 2 GiB on a 1 GiB device made and gave back 1,024 chunks under the lock).
+    // (not a host list sized by 1ull<<62 bytes, which aborts the process, nor 1,024 chunks
+    // made and given back under the lock for 2 GiB on a 1 GiB device).
     let mut p = pool(1 << 30, 0);
     for size in [2 << 30, 1 << 62] {
         let creates = p.driver().calls_of(Op::Create);

@@ -119,7 +119,7 @@ fn check_in_child(dev: i32) -> Result<(), String> {
     let pattern: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
     // Taken under the pools' lock: an IPC move in place (under that lock) releases an
     // allocation's range and takes a cudaMalloc that must land on it; a cudaMalloc of this
-    // thread meanwhile could take that range (H200, e91e84d: the move failed at placement,
+    // thread meanwhile could take that range (seen on a GPU: the move failed at placement,
     // the range was lost, and the program's pointer addressed this buffer).
     let buf = {
         let _moves = crate::api::state::lock();

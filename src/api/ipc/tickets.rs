@@ -42,7 +42,7 @@ fn export_foreign(dev: i32, base: u64, size: u64) -> Decision {
     // Pages the program released may be parked there by expseg: the run is gone, as it would
     // be natively (an unmapped gap). Checked as the read is registered (after it, a coalescer
     // call waiting for the read could hand a parked handle on before the check; asked with
-    // the coalescers' ordinary lock inside the read, the thread waited for itself: b337f23).
+    // the coalescers' ordinary lock inside the read, the thread would wait for itself).
     let reading = super::runs::read_run(t, base, size).ok_or(Refusal::Stale)?;
     let (lead, vas, sizes) = driver_mappings(t, base, size).ok_or(Refusal::Stale)?;
     let cannot = |e: crate::gpu::DrvError| {

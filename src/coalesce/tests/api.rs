@@ -357,8 +357,8 @@ fn moved_intact(c: &Coalescer<FakeDriver>, at: u64, from: u64, n: u64) -> bool {
 fn an_exported_page_kept_and_mapped_again_keeps_its_handle() {
     // With kept handles (EXPSEG_RELEASE_DELAY above 0) the handle of an unmapped exported
     // page stays mapped where it was; mapped elsewhere again, or with a new page mapped over
-    // its old address, the page must keep the handle the importer has (before 2026-11-25 it
-    // was copied into a new one).
+    // its old address, the page must keep the handle the importer has (not a copy of it in a
+    // new one).
     for over in [false, true] {
         let (mut c, va) = setup(100 * PAGE, delayed());
         let hs = grow(&mut c, va, 2).unwrap();
@@ -385,8 +385,8 @@ fn an_exported_page_kept_and_mapped_again_keeps_its_handle() {
 fn a_kept_page_mapped_back_beside_a_new_page_where_a_released_one_was() {
     // A handle of two pages with the first released and not compacted yet (a strand bound),
     // the second unmapped and kept; a new page is mapped where the first was; the second is
-    // mapped back at its own address: every call succeeds, as natively (before 2026-11-25
-    // the whole handle was mapped back over the new page and the access call failed).
+    // mapped back at its own address: every call succeeds, as natively (the whole handle is
+    // not mapped back over the new page).
     let mut k = cfg();
     k.strand_max = u64::MAX;
     let (mut c, va) = setup(100 * PAGE, k);

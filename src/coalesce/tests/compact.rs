@@ -390,7 +390,7 @@ fn unheld_peer(
 fn a_move_that_gives_bytes_back_waits_for_a_peer_that_cannot_be_held() {
     // Where a peer's hold does not start (its stream busy, or waiting on other work), its
     // kernels queued meanwhile could write the pages while they move (an illegal address on
-    // 2 x H100, 2026-11-26): a move that only gives stranded bytes back is put off, nothing
+    // two GPUs): a move that only gives stranded bytes back is put off, nothing
     // changed, and made by a later call once the peer can be held.
     let (mut c, va, hs) = unheld_peer(100 * PAGE, 8, &[(0, RW), (1, RW), (2, 0)]);
     shrink(&mut c, va + 2 * PAGE, &hs[2..6]);

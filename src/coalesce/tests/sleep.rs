@@ -177,7 +177,7 @@ fn out_of_memory_on_resume_loses_nothing_and_a_retry_finishes() {
 #[test]
 fn a_resume_short_of_memory_resumes_the_smaller_handles_that_fit() {
     // A 4-page handle first, a 1-page one after it, room for 2 pages: the large one stays
-    // paused, the small one comes back (before 2026-11-25 the first failure ended the resume).
+    // paused, the small one comes back (the first failure does not end the resume).
     let (mut c, va) = setup(1 << 40, cfg());
     let big = grow(&mut c, va, 4).unwrap();
     let small = grow(&mut c, va + 10 * PAGE, 1).unwrap();
@@ -425,8 +425,8 @@ fn a_handle_that_cannot_resume_does_not_hold_back_the_others() {
 fn bytes_grown_ahead_of_live_pages_are_not_paused_and_do_not_come_back() {
     // The defaults move no live page: the trim before a pause keeps what a handle of mapped
     // pages grew ahead. The pause releases it with the handle; it is not the tag's memory,
-    // so it is neither counted as paused nor made again on resume (GPU, e91e84d: a 40 GiB
-    // tagged KV cache paused 40.527 GiB).
+    // so it is neither counted as paused nor made again on resume (on a GPU, a tagged KV
+    // cache paused more than its own bytes before).
     let mut k = still();
     k.split_tail = true;
     k.ahead = 8 * PAGE;
