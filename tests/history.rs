@@ -1,6 +1,7 @@
-//! Comments in src/ say what holds now: no dates, commit hashes or work-log references
-//! (sessions, issue numbers) in them. Measurements and history live in shim-tests/RESULTS.md
-//! and docs/failed-approaches.md, where a comment may point.
+//! Comments in src/ and docs/contract.md say what holds now: no dates, commit hashes or
+//! work-log references (sessions, issue numbers) in them. Measurements and history live in
+//! shim-tests/RESULTS.md and docs/failed-approaches.md, where they may point. (docs/design.md
+//! is next.)
 
 use std::path::Path;
 
@@ -84,6 +85,18 @@ fn comments_in_src_state_what_holds_not_its_history() {
         found.len(),
         found.join("\n")
     );
+}
+
+#[test]
+fn the_contract_states_what_holds_not_its_history() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/contract.md");
+    let found: Vec<String> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .enumerate()
+        .filter_map(|(n, l)| history(l).map(|w| format!("contract.md:{}: {w}", n + 1)))
+        .collect();
+    assert!(found.is_empty(), "{}", found.join("\n"));
 }
 
 #[test]
