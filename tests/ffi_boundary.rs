@@ -49,8 +49,8 @@ const EXEMPT: &[(&str, &str, &str)] = &[
     ("hooks/order.rs", "cuIpcGetEventHandle", ORDER),
     ("hooks/order.rs", "import_slot", "one atomic store (api::sharing), then the driver's call"),
     ("hooks/order.rs", "export_slot", "one atomic store (api::sharing), then the driver's call"),
-    ("hooks/order.rs", "range_handle_slot", "the driver's call, then expseg's part in range_made(): around_real(), which catches"),
-    ("hooks/order.rs", "cuMemGetHandleForAddressRange", "the driver's call, then expseg's part in range_made(): around_real(), which catches"),
+    ("hooks/order.rs", "range_handle_slot", "expseg's part in range_asked(): around_real(), which catches; then the driver's call"),
+    ("hooks/order.rs", "cuMemGetHandleForAddressRange", "expseg's part in range_asked(): around_real(), which catches; then the driver's call"),
 ];
 
 /// Why the ordering hooks (src/hooks/order.rs) need no boundary of their own.

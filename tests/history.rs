@@ -1,7 +1,6 @@
-//! Comments in src/ and docs/contract.md say what holds now: no dates, commit hashes or
-//! work-log references (sessions, issue numbers) in them. Measurements and history live in
-//! shim-tests/RESULTS.md and docs/failed-approaches.md, where they may point. (docs/design.md
-//! is next.)
+//! Comments in src/, docs/contract.md and docs/design.md say what holds now: no dates, commit
+//! hashes or work-log references (sessions, issue numbers) in them. Measurements and history
+//! live in shim-tests/RESULTS.md and docs/failed-approaches.md, where they may point.
 
 use std::path::Path;
 
@@ -87,15 +86,28 @@ fn comments_in_src_state_what_holds_not_its_history() {
     );
 }
 
-#[test]
-fn the_contract_states_what_holds_not_its_history() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/contract.md");
-    let found: Vec<String> = std::fs::read_to_string(&path)
+/// The lines of a document under docs/ that tell history, as `name:line: what`.
+fn doc_history(name: &str) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("docs")
+        .join(name);
+    std::fs::read_to_string(&path)
         .unwrap()
         .lines()
         .enumerate()
-        .filter_map(|(n, l)| history(l).map(|w| format!("contract.md:{}: {w}", n + 1)))
-        .collect();
+        .filter_map(|(n, l)| history(l).map(|w| format!("{name}:{}: {w}", n + 1)))
+        .collect()
+}
+
+#[test]
+fn the_contract_states_what_holds_not_its_history() {
+    let found = doc_history("contract.md");
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_design_states_what_holds_not_its_history() {
+    let found = doc_history("design.md");
     assert!(found.is_empty(), "{}", found.join("\n"));
 }
 

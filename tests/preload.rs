@@ -1882,7 +1882,7 @@ fn with_expseg_keep_auto_released_pages_stay_kept_until_another_process_is_liste
     let text = std::fs::read_to_string(&report).unwrap();
     assert!(
         text.contains(
-            "GPU 0: releasing at once (process 1 on the GPU does not run expseg as this user)"
+            "GPU 0: releasing at once (process 1 on the GPU is not an expseg process of this user with EXPSEG_KEEP=auto)"
         ),
         "{text}"
     );

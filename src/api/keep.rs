@@ -42,8 +42,9 @@ pub fn first_stranger(
 }
 
 /// Whether process `pid` (under `proc_root`, `/proc`) is an expseg process of `uid` that asks
-/// for kept memory: owned by `uid`, `libexpseg` mapped, and neither `EXPSEG_DISABLE` nor
-/// `EXPSEG_SOCKETS=0` in the environment it started with. A process that cannot be read (gone,
+/// for kept memory: owned by `uid`, `libexpseg` mapped, and in the environment it started with
+/// `EXPSEG_KEEP=auto` (its free-memory queries ask the peers first, as its allocations do),
+/// neither `EXPSEG_DISABLE` nor `EXPSEG_SOCKETS=0`. A process that cannot be read (gone,
 /// another pid namespace, not dumpable) is not one.
 pub fn is_peer(proc_root: &Path, pid: u32, uid: u32) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -68,7 +69,8 @@ pub fn is_peer(proc_root: &Path, pid: u32, uid: u32) -> bool {
             })
         })
     };
-    !off("EXPSEG_DISABLE", &["1", "true", "yes", "on"])
+    off("EXPSEG_KEEP", &["auto"])
+        && !off("EXPSEG_DISABLE", &["1", "true", "yes", "on"])
         && !off("EXPSEG_SOCKETS", &["0", "false", "no", "off"])
 }
 
@@ -115,6 +117,23 @@ pub fn status_suffix() -> String {
         .collect()
 }
 
+/// The other expseg processes on each GPU that keeps now: the ones a free-memory query asks
+/// to give back what they keep (device, pids).
+static PEERS: Mutex<Vec<(i32, Vec<u32>)>> = Mutex::new(Vec::new());
+
+fn set_peers(dev: i32, pids: Vec<u32>) {
+    let mut p = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    p.retain(|(d, _)| *d != dev);
+    if !pids.is_empty() {
+        p.push((dev, pids));
+    }
+}
+
+/// The other expseg processes on each GPU that keeps released memory now (device, pids).
+pub fn peers() -> Vec<(i32, Vec<u32>)> {
+    PEERS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 /// Whether any GPU keeps released memory now.
 pub fn any_keeping() -> bool {
     ANY_KEEPING.load(Ordering::Acquire)
@@ -129,16 +148,19 @@ pub struct Hooks {
     pub forked: fn() -> bool,
 }
 
-/// Start the thread that watches `gpus` (their coalescers start not keeping). False if it
-/// could not start (keeping stays off).
-pub fn start(gpus: Vec<(i32, nvml::Gpu)>, hooks: Hooks) -> bool {
+/// Start the thread that watches the GPUs of `uuids` (device, the CUDA driver's UUID; their
+/// coalescers start not keeping). NVML is loaded there, not in the allocation that made the
+/// coalescers (loading it may take long). False if it could not start (keeping stays off).
+pub fn start(uuids: Vec<(i32, Option<[u8; 16]>)>, hooks: Hooks) -> bool {
     set_modes(
-        gpus.iter()
+        uuids
+            .iter()
             .map(|(d, _)| (*d, "releasing at once (not looked yet)".to_string())),
     );
     let spawned = std::thread::Builder::new()
         .name("expseg-keep".into())
         .spawn(move || {
+            let gpus = watchable(&uuids);
             let watch = std::panic::AssertUnwindSafe(|| watch(&gpus, hooks));
             if std::panic::catch_unwind(watch).is_err() {
                 crate::stats::GLOBAL.panics_caught.add(1);
@@ -174,6 +196,12 @@ fn watch(gpus: &[(i32, nvml::Gpu)], hooks: Hooks) {
                     false,
                     format!("releasing at once (NVML's list failed: error {e})"),
                 ),
+                // NVML of another pid namespace (a container's) lists pids this process
+                // cannot name, or none: it cannot tell who is there.
+                Ok(()) if !listed.contains(&me) => (
+                    false,
+                    "releasing at once (NVML does not list this process: its pids are of another namespace)".to_string(),
+                ),
                 Ok(()) => {
                     seen.extend_from_slice(&listed);
                     let mut peer = |p: u32| {
@@ -182,11 +210,18 @@ fn watch(gpus: &[(i32, nvml::Gpu)], hooks: Hooks) {
                             .or_insert_with(|| is_peer(Path::new("/proc"), p, uid))
                     };
                     match first_stranger(&listed, me, &mut peer) {
-                        Some(p) => (false, format!("releasing at once (process {p} on the GPU does not run expseg as this user)")),
-                        None => (true, format!("keeping released memory ({} other expseg processes of this user on the GPU, none else)", listed.iter().filter(|&&p| p != me).count())),
+                        Some(p) => (false, format!("releasing at once (process {p} on the GPU is not an expseg process of this user with EXPSEG_KEEP=auto)")),
+                        None => {
+                            let others: Vec<u32> = listed.iter().copied().filter(|&p| p != me).collect();
+                            set_peers(*dev, others.clone());
+                            (true, format!("keeping released memory ({} other expseg processes of this user on the GPU, none else)", others.len()))
+                        }
                     }
                 }
             };
+            if !keep {
+                set_peers(*dev, Vec::new());
+            }
             if state[i] != Some(keep) && apply(hooks, *dev, keep, &why) {
                 state[i] = Some(keep);
             }
@@ -230,7 +265,7 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_runs_expseg_as_the_user_and_can_ask() {
+    fn a_peer_runs_expseg_as_the_user_keeps_too_and_can_ask() {
         let root = std::env::temp_dir().join(format!("expseg-keep-{}", std::process::id()));
         let uid = crate::ipc::sockdir::current_uid();
         let proc_of = |pid: u32, maps: &str, env: &[&str]| {
@@ -240,20 +275,31 @@ mod tests {
             std::fs::write(d.join("environ"), env.join("\0")).unwrap();
         };
         let lib = "7f00-7f10 r-xp 0 08:01 1 /opt/x/libexpseg.so\n";
-        proc_of(1, lib, &["PATH=/bin", "LD_PRELOAD=/opt/x/libexpseg.so"]);
+        let auto = "EXPSEG_KEEP=auto";
         proc_of(
-            2,
-            "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n",
-            &["PATH=/bin"],
+            1,
+            lib,
+            &["PATH=/bin", "LD_PRELOAD=/opt/x/libexpseg.so", auto],
         );
-        proc_of(3, lib, &["EXPSEG_DISABLE=1"]);
-        proc_of(4, lib, &["EXPSEG_SOCKETS=off"]);
-        proc_of(5, lib, &["EXPSEG_SOCKETS=1", "EXPSEG_DISABLE=0"]);
+        let libc = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n";
+        proc_of(2, libc, &["PATH=/bin", auto]);
+        proc_of(3, lib, &["EXPSEG_DISABLE=1", auto]);
+        proc_of(4, lib, &["EXPSEG_SOCKETS=off", auto]);
+        proc_of(
+            5,
+            lib,
+            &["EXPSEG_SOCKETS=1", "EXPSEG_DISABLE=0", "EXPSEG_KEEP=Auto"],
+        );
+        proc_of(7, lib, &["PATH=/bin"]);
         assert!(is_peer(&root, 1, uid));
         assert!(!is_peer(&root, 2, uid), "no expseg");
         assert!(!is_peer(&root, 3, uid), "expseg off");
         assert!(!is_peer(&root, 4, uid), "cannot ask");
         assert!(is_peer(&root, 5, uid));
+        assert!(
+            !is_peer(&root, 7, uid),
+            "does not ask on a free-memory query"
+        );
         assert!(!is_peer(&root, 6, uid), "not readable");
         assert!(!is_peer(&root, 1, uid + 1), "another user's");
         std::fs::remove_dir_all(&root).unwrap();

@@ -604,7 +604,10 @@ pub fn live_report_json(library: &str) -> String {
     } else {
         None
     };
-    let status = status + &keep::status_suffix();
+    let status = match FORKED.load(Ordering::Relaxed) {
+        true => status,
+        false => status + &keep::status_suffix(),
+    };
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(vmm::report_rows());
     snap.global

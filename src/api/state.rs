@@ -457,7 +457,10 @@ pub fn write_exit_report() {
         None if !STATE_STARTED.load(Ordering::Acquire) => (not_started_status(false), Vec::new()),
         None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
     };
-    let status = status + &crate::api::keep::status_suffix();
+    let status = match forked() {
+        true => status,
+        false => status + &crate::api::keep::status_suffix(),
+    };
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(coalescers::report_rows());
     if let Err(e) = stats::write_report(&template, &snap) {
@@ -518,16 +521,14 @@ pub(super) mod coalescers {
             Ok(t) => {
                 let n = cuda::device_count(t).unwrap_or(0);
                 let c = config();
-                // EXPSEG_KEEP=auto where the user set no delay: kept while only expseg
-                // processes share the GPU (`api::keep`), where NVML can tell.
-                let watched = match c.keep_auto && c.release_delay_ms == 0 && n > 0 {
-                    true => {
-                        let uuids: Vec<(i32, Option<[u8; 16]>)> =
-                            (0..n).map(|d| (d, cuda::device_uuid(t, d))).collect();
-                        crate::api::keep::watchable(&uuids)
-                    }
-                    false => Vec::new(),
-                };
+                // EXPSEG_KEEP=auto where the user set no delay and other processes can ask
+                // (sockets): kept while only expseg processes share the GPU (`api::keep`,
+                // whose thread finds out with NVML whether it can tell).
+                let watched: Vec<(i32, Option<[u8; 16]>)> =
+                    match c.keep_auto && c.release_delay_ms == 0 && c.sockets && n > 0 {
+                        true => (0..n).map(|d| (d, cuda::device_uuid(t, d))).collect(),
+                        false => Vec::new(),
+                    };
                 let delay_ms = match watched.is_empty() {
                     true => c.release_delay_ms,
                     false => crate::api::keep::DELAY_MS,
@@ -684,15 +685,6 @@ pub(super) mod coalescers {
         }
     }
 
-    /// Kept handles go back to the driver once the program has been quiet for the delay: a
-    /// thread of its own checks every millisecond while any are kept and sleeps while none are
-    /// (woken by the call that keeps one; started at the first coalescer; never in a forked
-    /// child). False if there is none (no delay, or no thread).
-    ///
-    /// It never compacts: a compaction briefly unmaps live pages, which is safe only inside
-    /// one of the program's allocator calls (outside them its threads launch work on those
-    /// pages; tried on the fake driver: the program faulted). Pages a release loop
-    /// left stranded wait for the program's next call.
     /// Device `dev`'s coalescer keeps released memory from now on, or gives back what it
     /// keeps: the bytes given back (`api::keep`'s watcher); None before the coalescers exist
     /// (the watcher's first look may come while they are being made).
@@ -709,6 +701,15 @@ pub(super) mod coalescers {
         Some(freed)
     }
 
+    /// Kept handles go back to the driver once the program has been quiet for the delay: a
+    /// thread of its own checks every millisecond while any are kept and sleeps while none are
+    /// (woken by the call that keeps one; started at the first coalescer; never in a forked
+    /// child). False if there is none (no delay, or no thread).
+    ///
+    /// It never compacts: a compaction briefly unmaps live pages, which is safe only inside
+    /// one of the program's allocator calls (outside them its threads launch work on those
+    /// pages; tried on the fake driver: the program faulted). Pages a release loop
+    /// left stranded wait for the program's next call.
     fn start_releaser(delay_ms: u64) -> bool {
         let delay = Duration::from_millis(delay_ms);
         if delay.is_zero() {

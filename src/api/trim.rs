@@ -158,8 +158,9 @@ pub fn make_room(dev: Option<i32>) -> bool {
 }
 
 /// A free-memory query while this process keeps released memory (`api::keep`: only expseg
-/// processes of the user on its GPUs, which keep theirs too): they are asked to give back
-/// what they keep, on every GPU, at most once in 10 ms (a loop of queries asks once).
+/// processes of the user that keep theirs too share its GPUs): the ones the watcher saw on
+/// each keeping GPU are asked to give back what they hold there, each within the reclaim's
+/// bound, at most once in 10 ms (a loop of queries asks once).
 pub fn peers_give_back() {
     static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
     {
@@ -169,7 +170,21 @@ pub fn peers_give_back() {
         }
         *last = Some(std::time::Instant::now());
     }
-    reclaim_from_peers(None);
+    if state::bypass() || !state::config().sockets {
+        return;
+    }
+    let uid = sockdir::current_uid();
+    let mut freed = 0;
+    for (dev, pids) in super::keep::peers() {
+        for pid in pids {
+            GLOBAL.reclaim_asks.add(1);
+            match reclaim::ask_one(uid, pid, key_of(dev), reclaim::PEER_TIMEOUT) {
+                Ok(n) => freed += n,
+                Err(e) => log::debug!("asking expseg process {pid} to give memory back: {e:?}"),
+            }
+        }
+    }
+    GLOBAL.reclaimed_bytes.add(freed);
 }
 
 /// Ask the other expseg processes of the user to give back what they hold on `dev`'s GPU

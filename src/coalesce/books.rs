@@ -492,16 +492,16 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// Whether released handles may be kept from now on (where a release delay is set): off,
-    /// every kept handle goes back to the driver at once (a parked one unmapped first; one
-    /// that will not unmap stays, tried again at the next release). The bytes given back.
+    /// what goes back without moving a live page goes back at once (`trim_unmoved`: every kept
+    /// handle, a parked one unmapped first, and idle handles; one that will not unmap stays,
+    /// tried again at the next release), the rest at the program's next call. The bytes given
+    /// back.
     pub fn set_keeping(&mut self, keeping: bool) -> u64 {
         self.keeping = keeping;
         if keeping {
             return 0;
         }
-        let before = self.kept_bytes;
-        self.release_kept();
-        before - self.kept_bytes
+        self.trim_unmoved()
     }
 
     /// Whether released handles are kept now.

@@ -164,20 +164,19 @@ unsafe extern "C" fn range_handle_slot<const I: usize>(
     fl: u64,
 ) -> u32 {
     let f: FnRangeHandle = std::mem::transmute(RANGE_HANDLE.get(I));
-    let r = f(out, ptr, size, ty, fl);
-    range_made(r, ptr, size);
-    r
+    range_asked(ptr, size);
+    f(out, ptr, size, ty, fl)
 }
 
-/// A dma-buf of `[ptr, ptr+size)` was made (`r` 0): its memory never moves or pauses again.
-fn range_made(r: u32, ptr: u64, size: usize) {
-    if r == 0 {
-        around_real(
-            "cuMemGetHandleForAddressRange",
-            "its memory may still move or pause",
-            || mirror::range_exported(ptr, size as u64),
-        );
-    }
+/// A dma-buf of `[ptr, ptr+size)` is asked for: its memory never moves or pauses from now on,
+/// marked before the driver makes it (after, a pause or a move could come in between; marked
+/// for a call that then fails, it only stays put).
+fn range_asked(ptr: u64, size: usize) {
+    around_real(
+        "cuMemGetHandleForAddressRange",
+        "its memory may still move or pause",
+        || mirror::range_exported(ptr, size as u64),
+    );
 }
 
 /// The forwarders of one function's slots, in slot order.
@@ -240,9 +239,8 @@ pub unsafe extern "C" fn cuMemGetHandleForAddressRange(
     kind: u32,
     flags: u64,
 ) -> u32 {
-    let r = next_driver::cuMemGetHandleForAddressRange(handle, ptr, size, kind, flags);
-    range_made(r, ptr, size);
-    r
+    range_asked(ptr, size);
+    next_driver::cuMemGetHandleForAddressRange(handle, ptr, size, kind, flags)
 }
 
 #[cfg_attr(not(test), no_mangle)]

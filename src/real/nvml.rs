@@ -20,6 +20,8 @@ type Processes = unsafe extern "C" fn(*mut c_void, *mut c_uint, *mut ProcInfo) -
 struct Nvml {
     by_uuid: HandleByUuid,
     processes: Processes,
+    /// `nvmlDeviceGetGraphicsRunningProcesses_v3` (same form), where the library has it.
+    graphics: Option<Processes>,
 }
 
 /// `NVML_ERROR_INSUFFICIENT_SIZE`: the count asked for more room.
@@ -41,6 +43,7 @@ fn nvml() -> Option<&'static Nvml> {
         let init = sym(c"nvmlInit_v2")?;
         let by_uuid = sym(c"nvmlDeviceGetHandleByUUID")?;
         let processes = sym(c"nvmlDeviceGetComputeRunningProcesses_v3")?;
+        let graphics = sym(c"nvmlDeviceGetGraphicsRunningProcesses_v3");
         // SAFETY: the functions' C signatures, as NVML's header declares them.
         unsafe {
             let init: unsafe extern "C" fn() -> c_int = std::mem::transmute(init);
@@ -50,6 +53,7 @@ fn nvml() -> Option<&'static Nvml> {
             Some(Nvml {
                 by_uuid: std::mem::transmute::<*mut c_void, HandleByUuid>(by_uuid),
                 processes: std::mem::transmute::<*mut c_void, Processes>(processes),
+                graphics: graphics.map(|g| std::mem::transmute::<*mut c_void, Processes>(g)),
             })
         }
     })
@@ -79,26 +83,39 @@ pub fn gpu(uuid: &[u8; 16]) -> Option<Gpu> {
     (r == 0 && !h.is_null()).then_some(Gpu(h))
 }
 
-/// The pids of the processes with a compute context on `gpu` (as NVML sees them: in a
-/// container, possibly pids of another namespace), into `out`. Err: NVML's error code.
+/// The pids of the processes with a compute or graphics context on `gpu` (as NVML sees them:
+/// in a container, possibly pids of another namespace), into `out`. Err: NVML's error code.
 pub fn processes(gpu: Gpu, out: &mut Vec<u32>) -> Result<(), i32> {
     let n = nvml().ok_or(-1)?;
+    out.clear();
+    list(gpu, n.processes, out)?;
+    // Graphics contexts too where the library lists them (a GPU without graphics may
+    // refuse the question: nothing there).
+    if let Some(g) = n.graphics {
+        let _ = list(gpu, g, out);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(())
+}
+
+/// One of NVML's lists of processes on `gpu`, added to `out`.
+fn list(gpu: Gpu, f: Processes, out: &mut Vec<u32>) -> Result<(), i32> {
     let mut buf = [ProcInfo::default(); 64];
     let mut count = buf.len() as c_uint;
     // SAFETY: a handle NVML gave, a count and a buffer of that many entries.
-    let mut r = unsafe { (n.processes)(gpu.0, &mut count, buf.as_mut_ptr()) };
+    let mut r = unsafe { f(gpu.0, &mut count, buf.as_mut_ptr()) };
     let mut big: Vec<ProcInfo> = Vec::new();
     if r == INSUFFICIENT_SIZE {
         big = vec![ProcInfo::default(); count as usize + 16];
         count = big.len() as c_uint;
         // SAFETY: as above, with a buffer of `count` entries.
-        r = unsafe { (n.processes)(gpu.0, &mut count, big.as_mut_ptr()) };
+        r = unsafe { f(gpu.0, &mut count, big.as_mut_ptr()) };
     }
     if r != 0 {
         return Err(r);
     }
     let got: &[ProcInfo] = if big.is_empty() { &buf } else { &big };
-    out.clear();
     out.extend(got.iter().take(count as usize).map(|p| p.pid));
     Ok(())
 }

@@ -10,7 +10,7 @@ use super::sharing;
 use crate::api::state::{bypass, lock, STATE_STARTED};
 use std::sync::atomic::Ordering;
 
-/// The driver made a dma-buf of `[ptr, ptr+size)`.
+/// A dma-buf of `[ptr, ptr+size)` is asked for (before the driver's call).
 pub fn range_exported(ptr: u64, size: u64) {
     sharing::note_shared();
     if bypass() || size == 0 {

@@ -343,7 +343,7 @@ fn may_pause_whole(uid: u32, pid: u32, force: bool) -> Result<(), whole::Failure
 /// happens to that memory).
 fn beside_tms(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .is_ok_and(|m| m.contains("torch_memory_saver"))
+        .is_ok_and(|m| m.contains("torch_memory_saver_hook_mode_preload"))
 }
 
 /// Print a whole-process pause's line; what the caller does next.

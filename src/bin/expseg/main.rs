@@ -403,6 +403,14 @@ fn check_keep(r: &mut Report, t: &'static DriverTable, n: i32) {
         );
         return;
     }
+    if !c.sockets {
+        r.add(
+            "released memory (EXPSEG_KEEP)",
+            "auto, but EXPSEG_SOCKETS=0: nothing is kept (no other process could ask for it)",
+            Verdict::Warn,
+        );
+        return;
+    }
     if c.release_delay_ms > 0 {
         r.add(
             "released memory (EXPSEG_KEEP)",
