@@ -1200,7 +1200,7 @@ def run_all(args):
         if fill > 0:
             # --fill-expseg: the filler runs expseg too (every process on the GPU does: what
             # EXPSEG_KEEP=auto keeps released memory for); else it is a plain process.
-            fenv = dict(os.environ, LD_PRELOAD=args.lib) if args.fill_expseg else None
+            fenv = dict(os.environ, LD_PRELOAD=args.lib, EXPSEG_KEEP="auto") if args.fill_expseg else None
             fp = subprocess.Popen([sys.executable, __file__, "--fill", str(fill)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=fenv)
             fp.stdout.readline()
         # With --rounds N the modes run N times, interleaved (mode order rotated each round),
@@ -1633,7 +1633,7 @@ def main():
                     " handoff: rounds per pair, default 20)")
     ap.add_argument("--handoff-rounds", type=int, help="handoff: rounds per pair (default: --rounds, else 20)")
     ap.add_argument("--handoff-modes", nargs="*", default=HANDOFF_MODES, help="handoff: trainer modes")
-    ap.add_argument("--fill-expseg", action="store_true", help="the process that holds all but the budget runs expseg too (every process on the GPU runs expseg)")
+    ap.add_argument("--fill-expseg", action="store_true", help="the process that holds all but the budget runs expseg too, with EXPSEG_KEEP=auto (every process on the GPU runs expseg and keeps)")
     ap.add_argument("--handoff-trainer", action="store_true")
     ap.add_argument("--handoff-consumer", action="store_true")
     ap.add_argument("--worker")

@@ -1,5 +1,5 @@
 """A plain process arriving on the GPU while an expseg process keeps what it released
-(EXPSEG_KEEP=auto, issue 65) gets its memory: a trainer under expseg fills 80 % of the free
+(EXPSEG_KEEP=auto, opt-in) gets its memory: a trainer under expseg fills 80 % of the free
 memory, frees it and calls empty_cache() (alone on the GPU, it keeps the handles), then a plain
 process that has imported torch creates its context at a random moment 0-2 s later (0 included)
 and asks at once for 70 % of what was free at the start. ROUNDS rounds; PASS/FAIL lines.
@@ -56,7 +56,7 @@ def main():
     free = int(probe.stdout.split()[-1])
     plain = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF"))}
     plain.pop("LD_PRELOAD", None)
-    tenv = dict(plain, LD_PRELOAD=lib, EXPSEG_LOG="info")
+    tenv = dict(plain, LD_PRELOAD=lib, EXPSEG_LOG="info", EXPSEG_KEEP="auto")
     t = subprocess.Popen([sys.executable, __file__, "--trainer", str(int(0.8 * free / GIB))], env=tenv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rng = random.Random(int(os.environ.get("SEED", "1")))
     ok = 0
