@@ -121,3 +121,41 @@ fn the_history_check_sees_what_it_must() {
     assert!(history(" the decade sets a facade").is_none());
     assert_eq!(comment_of(r#"let s = "a // b"; // c"#), Some(" c"));
 }
+
+/// Every source file (tests aside: `tests.rs`, `*_tests.rs`, files under a `tests/` folder,
+/// which the map names by folder) has its line in design.md's file map, and every file the map
+/// names exists.
+#[test]
+fn the_design_maps_every_source_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let design = std::fs::read_to_string(root.join("docs/design.md")).unwrap();
+    let mut files = Vec::new();
+    fn rs(dir: &Path, base: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rs(&p, base, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p.strip_prefix(base).unwrap().to_string_lossy().into_owned());
+            }
+        }
+    }
+    let src = root.join("src");
+    rs(&src, &src, &mut files);
+    let missing: Vec<&String> = files
+        .iter()
+        .filter(|f| !(f.ends_with("tests.rs") || f.contains("/tests/")))
+        .filter(|f| !design.contains(&format!("      {f} — ")))
+        .collect();
+    assert!(missing.is_empty(), "design.md's file map lacks {missing:?}");
+    let named: Vec<&str> = design
+        .lines()
+        .filter_map(|l| l.strip_prefix("      ")?.split_once(" — ").map(|(f, _)| f))
+        .filter(|f| f.ends_with(".rs"))
+        .collect();
+    let gone: Vec<&&str> = named.iter().filter(|f| !src.join(f).exists()).collect();
+    assert!(
+        gone.is_empty(),
+        "design.md's file map names files that are gone: {gone:?}"
+    );
+}
