@@ -9,7 +9,7 @@
 //!
 //! This module also applies PyTorch's allocator default at load time (`expandable_segments:True`
 //! when the user set no allocator options), so `LD_PRELOAD=libexpseg.so` alone is enough.
-#![allow(non_snake_case, clippy::missing_safety_doc)]
+#![allow(non_snake_case)]
 
 use crate::api::vmm;
 use crate::config::Coalesce;
@@ -92,6 +92,9 @@ macro_rules! real_or {
     };
 }
 
+/// # Safety
+/// As CUDA's `cuMemCreate`: `h`, `prop` must be valid for what that call reads and writes
+/// through them (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemCreate(
     h: *mut u64,
     size: size_t,
@@ -123,6 +126,9 @@ pub unsafe extern "C" fn cuMemCreate(
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemRelease`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let f = real_or!(cuMemRelease);
     // Descriptors exported for this page are no longer served (PyTorch closes them with it).
@@ -134,6 +140,8 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemMap`: called with the arguments CUDA documents for it (no pointer is read).
 pub unsafe extern "C" fn cuMemMap(
     va: u64,
     size: size_t,
@@ -152,6 +160,9 @@ pub unsafe extern "C" fn cuMemMap(
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemUnmap`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
@@ -161,6 +172,9 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemSetAccess`: `desc` must be valid for what that call reads and writes through
+/// it (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemSetAccess(
     va: u64,
     size: size_t,
@@ -183,6 +197,9 @@ pub unsafe extern "C" fn cuMemSetAccess(
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemExportToShareableHandle`: `out` must be valid for what that call reads and
+/// writes through it (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemExportToShareableHandle(
     out: *mut c_void,
     h: u64,
@@ -236,6 +253,10 @@ fn pin_pages(name: &str, va: u64) -> Result<(), u32> {
 
 /// `cuMulticastBindMem`: PyTorch's symmetric memory binds its pages to a multicast object by
 /// handle; the driver knows only the real one.
+///
+/// # Safety
+/// As CUDA's `cuMulticastBindMem`: called with the arguments CUDA documents for it (no pointer
+/// is read).
 pub unsafe extern "C" fn cuMulticastBindMem(
     mc: u64,
     mc_offset: size_t,
@@ -254,6 +275,10 @@ pub unsafe extern "C" fn cuMulticastBindMem(
 }
 
 /// `cuMulticastBindAddr`: the driver binds what is mapped at `va`; those pages must stay.
+///
+/// # Safety
+/// As CUDA's `cuMulticastBindAddr`: called with the arguments CUDA documents for it (no pointer
+/// is read).
 pub unsafe extern "C" fn cuMulticastBindAddr(
     mc: u64,
     mc_offset: size_t,
@@ -270,6 +295,9 @@ pub unsafe extern "C" fn cuMulticastBindAddr(
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemRetainAllocationHandle`: `h`, `addr` must be valid for what that call reads
+/// and writes through them (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
     let Some(f) = real::driver()
         .ok()
@@ -291,6 +319,9 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
     f(h, addr)
 }
 
+/// # Safety
+/// As CUDA's `cuMemGetAllocationPropertiesFromHandle`: `prop` must be valid for what that call
+/// reads and writes through it (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_void, h: u64) -> u32 {
     let Some(f) = real::driver()
         .ok()
@@ -324,6 +355,9 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
     f(prop, h)
 }
 
+/// # Safety
+/// As CUDA's `cuMemAddressReserve`: `ptr` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemAddressReserve(
     ptr: *mut u64,
     size: size_t,
@@ -340,6 +374,9 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     r
 }
 
+/// # Safety
+/// As CUDA's `cuMemAddressFree`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemAddressFree);
     match catch_unwind(|| vmm::address_free(va, size as u64)) {

@@ -4,7 +4,7 @@
 //! call the real runtime with the program's own arguments.
 //!
 //! `#[cfg_attr(not(test), no_mangle)]` keeps `cargo test` from hooking its own test binary.
-#![allow(non_snake_case, clippy::missing_safety_doc)]
+#![allow(non_snake_case)]
 
 mod guard;
 mod order;
@@ -22,6 +22,9 @@ const INVALID_VALUE: c_int = 1;
 /// `CUDA_ERROR_NOT_INITIALIZED`: no driver to ask.
 const NO_DRIVER: u32 = 3;
 
+/// # Safety
+/// As CUDA's `cudaMalloc`: `dev_ptr` must be valid for what that call reads and writes through
+/// it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> c_int {
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
@@ -48,6 +51,10 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> 
 
 /// `cuMemUnmap` of programs that link the driver: waits while an IPC mirror refresh is
 /// reading the range (`api::reads`), then the driver's own.
+///
+/// # Safety
+/// As CUDA's `cuMemUnmap`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let Ok(t) = crate::real::driver() else {
@@ -60,6 +67,10 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
 /// asked again after memory held for reuse (here, or in other expseg processes) went back if
 /// it found no memory. (PyTorch's pages get
 /// `crate::vmm_hooks::cuMemCreate` through the entry point API instead.)
+///
+/// # Safety
+/// As CUDA's `cuMemCreate`: `h`, `prop` must be valid for what that call reads and writes
+/// through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemCreate(
     h: *mut u64,
@@ -84,6 +95,9 @@ pub unsafe extern "C" fn cuMemCreate(
     r
 }
 
+/// # Safety
+/// As CUDA's `cudaFree`: `dev_ptr` must be valid for what that call reads and writes through it
+/// (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter() else {
@@ -98,6 +112,10 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 /// `cudaDeviceReset`: the pool's allocations of the device go first, as the reset destroys
 /// the runtime's (`api::cudaDeviceReset`), then the real reset, then the context's id is
 /// forgotten again (`api::reset_done`).
+///
+/// # Safety
+/// As CUDA's `cudaDeviceReset`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
     let dev = around_real("cudaDeviceReset", "resetting anyway", api::cudaDeviceReset);
@@ -118,6 +136,10 @@ pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
 /// the handle behind that page get handles of their own that never move first (as for an IPC
 /// handle of such memory), then the driver retains the page's. A split that fails (out of
 /// memory): its code, no handle.
+///
+/// # Safety
+/// As CUDA's `cuMemRetainAllocationHandle`: `h`, `addr` must be valid for what that call reads
+/// and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> u32 {
     let Some(f) = crate::real::driver()
@@ -138,6 +160,10 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
 /// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API (a
 /// shared runtime's reset is served by `cudaDeviceReset`; a static runtime's reaches neither,
 /// measured, and is seen afterwards by the primary context's new id: `api::notice_reset`).
+///
+/// # Safety
+/// As CUDA's `cuDevicePrimaryCtxReset_v2`: called with the arguments CUDA documents for it (no
+/// pointer is read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
     around_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {
@@ -150,6 +176,9 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
     r
 }
 
+/// # Safety
+/// As CUDA's `cudaIpcGetMemHandle`: `handle`, `dev_ptr` must be valid for what that call reads
+/// and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void) -> c_int {
     api::sharing::note_shared();
@@ -187,6 +216,9 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut 
     })
 }
 
+/// # Safety
+/// As CUDA's `cudaIpcOpenMemHandle`: `dev_ptr` must be valid for what that call reads and
+/// writes through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcOpenMemHandle(
     dev_ptr: *mut *mut c_void,
@@ -209,6 +241,9 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
     })
 }
 
+/// # Safety
+/// As CUDA's `cudaIpcCloseMemHandle`: `dev_ptr` must be valid for what that call reads and
+/// writes through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter() else {
@@ -223,6 +258,9 @@ pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
     )
 }
 
+/// # Safety
+/// As CUDA's `cudaMemGetInfo`: `free`, `total` must be valid for what that call reads and
+/// writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -> c_int {
     // The guard is held across the real call too: the runtime's own `cuMemGetInfo` must not
@@ -262,6 +300,9 @@ unsafe fn mem_get_info(
     })
 }
 
+/// # Safety
+/// As CUDA's `cudaDeviceEnablePeerAccess`: called with the arguments CUDA documents for it (no
+/// pointer is read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) -> c_int {
     let Some(_g) = Guard::enter() else {
@@ -272,6 +313,9 @@ pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) 
     })
 }
 
+/// # Safety
+/// As CUDA's `cudaDeviceDisablePeerAccess`: called with the arguments CUDA documents for it (no
+/// pointer is read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> c_int {
     let Some(_g) = Guard::enter() else {
@@ -293,6 +337,9 @@ fn driver_boundary(name: &str, f: impl FnOnce() -> u32) -> u32 {
     boundary(name, || f() as c_int) as u32
 }
 
+/// # Safety
+/// As CUDA's `cuMemAlloc_v2`: `dptr` must be valid for what that call reads and writes through
+/// it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
     let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
@@ -314,6 +361,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
     })
 }
 
+/// # Safety
+/// As CUDA's `cuMemFree_v2`: called with the arguments CUDA documents for it (no pointer is
+/// read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> u32 {
     let Some(_g) = Guard::enter() else {
@@ -325,6 +375,9 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> u32 {
     })
 }
 
+/// # Safety
+/// As CUDA's `cuMemGetInfo_v2`: `free`, `total` must be valid for what that call reads and
+/// writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) -> u32 {
     let Some(_g) = Guard::enter() else {
@@ -340,6 +393,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) 
     ) as u32
 }
 
+/// # Safety
+/// As CUDA's `cuMemAllocPitch_v2`: `dptr`, `pitch` must be valid for what that call reads and
+/// writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAllocPitch_v2(
     dptr: *mut u64,
@@ -385,6 +441,9 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 // `EXPSEG_DRIVER_API` says: a pool pointer reaches the driver's IPC from a static runtime
 // even when the pool was filled by the shared runtime's `cudaMalloc` (NCCL does that).
 
+/// # Safety
+/// As CUDA's `cuIpcGetMemHandle`: `handle` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: u64) -> u32 {
     api::sharing::note_shared();
@@ -405,6 +464,9 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: u64) -> u3
     })
 }
 
+/// # Safety
+/// As CUDA's `cuIpcOpenMemHandle_v2`: `dptr` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
     dptr: *mut u64,
@@ -428,6 +490,9 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
     )
 }
 
+/// # Safety
+/// As CUDA's `cuIpcCloseMemHandle`: called with the arguments CUDA documents for it (no pointer
+/// is read).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
     let Some(_g) = Guard::enter() else {
@@ -441,6 +506,9 @@ pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
     })
 }
 
+/// # Safety
+/// As CUDA's `cuCtxEnablePeerAccess`: `peer` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint) -> u32 {
     let e = next_driver::cuCtxEnablePeerAccess(peer, flags);
@@ -453,6 +521,9 @@ pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint)
     })
 }
 
+/// # Safety
+/// As CUDA's `cuCtxDisablePeerAccess`: `peer` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDisablePeerAccess(peer: *mut c_void) -> u32 {
     let e = next_driver::cuCtxDisablePeerAccess(peer);
@@ -584,6 +655,10 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
 }
 
 /// `cuGetProcAddress` (before CUDA 12: no status argument).
+///
+/// # Safety
+/// As CUDA's `cuGetProcAddress`: `symbol`, `pfn` must be valid for what that call reads and
+/// writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuGetProcAddress(
     symbol: *const c_char,
@@ -600,6 +675,9 @@ pub unsafe extern "C" fn cuGetProcAddress(
     r
 }
 
+/// # Safety
+/// As CUDA's `cuGetProcAddress_v2`: `symbol`, `pfn`, `status` must be valid for what that call
+/// reads and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuGetProcAddress_v2(
     symbol: *const c_char,
@@ -617,6 +695,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     r
 }
 
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPoint`: `symbol`, `pfn`, `status` must be valid for what that
+/// call reads and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     symbol: *const c_char,
@@ -633,6 +714,9 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     r
 }
 
+/// # Safety
+/// As CUDA's `cudaGetDriverEntryPointByVersion`: `symbol`, `pfn`, `status` must be valid for
+/// what that call reads and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     symbol: *const c_char,

@@ -78,6 +78,9 @@ unsafe fn legacy_ipc_capable(data: *mut c_void, ptr: u64) {
     }
 }
 
+/// # Safety
+/// As CUDA's `cuMemGetAddressRange_v2`: `base`, `size` must be valid for what that call reads
+/// and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     base: *mut u64,
@@ -122,6 +125,9 @@ unsafe fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
     (start == 0 && size == 0 && (rb, rs) != mapping && inside).then_some(mapping)
 }
 
+/// # Safety
+/// As CUDA's `cuPointerGetAttribute`: `data` must be valid for what that call reads and writes
+/// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, ptr: u64) -> u32 {
     if matches!(attr, RANGE_START_ADDR | RANGE_SIZE | MEMORY_TYPE) && !data.is_null() {
@@ -146,6 +152,10 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
 /// `cuPointerGetAttributes` (plural; the runtime's `cudaPointerGetAttributes` asks it): the
 /// driver's answers, with the two range attributes describing the allocation, as the singular
 /// call answers them.
+///
+/// # Safety
+/// As CUDA's `cuPointerGetAttributes`: `attrs`, `data` must be valid for what that call reads
+/// and writes through them (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuPointerGetAttributes(
     count: c_uint,
