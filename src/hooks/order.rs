@@ -13,6 +13,8 @@
 //! (`_ptsz`, another version), so it is kept in a slot of its own and handed out as that
 //! slot's forwarder; a function met when every slot is taken is handed out unchanged.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 use super::guard::around_real;
 use crate::api as mirror;
 use crate::real::next_driver;
@@ -93,41 +95,59 @@ fn shared_event(name: &str, r: u32, event: usize) {
 }
 
 unsafe extern "C" fn ctx_sync_slot<const I: usize>() -> u32 {
-    let f: Fn0 = std::mem::transmute(CTX_SYNC.get(I));
-    let r = f();
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: Fn0 = unsafe { std::mem::transmute(CTX_SYNC.get(I)) };
+    // SAFETY: the program's own arguments, passed on unchanged.
+    let r = unsafe { f() };
     synchronized("cuCtxSynchronize", r);
     r
 }
 
 unsafe extern "C" fn stream_sync_slot<const I: usize>(s: usize) -> u32 {
-    let f: Fn1 = std::mem::transmute(STREAM_SYNC.get(I));
-    let r = f(s);
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: Fn1 = unsafe { std::mem::transmute(STREAM_SYNC.get(I)) };
+    // SAFETY: the program's own arguments, passed on unchanged.
+    let r = unsafe { f(s) };
     synchronized("cuStreamSynchronize", r);
     r
 }
 
 unsafe extern "C" fn event_sync_slot<const I: usize>(e: usize) -> u32 {
-    let f: Fn1 = std::mem::transmute(EVENT_SYNC.get(I));
-    let r = f(e);
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: Fn1 = unsafe { std::mem::transmute(EVENT_SYNC.get(I)) };
+    // SAFETY: the program's own arguments, passed on unchanged.
+    let r = unsafe { f(e) };
     synchronized("cuEventSynchronize", r);
     r
 }
 
 unsafe extern "C" fn record_slot<const I: usize>(e: usize, s: usize) -> u32 {
-    let f: Fn2 = std::mem::transmute(RECORD.get(I));
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: Fn2 = unsafe { std::mem::transmute(RECORD.get(I)) };
     recording("cuEventRecord", e, s);
-    f(e, s)
+    // SAFETY: the program's own arguments, passed on unchanged.
+    unsafe { f(e, s) }
 }
 
 unsafe extern "C" fn record_flags_slot<const I: usize>(e: usize, s: usize, flags: u32) -> u32 {
-    let f: Fn3 = std::mem::transmute(RECORD_FLAGS.get(I));
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: Fn3 = unsafe { std::mem::transmute(RECORD_FLAGS.get(I)) };
     recording("cuEventRecordWithFlags", e, s);
-    f(e, s, flags)
+    // SAFETY: the program's own arguments, passed on unchanged.
+    unsafe { f(e, s, flags) }
 }
 
 unsafe extern "C" fn ipc_event_slot<const I: usize>(h: *mut c_void, e: usize) -> u32 {
-    let f: FnIpc = std::mem::transmute(IPC_EVENT.get(I));
-    let r = f(h, e);
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: FnIpc = unsafe { std::mem::transmute(IPC_EVENT.get(I)) };
+    // SAFETY: the program's own arguments, passed on unchanged.
+    let r = unsafe { f(h, e) };
     shared_event("cuIpcGetEventHandle", r, e);
     r
 }
@@ -135,9 +155,12 @@ unsafe extern "C" fn ipc_event_slot<const I: usize>(h: *mut c_void, e: usize) ->
 /// A descriptor import (`cuMemImportFromShareableHandle`, as NCCL's peers map each other's
 /// buffers): this process maps another's memory (`api::sharing`), then the driver's call.
 unsafe extern "C" fn import_slot<const I: usize>(h: *mut u64, os: *mut c_void, ty: u32) -> u32 {
-    let f: FnImport = std::mem::transmute(IMPORT.get(I));
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: FnImport = unsafe { std::mem::transmute(IMPORT.get(I)) };
     mirror::sharing::note_imported();
-    f(h, os, ty)
+    // SAFETY: the program's own arguments, passed on unchanged.
+    unsafe { f(h, os, ty) }
 }
 
 /// A descriptor export by a caller other than PyTorch's allocator (whose export is
@@ -148,9 +171,12 @@ unsafe extern "C" fn export_slot<const I: usize>(
     ty: u32,
     fl: u64,
 ) -> u32 {
-    let f: FnExport = std::mem::transmute(EXPORT.get(I));
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: FnExport = unsafe { std::mem::transmute(EXPORT.get(I)) };
     mirror::sharing::note_shared();
-    f(out, h, ty, fl)
+    // SAFETY: the program's own arguments, passed on unchanged.
+    unsafe { f(out, h, ty, fl) }
 }
 
 /// A dma-buf of a range (`cuMemGetHandleForAddressRange`, NCCL's network plugins' RDMA
@@ -163,9 +189,12 @@ unsafe extern "C" fn range_handle_slot<const I: usize>(
     ty: u32,
     fl: u64,
 ) -> u32 {
-    let f: FnRangeHandle = std::mem::transmute(RANGE_HANDLE.get(I));
+    // SAFETY: the slot holds the driver function of this signature that the lookup handed
+    // out this forwarder for (`Slots::claim`).
+    let f: FnRangeHandle = unsafe { std::mem::transmute(RANGE_HANDLE.get(I)) };
     range_asked(ptr, size);
-    f(out, ptr, size, ty, fl)
+    // SAFETY: the program's own arguments, passed on unchanged.
+    unsafe { f(out, ptr, size, ty, fl) }
 }
 
 /// A dma-buf of `[ptr, ptr+size)` is asked for: its memory never moves or pauses from now on,
@@ -240,33 +269,38 @@ pub unsafe extern "C" fn cuMemGetHandleForAddressRange(
     flags: u64,
 ) -> u32 {
     range_asked(ptr, size);
-    next_driver::cuMemGetHandleForAddressRange(handle, ptr, size, kind, flags)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { next_driver::cuMemGetHandleForAddressRange(handle, ptr, size, kind, flags) }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxSynchronize() -> u32 {
-    let r = next_driver::cuCtxSynchronize();
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { next_driver::cuCtxSynchronize() };
     synchronized("cuCtxSynchronize", r);
     r
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuStreamSynchronize(s: usize) -> u32 {
-    let r = next_driver::cuStreamSynchronize(s);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { next_driver::cuStreamSynchronize(s) };
     synchronized("cuStreamSynchronize", r);
     r
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuStreamSynchronize_ptsz(s: usize) -> u32 {
-    let r = next_driver::cuStreamSynchronize_ptsz(s);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { next_driver::cuStreamSynchronize_ptsz(s) };
     synchronized("cuStreamSynchronize_ptsz", r);
     r
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuEventSynchronize(e: usize) -> u32 {
-    let r = next_driver::cuEventSynchronize(e);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { next_driver::cuEventSynchronize(e) };
     synchronized("cuEventSynchronize", r);
     r
 }
@@ -274,30 +308,35 @@ pub unsafe extern "C" fn cuEventSynchronize(e: usize) -> u32 {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuEventRecord(e: usize, s: usize) -> u32 {
     recording("cuEventRecord", e, s);
-    next_driver::cuEventRecord(e, s)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { next_driver::cuEventRecord(e, s) }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuEventRecord_ptsz(e: usize, s: usize) -> u32 {
     recording("cuEventRecord_ptsz", e, s);
-    next_driver::cuEventRecord_ptsz(e, s)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { next_driver::cuEventRecord_ptsz(e, s) }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuEventRecordWithFlags(e: usize, s: usize, flags: u32) -> u32 {
     recording("cuEventRecordWithFlags", e, s);
-    next_driver::cuEventRecordWithFlags(e, s, flags)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { next_driver::cuEventRecordWithFlags(e, s, flags) }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuEventRecordWithFlags_ptsz(e: usize, s: usize, flags: u32) -> u32 {
     recording("cuEventRecordWithFlags_ptsz", e, s);
-    next_driver::cuEventRecordWithFlags_ptsz(e, s, flags)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { next_driver::cuEventRecordWithFlags_ptsz(e, s, flags) }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcGetEventHandle(h: *mut c_void, e: usize) -> u32 {
-    let r = next_driver::cuIpcGetEventHandle(h, e);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { next_driver::cuIpcGetEventHandle(h, e) };
     shared_event("cuIpcGetEventHandle", r, e);
     r
 }

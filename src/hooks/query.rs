@@ -6,6 +6,8 @@
 //! mappings) name the mapping, not its reservation (`Range::Page`); anything else is the
 //! driver's own answer.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 use super::guard::Guard;
 use crate::api;
 use crate::real::next_driver;
@@ -74,7 +76,9 @@ unsafe fn legacy_ipc_capable(data: *mut c_void, ptr: u64) {
             .flatten()
     });
     if pooled.is_some() {
-        *(data as *mut u8) = 1;
+        // SAFETY: the caller's answer for this attribute (not null: checked above), at least a
+        // byte.
+        unsafe { *(data as *mut u8) = 1 };
     }
 }
 
@@ -92,13 +96,15 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
         // Natively: nothing mapped, 0 and 0 written.
         Some(Range::Hidden) => (NOT_FOUND, (0, 0)),
         // The driver's own, found by name: it answers even where the VMM table cannot load.
-        None => return next_driver::cuMemGetAddressRange_v2(base, size, ptr),
+        // SAFETY: the driver's own function, with the program's own arguments.
+        None => return unsafe { next_driver::cuMemGetAddressRange_v2(base, size, ptr) },
     };
+    // SAFETY (both writes): the caller's out-pointers, each written only where not null.
     if !base.is_null() {
-        *base = b;
+        unsafe { *base = b };
     }
     if !size.is_null() {
-        *size = s as size_t;
+        unsafe { *size = s as size_t };
     }
     answer
 }
@@ -107,19 +113,23 @@ pub unsafe extern "C" fn cuMemGetAddressRange_v2(
 /// coalescing off): the mapping containing `ptr`, where the driver's range attributes name a
 /// larger reservation around it. expseg's IPC handle of such memory starts at that mapping
 /// (`crate::gpu::cuda::run_from`), so the attributes name it too, as for a coalesced page.
-unsafe fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
+fn foreign_mapping(ptr: u64) -> Option<(u64, u64)> {
     let _g = Guard::enter()?;
     if catch_unwind(|| api::config().disabled || api::forked()).unwrap_or(true) {
         return None;
     }
     let (mut b, mut s) = (0u64, 0 as size_t);
-    if next_driver::cuMemGetAddressRange_v2(&mut b, &mut s, ptr) != 0 || s == 0 {
+    // SAFETY (the three driver calls): out-pointers to locals of the types the calls write.
+    if unsafe { next_driver::cuMemGetAddressRange_v2(&mut b, &mut s, ptr) } != 0 || s == 0 {
         return None;
     }
     let (mut rb, mut rs) = (0u64, 0u64);
-    let start =
-        next_driver::cuPointerGetAttribute((&mut rb as *mut u64).cast(), RANGE_START_ADDR, ptr);
-    let size = next_driver::cuPointerGetAttribute((&mut rs as *mut u64).cast(), RANGE_SIZE, ptr);
+    let start = unsafe {
+        next_driver::cuPointerGetAttribute((&mut rb as *mut u64).cast(), RANGE_START_ADDR, ptr)
+    };
+    let size = unsafe {
+        next_driver::cuPointerGetAttribute((&mut rs as *mut u64).cast(), RANGE_SIZE, ptr)
+    };
     let mapping = (b, s as u64);
     let inside = rb <= b && b.saturating_add(s as u64) <= rb.saturating_add(rs);
     (start == 0 && size == 0 && (rb, rs) != mapping && inside).then_some(mapping)
@@ -138,13 +148,16 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attr: c_int, p
             None => None,
         };
         if let Some((b, s)) = range.filter(|_| attr != MEMORY_TYPE) {
-            *(data as *mut u64) = if attr == RANGE_START_ADDR { b } else { s };
+            // SAFETY: the caller's answer for a range attribute, 64 bits (not null: checked).
+            unsafe { *(data as *mut u64) = if attr == RANGE_START_ADDR { b } else { s } };
             return 0;
         }
     }
-    let e = next_driver::cuPointerGetAttribute(data, attr, ptr);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let e = unsafe { next_driver::cuPointerGetAttribute(data, attr, ptr) };
     if e == 0 && attr == LEGACY_IPC {
-        legacy_ipc_capable(data, ptr);
+        // SAFETY: the caller's answer for that attribute, which the driver just wrote.
+        unsafe { legacy_ipc_capable(data, ptr) };
     }
     e
 }
@@ -163,12 +176,16 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
     data: *mut *mut c_void,
     ptr: u64,
 ) -> u32 {
-    let e = next_driver::cuPointerGetAttributes(count, attrs, data, ptr);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let e = unsafe { next_driver::cuPointerGetAttributes(count, attrs, data, ptr) };
     if e != 0 || attrs.is_null() || data.is_null() {
         return e;
     }
+    // SAFETY: `attrs` and `data` hold `count` entries each (the call's contract, which the
+    // driver's answer just relied on).
+    let attr_at = |i: usize| unsafe { *attrs.add(i) };
     let asks_range =
-        (0..count as usize).any(|i| matches!(*attrs.add(i), RANGE_START_ADDR | RANGE_SIZE));
+        (0..count as usize).any(|i| matches!(attr_at(i), RANGE_START_ADDR | RANGE_SIZE));
     let (range, hidden) = match ours(ptr) {
         Some(Range::Allocation(b, s)) | Some(Range::Page((b, s))) => (Some((b, s)), false),
         Some(Range::Hidden) => (None, true),
@@ -179,19 +196,22 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
         None => return e,
     };
     for i in 0..count as usize {
-        let slot = *data.add(i);
+        // SAFETY: as above, entry `i` of `data`.
+        let slot = unsafe { *data.add(i) };
         if slot.is_null() {
             continue;
         }
-        match (*attrs.add(i), range) {
-            (RANGE_START_ADDR, Some((b, _))) => *(slot as *mut u64) = b,
-            (RANGE_SIZE, Some((_, s))) => *(slot as *mut u64) = s,
-            (LEGACY_IPC, _) => legacy_ipc_capable(slot, ptr),
+        // SAFETY (each arm): `slot` is the caller's answer for attribute `i`, of that
+        // attribute's size (not null: checked).
+        match (attr_at(i), range) {
+            (RANGE_START_ADDR, Some((b, _))) => unsafe { *(slot as *mut u64) = b },
+            (RANGE_SIZE, Some((_, s))) => unsafe { *(slot as *mut u64) = s },
+            (LEGACY_IPC, _) => unsafe { legacy_ipc_capable(slot, ptr) },
             // Natively, at an address with nothing mapped (the range attributes still name
             // the reservation, as the driver's answer here does): measured.
-            (MEMORY_TYPE, _) if hidden => *(slot as *mut u32) = 0,
-            (DEVICE_ORDINAL, _) if hidden => *(slot as *mut i32) = -2,
-            (MAPPED, _) if hidden => *(slot as *mut u8) = 0,
+            (MEMORY_TYPE, _) if hidden => unsafe { *(slot as *mut u32) = 0 },
+            (DEVICE_ORDINAL, _) if hidden => unsafe { *(slot as *mut i32) = -2 },
+            (MAPPED, _) if hidden => unsafe { *(slot as *mut u8) = 0 },
             _ => {}
         }
     }
