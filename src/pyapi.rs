@@ -29,8 +29,10 @@ pub unsafe extern "C" fn expseg_stats_json(buf: *mut c_char, len: size_t) -> siz
     if !buf.is_null() && len > 0 {
         let n = json.len().min(len - 1);
         // SAFETY: `buf` is writable for `len` > n bytes; the source is `n` bytes of `json`.
-        std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
-        *buf.add(n) = 0;
+        unsafe {
+            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
     }
     json.len()
 }
@@ -57,7 +59,8 @@ unsafe fn tag_arg(tag: *const c_char) -> Result<Option<u32>, ()> {
     if tag.is_null() {
         return Ok(None);
     }
-    match std::ffi::CStr::from_ptr(tag).to_str() {
+    // SAFETY: not null, and NUL-terminated (this function's contract).
+    match unsafe { std::ffi::CStr::from_ptr(tag) }.to_str() {
         Ok(s) if !s.is_empty() => Ok(Some(api::sleep::tag_of(s))),
         _ => Err(()),
     }
@@ -82,11 +85,12 @@ unsafe fn outcome(
         Ok(Err(f)) => (f.done, f.code as c_int),
         Err(_) => return UNKNOWN,
     };
+    // SAFETY (both writes): writable where not null (this function's contract).
     if !bytes.is_null() {
-        *bytes = o.bytes;
+        unsafe { *bytes = o.bytes };
     }
     if !seconds.is_null() {
-        *seconds = o.seconds;
+        unsafe { *seconds = o.seconds };
     }
     code
 }
@@ -107,14 +111,13 @@ pub unsafe extern "C" fn expseg_pause(
     bytes: *mut u64,
     seconds: *mut f64,
 ) -> c_int {
-    let Ok(tag) = tag_arg(tag) else {
+    // SAFETY: `tag` is null or NUL-terminated (this function's contract).
+    let Ok(tag) = (unsafe { tag_arg(tag) }) else {
         return INVALID_VALUE;
     };
-    outcome(
-        catch_unwind(|| api::sleep::pause(tag, discard != 0, true)),
-        bytes,
-        seconds,
-    )
+    let r = catch_unwind(|| api::sleep::pause(tag, discard != 0, true));
+    // SAFETY: `bytes`, `seconds` null or writable (this function's contract).
+    unsafe { outcome(r, bytes, seconds) }
 }
 
 /// `expseg.resume()`: make paused memory of tag `tag` (null: all) again at the same
@@ -129,10 +132,13 @@ pub unsafe extern "C" fn expseg_resume(
     bytes: *mut u64,
     seconds: *mut f64,
 ) -> c_int {
-    let Ok(tag) = tag_arg(tag) else {
+    // SAFETY: as in `expseg_pause`.
+    let Ok(tag) = (unsafe { tag_arg(tag) }) else {
         return INVALID_VALUE;
     };
-    outcome(catch_unwind(|| api::sleep::resume(tag)), bytes, seconds)
+    let r = catch_unwind(|| api::sleep::resume(tag));
+    // SAFETY: as in `expseg_pause`.
+    unsafe { outcome(r, bytes, seconds) }
 }
 
 /// Bytes paused now, every device.
@@ -148,7 +154,8 @@ pub extern "C" fn expseg_paused_bytes() -> u64 {
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn expseg_set_tag(tag: *const c_char) -> c_int {
-    match tag_arg(tag) {
+    // SAFETY: `tag` is null or NUL-terminated (this function's contract).
+    match unsafe { tag_arg(tag) } {
         Ok(t) => match catch_unwind(|| api::sleep::set_tag(t)) {
             Ok(_) => 0,
             Err(_) => UNKNOWN,

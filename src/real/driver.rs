@@ -23,14 +23,17 @@ macro_rules! driver_table {
             /// Resolve every symbol in `lib`; names the first required one that is missing.
             unsafe fn resolve(lib: *mut c_void) -> Result<DriverTable, &'static str> {
                 Ok(DriverTable {
-                    $( $r: {
+                    // SAFETY (each entry): the name is a constant with one NUL, at its end; `lib`
+                    // is the caller's handle; a symbol found is the driver's function of the
+                    // signature its table entry declares (CUDA's header).
+                    $( $r: unsafe {
                         let p = lookup::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($r), "\0").as_bytes()));
                         if p.is_null() {
                             return Err(stringify!($r));
                         }
                         std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rt),*) -> u32>(p)
                     }, )*
-                    $( $o: {
+                    $( $o: unsafe {
                         let p = lookup::real(lib, CStr::from_bytes_with_nul_unchecked(concat!(stringify!($o), "\0").as_bytes()));
                         (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ot),*) -> u32>(p))
                     }, )*

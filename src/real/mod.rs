@@ -134,10 +134,12 @@ macro_rules! forwarders {
                         },
                     );
                     match F.get() {
-                        Some(p) => {
+                        // SAFETY: the next object's function of this name, whose C signature
+                        // this forwarder declares; the caller's arguments, passed on.
+                        Some(p) => unsafe {
                             let f: unsafe extern "C" fn($($ty),*) -> $ret = std::mem::transmute(p);
                             f($($arg),*)
-                        }
+                        },
                         None => $none,
                     }
                 }
