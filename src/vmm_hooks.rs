@@ -102,11 +102,14 @@ pub unsafe extern "C" fn cuMemCreate(
     flags: u64,
 ) -> u32 {
     let f = real_or!(cuMemCreate);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let pass = || unsafe { f(h, size, prop.cast(), flags) };
     if h.is_null() || prop.is_null() {
-        return f(h, size, prop.cast(), flags);
+        return pass();
     }
-    let Some((dev, props)) = coalescable(&*(prop as *const RawProp), flags) else {
-        return f(h, size, prop.cast(), flags);
+    // SAFETY: CUDA's `CUmemAllocationProp`, which `RawProp` lays out (not null: checked).
+    let Some((dev, props)) = coalescable(unsafe { &*(prop as *const RawProp) }, flags) else {
+        return pass();
     };
     let r = catch_unwind(|| {
         if crate::api::config().test_panic("cuMemCreate") {
@@ -117,11 +120,12 @@ pub unsafe extern "C" fn cuMemCreate(
     });
     match r {
         Ok(Some(Ok(vh))) => {
-            *h = vh;
+            // SAFETY: the caller's out-pointer (not null: checked).
+            unsafe { *h = vh };
             0
         }
         Ok(Some(Err(e))) => e,
-        Ok(None) => f(h, size, prop.cast(), flags),
+        Ok(None) => pass(),
         Err(_) => unknown("cuMemCreate"),
     }
 }
@@ -135,7 +139,8 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
     match catch_unwind(|| vmm::release(h)) {
         Ok(Some(c)) => c,
-        Ok(None) => f(h),
+        // SAFETY: the driver's own function, with the program's own arguments.
+        Ok(None) => unsafe { f(h) },
         Err(_) => unknown("cuMemRelease"),
     }
 }
@@ -154,7 +159,8 @@ pub unsafe extern "C" fn cuMemMap(
         Ok(Some(c)) => c,
         Ok(None) => {
             let _ = catch_unwind(|| vmm::clear(va, size as u64));
-            f(va, size, offset, h, flags)
+            // SAFETY: the driver's own function, with the program's own arguments.
+            unsafe { f(va, size, offset, h, flags) }
         }
         Err(_) => unknown("cuMemMap"),
     }
@@ -167,7 +173,8 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => c,
-        Ok(None) => crate::api::unmap_unserved(va, size as u64, || f(va, size)),
+        // SAFETY: the driver's own function, with the program's own arguments.
+        Ok(None) => crate::api::unmap_unserved(va, size as u64, || unsafe { f(va, size) }),
         Err(_) => unknown("cuMemUnmap"),
     }
 }
@@ -182,17 +189,20 @@ pub unsafe extern "C" fn cuMemSetAccess(
     count: size_t,
 ) -> u32 {
     let f = real_or!(cuMemSetAccess);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let pass = || unsafe { f(va, size, desc.cast(), count) };
     if desc.is_null() || count == 0 {
-        return f(va, size, desc.cast(), count);
+        return pass();
     }
-    let raw = std::slice::from_raw_parts(desc as *const RawAccess, count);
+    // SAFETY: `count` of CUDA's `CUmemAccessDesc`, which `RawAccess` lays out (not null).
+    let raw = unsafe { std::slice::from_raw_parts(desc as *const RawAccess, count) };
     if raw.iter().any(|d| d.loc_type != LOCATION_DEVICE) {
-        return f(va, size, desc.cast(), count);
+        return pass();
     }
     let descs: Vec<(i32, u32)> = raw.iter().map(|d| (d.loc_id, d.flags)).collect();
     match catch_unwind(|| vmm::set_access(va, size as u64, &descs)) {
         Ok(Some(c)) => c,
-        Ok(None) => f(va, size, desc.cast(), count),
+        Ok(None) => pass(),
         Err(_) => unknown("cuMemSetAccess"),
     }
 }
@@ -213,17 +223,20 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     else {
         return NO_DRIVER;
     };
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let export = |h| unsafe { f(out, h, kind, flags) };
     let r = match catch_unwind(|| vmm::export(h)) {
-        Ok(Some(Ok(real_h))) => f(out, real_h, kind, flags),
+        Ok(Some(Ok(real_h))) => export(real_h),
         Ok(Some(Err(e))) => e,
-        Ok(None) => f(out, h, kind, flags),
+        Ok(None) => export(h),
         Err(_) => unknown("cuMemExportToShareableHandle"),
     };
     // A POSIX descriptor for another process: served over expseg's socket to consumers whose
     // pidfd_getfd the kernel denies (api::fdshare).
     const POSIX_FD: u32 = 1;
     if r == 0 && kind == POSIX_FD && !out.is_null() {
-        let fd = *(out as *const c_int);
+        // SAFETY: the driver wrote a descriptor there (POSIX type; not null: checked).
+        let fd = unsafe { *(out as *const c_int) };
         let _ = catch_unwind(|| crate::api::fdshare::exported(fd, h));
     }
     r
@@ -269,7 +282,8 @@ pub unsafe extern "C" fn cuMulticastBindMem(
         return NO_DRIVER;
     };
     match real_handle("cuMulticastBindMem", h) {
-        Ok((h, at)) => f(mc, mc_offset, h, offset + at as size_t, size, flags),
+        // SAFETY: the driver's own function, with the program's own arguments.
+        Ok((h, at)) => unsafe { f(mc, mc_offset, h, offset + at as size_t, size, flags) },
         Err(e) => e,
     }
 }
@@ -290,7 +304,8 @@ pub unsafe extern "C" fn cuMulticastBindAddr(
         return NO_DRIVER;
     };
     match pin_pages("cuMulticastBindAddr", va) {
-        Ok(()) => f(mc, mc_offset, va, size, flags),
+        // SAFETY: the driver's own function, with the program's own arguments.
+        Ok(()) => unsafe { f(mc, mc_offset, va, size, flags) },
         Err(e) => e,
     }
 }
@@ -308,7 +323,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
     if !h.is_null() {
         match catch_unwind(|| vmm::retain(addr as u64)) {
             Ok(Some(Ok(vh))) => {
-                *h = vh;
+                // SAFETY: the caller's out-pointer (not null: checked).
+                unsafe { *h = vh };
                 return 0;
             }
             Ok(Some(Err(e))) => return e,
@@ -316,7 +332,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
             Err(_) => caught("cuMemRetainAllocationHandle", "asking the driver"),
         }
     }
-    f(h, addr)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { f(h, addr) }
 }
 
 /// # Safety
@@ -338,21 +355,25 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
             None
         });
         if let Some((dev, p)) = props {
-            *(prop as *mut RawProp) = RawProp {
-                type_: PINNED,
-                handle_types: if p.shareable { POSIX_FD } else { 0 },
-                loc_type: LOCATION_DEVICE,
-                loc_id: dev,
-                win32: std::ptr::null_mut(),
-                compression: 0,
-                rdma: p.rdma as u8,
-                usage: 0,
-                reserved: [0; 4],
+            // SAFETY: the caller's `CUmemAllocationProp`, which `RawProp` lays out (not null).
+            unsafe {
+                *(prop as *mut RawProp) = RawProp {
+                    type_: PINNED,
+                    handle_types: if p.shareable { POSIX_FD } else { 0 },
+                    loc_type: LOCATION_DEVICE,
+                    loc_id: dev,
+                    win32: std::ptr::null_mut(),
+                    compression: 0,
+                    rdma: p.rdma as u8,
+                    usage: 0,
+                    reserved: [0; 4],
+                }
             };
             return 0;
         }
     }
-    f(prop, h)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { f(prop, h) }
 }
 
 /// # Safety
@@ -366,9 +387,11 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     flags: u64,
 ) -> u32 {
     let f = real_or!(cuMemAddressReserve);
-    let r = f(ptr, size, align, addr, flags);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { f(ptr, size, align, addr, flags) };
     if r == 0 && !ptr.is_null() {
-        let va = *ptr;
+        // SAFETY: the driver just wrote the reservation there (not null: checked).
+        let va = unsafe { *ptr };
         let _ = catch_unwind(|| vmm::reserved(va, size as u64));
     }
     r
@@ -379,12 +402,14 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 /// read).
 pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemAddressFree);
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let pass = || unsafe { f(va, size) };
     match catch_unwind(|| vmm::address_free(va, size as u64)) {
         Ok(Some(c)) => c,
-        Ok(None) => f(va, size),
+        Ok(None) => pass(),
         Err(_) => {
             caught("cuMemAddressFree", "passing it to the driver");
-            f(va, size)
+            pass()
         }
     }
 }
