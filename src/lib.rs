@@ -39,7 +39,7 @@
 //! (and, in test builds, `test_alloc`, the counting allocator).
 #![deny(unsafe_code)]
 // Each unsafe operation in an `unsafe fn` sits in a block of its own that says why it is
-// sound; hooks/mod.rs (below) is not there yet.
+// sound.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod api;
@@ -50,7 +50,6 @@ pub mod dlsym;
 pub mod elf;
 pub mod gpu;
 #[allow(unsafe_code)]
-#[allow(unsafe_op_in_unsafe_fn)]
 pub mod hooks;
 pub mod hostcopy;
 pub mod hostmem;

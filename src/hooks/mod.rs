@@ -4,6 +4,11 @@
 //! call the real runtime with the program's own arguments.
 //!
 //! `#[cfg_attr(not(test), no_mangle)]` keeps `cargo test` from hooking its own test binary.
+//!
+//! Every `unsafe { next::... }`, `unsafe { next_driver::... }` and `unsafe { (t.cu...)(...) }`
+//! block passes the program's own arguments on to the real function of the same C signature:
+//! the hook's caller vouches for them (each hook's `# Safety`). Writes through the caller's
+//! pointers say why in their own blocks.
 #![allow(non_snake_case)]
 
 mod guard;
@@ -28,21 +33,22 @@ const NO_DRIVER: u32 = 3;
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: size_t) -> c_int {
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
-        return next::cudaMalloc(dev_ptr, size);
+        return unsafe { next::cudaMalloc(dev_ptr, size) };
     };
     let once = || match api::cudaMalloc(size) {
         Answer::Done(Ok(p)) => {
-            *dev_ptr = p as *mut c_void;
+            // SAFETY: the caller's out-pointer (not null: checked).
+            unsafe { *dev_ptr = p as *mut c_void };
             0
         }
         Answer::Done(Err(e)) => e,
-        Answer::PassThrough => next::cudaMalloc(dev_ptr, size),
+        Answer::PassThrough => unsafe { next::cudaMalloc(dev_ptr, size) },
     };
     boundary("cudaMalloc", || match once() {
         // Memory held for reuse, here or in other expseg processes, must not cost this
         // allocation its memory.
         OUT_OF_MEMORY if api::make_room_runtime() => {
-            next::cudaGetLastError();
+            unsafe { next::cudaGetLastError() };
             once()
         }
         e => e,
@@ -60,7 +66,7 @@ pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let Ok(t) = crate::real::driver() else {
         return NO_DRIVER;
     };
-    api::unmap_unserved(va, size as u64, || (t.cuMemUnmap)(va, size))
+    api::unmap_unserved(va, size as u64, || unsafe { (t.cuMemUnmap)(va, size) })
 }
 
 /// `cuMemCreate` of programs that link the driver (vLLM's CuMemAllocator): the driver's own,
@@ -81,16 +87,18 @@ pub unsafe extern "C" fn cuMemCreate(
     let Ok(t) = crate::real::driver() else {
         return NO_DRIVER;
     };
-    let r = (t.cuMemCreate)(h, size, prop.cast(), flags);
+    let r = unsafe { (t.cuMemCreate)(h, size, prop.cast(), flags) };
     let on_device = || {
         let p = prop.cast::<cudarc::driver::sys::CUmemAllocationProp>();
         let device = cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        (!p.is_null() && (*p).location.type_ == device).then(|| (*p).location.id)
+        // SAFETY: the caller's `CUmemAllocationProp`, read only where not null.
+        (!p.is_null() && unsafe { (*p).location.type_ } == device)
+            .then(|| unsafe { (*p).location.id })
     };
     if r == OUT_OF_MEMORY as u32
         && catch_unwind(|| api::make_room_driver(on_device())).unwrap_or(false)
     {
-        return (t.cuMemCreate)(h, size, prop.cast(), flags);
+        return unsafe { (t.cuMemCreate)(h, size, prop.cast(), flags) };
     }
     r
 }
@@ -101,11 +109,11 @@ pub unsafe extern "C" fn cuMemCreate(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter() else {
-        return next::cudaFree(dev_ptr);
+        return unsafe { next::cudaFree(dev_ptr) };
     };
     boundary("cudaFree", || match api::cudaFree(dev_ptr as u64) {
         Answer::Done(e) => e,
-        Answer::PassThrough => next::cudaFree(dev_ptr),
+        Answer::PassThrough => unsafe { next::cudaFree(dev_ptr) },
     })
 }
 
@@ -119,7 +127,7 @@ pub unsafe extern "C" fn cudaFree(dev_ptr: *mut c_void) -> c_int {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceReset() -> c_int {
     let dev = around_real("cudaDeviceReset", "resetting anyway", api::cudaDeviceReset);
-    let r = next::cudaDeviceReset();
+    let r = unsafe { next::cudaDeviceReset() };
     if let Some(Some(dev)) = dev {
         around_real("cudaDeviceReset", "the reset is done", || {
             api::reset_done(dev)
@@ -154,7 +162,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
     if let Some(Err(e)) = split {
         return e;
     }
-    f(h, addr)
+    // SAFETY: the driver's own function, with the program's own arguments.
+    unsafe { f(h, addr) }
 }
 
 /// `cuDevicePrimaryCtxReset_v2`: as `cudaDeviceReset`, for programs of the driver API (a
@@ -169,7 +178,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
     around_real("cuDevicePrimaryCtxReset_v2", "resetting anyway", || {
         api::cuDevicePrimaryCtxReset(dev)
     });
-    let r = next_driver::cuDevicePrimaryCtxReset_v2(dev);
+    let r = unsafe { next_driver::cuDevicePrimaryCtxReset_v2(dev) };
     around_real("cuDevicePrimaryCtxReset_v2", "the reset is done", || {
         api::reset_done(dev)
     });
@@ -183,29 +192,35 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> u32 {
 pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut c_void, dev_ptr: *mut c_void) -> c_int {
     api::sharing::note_shared();
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
-        return next::cudaIpcGetMemHandle(handle, dev_ptr);
+        return unsafe { next::cudaIpcGetMemHandle(handle, dev_ptr) };
     };
     boundary("cudaIpcGetMemHandle", || {
         match api::cudaIpcGetMemHandle(dev_ptr as u64) {
             Answer::Done(Ok(bytes)) => {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len());
+                // SAFETY: the caller's 64-byte `cudaIpcMemHandle_t` (not null: checked).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len())
+                };
                 0
             }
             Answer::Done(Err(e)) => e,
             Answer::PassThrough => {
-                let e = next::cudaIpcGetMemHandle(handle, dev_ptr);
+                let e = unsafe { next::cudaIpcGetMemHandle(handle, dev_ptr) };
                 if e != INVALID_VALUE {
                     return e;
                 }
                 // VMM memory of another allocator: a mirror (see api::mirror_foreign).
                 match api::mirror_foreign(dev_ptr as u64) {
                     Some(Ok(bytes)) => {
-                        next::cudaGetLastError();
-                        std::ptr::copy_nonoverlapping(
-                            bytes.as_ptr(),
-                            handle as *mut u8,
-                            bytes.len(),
-                        );
+                        unsafe { next::cudaGetLastError() };
+                        // SAFETY: the caller's 64-byte handle (not null: checked).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                bytes.as_ptr(),
+                                handle as *mut u8,
+                                bytes.len(),
+                            )
+                        };
                         0
                     }
                     Some(Err(e)) => e,
@@ -227,16 +242,17 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
 ) -> c_int {
     api::sharing::note_imported();
     let Some(_g) = Guard::enter().filter(|_| !dev_ptr.is_null()) else {
-        return next::cudaIpcOpenMemHandle(dev_ptr, handle, flags);
+        return unsafe { next::cudaIpcOpenMemHandle(dev_ptr, handle, flags) };
     };
     boundary("cudaIpcOpenMemHandle", || {
         match api::cudaIpcOpenMemHandle(handle.reserved) {
             Answer::Done(Ok(p)) => {
-                *dev_ptr = p as *mut c_void;
+                // SAFETY: the caller's out-pointer (not null: checked).
+                unsafe { *dev_ptr = p as *mut c_void };
                 0
             }
             Answer::Done(Err(e)) => e,
-            Answer::PassThrough => next::cudaIpcOpenMemHandle(dev_ptr, handle, flags),
+            Answer::PassThrough => unsafe { next::cudaIpcOpenMemHandle(dev_ptr, handle, flags) },
         }
     })
 }
@@ -247,13 +263,13 @@ pub unsafe extern "C" fn cudaIpcOpenMemHandle(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaIpcCloseMemHandle(dev_ptr: *mut c_void) -> c_int {
     let Some(_g) = Guard::enter() else {
-        return next::cudaIpcCloseMemHandle(dev_ptr);
+        return unsafe { next::cudaIpcCloseMemHandle(dev_ptr) };
     };
     boundary(
         "cudaIpcCloseMemHandle",
         || match api::cudaIpcCloseMemHandle(dev_ptr as u64) {
             Answer::Done(e) => e,
-            Answer::PassThrough => next::cudaIpcCloseMemHandle(dev_ptr),
+            Answer::PassThrough => unsafe { next::cudaIpcCloseMemHandle(dev_ptr) },
         },
     )
 }
@@ -266,15 +282,18 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut size_t, total: *mut size_t) -
     // The guard is held across the real call too: the runtime's own `cuMemGetInfo` must not
     // add the cached bytes a second time (see `cuMemGetInfo_v2`).
     let Some(_g) = Guard::enter() else {
-        return next::cudaMemGetInfo(free, total);
+        return unsafe { next::cudaMemGetInfo(free, total) };
     };
-    mem_get_info(
-        "cudaMemGetInfo",
-        free,
-        total,
-        || next::cudaMemGetInfo(free, total),
-        api::cudaMemGetInfo,
-    )
+    // SAFETY: the caller's own pointers, checked there before they are written.
+    unsafe {
+        mem_get_info(
+            "cudaMemGetInfo",
+            free,
+            total,
+            || next::cudaMemGetInfo(free, total),
+            api::cudaMemGetInfo,
+        )
+    }
 }
 
 /// Free memory as the runtime (`cudaMemGetInfo`) or the driver (`cuMemGetInfo_v2`) tells it,
@@ -295,7 +314,8 @@ unsafe fn mem_get_info(
         return e;
     }
     boundary(name, || {
-        *free = (*free).saturating_add(cached() as size_t).min(*total);
+        // SAFETY: the caller's out-pointers (not null: checked), which the real call wrote.
+        unsafe { *free = (*free).saturating_add(cached() as size_t).min(*total) };
         e
     })
 }
@@ -306,7 +326,7 @@ unsafe fn mem_get_info(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) -> c_int {
     let Some(_g) = Guard::enter() else {
-        return next::cudaDeviceEnablePeerAccess(peer, flags);
+        return unsafe { next::cudaDeviceEnablePeerAccess(peer, flags) };
     };
     boundary("cudaDeviceEnablePeerAccess", || {
         api::cudaDeviceEnablePeerAccess(peer, flags)
@@ -319,7 +339,7 @@ pub unsafe extern "C" fn cudaDeviceEnablePeerAccess(peer: c_int, flags: c_uint) 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cudaDeviceDisablePeerAccess(peer: c_int) -> c_int {
     let Some(_g) = Guard::enter() else {
-        return next::cudaDeviceDisablePeerAccess(peer);
+        return unsafe { next::cudaDeviceDisablePeerAccess(peer) };
     };
     boundary("cudaDeviceDisablePeerAccess", || {
         api::cudaDeviceDisablePeerAccess(peer)
@@ -343,15 +363,16 @@ fn driver_boundary(name: &str, f: impl FnOnce() -> u32) -> u32 {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
     let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
-        return next_driver::cuMemAlloc_v2(dptr, size);
+        return unsafe { next_driver::cuMemAlloc_v2(dptr, size) };
     };
     let once = || match api::cuMemAlloc(size) {
         Answer::Done(Ok(p)) => {
-            *dptr = p;
+            // SAFETY: the caller's out-pointer (not null: checked).
+            unsafe { *dptr = p };
             0
         }
         Answer::Done(Err(e)) => e,
-        Answer::PassThrough => next_driver::cuMemAlloc_v2(dptr, size),
+        Answer::PassThrough => unsafe { next_driver::cuMemAlloc_v2(dptr, size) },
     };
     driver_boundary("cuMemAlloc_v2", || match once() {
         // Memory held for reuse, here or in other expseg processes, must not cost this
@@ -367,11 +388,11 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: size_t) -> u32 {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> u32 {
     let Some(_g) = Guard::enter() else {
-        return next_driver::cuMemFree_v2(dptr);
+        return unsafe { next_driver::cuMemFree_v2(dptr) };
     };
     driver_boundary("cuMemFree_v2", || match api::cuMemFree(dptr) {
         Answer::Done(e) => e,
-        Answer::PassThrough => next_driver::cuMemFree_v2(dptr),
+        Answer::PassThrough => unsafe { next_driver::cuMemFree_v2(dptr) },
     })
 }
 
@@ -381,16 +402,19 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> u32 {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut size_t, total: *mut size_t) -> u32 {
     let Some(_g) = Guard::enter() else {
-        return next_driver::cuMemGetInfo_v2(free, total);
+        return unsafe { next_driver::cuMemGetInfo_v2(free, total) };
     };
     let _ = catch_unwind(api::notice_reset_here);
-    mem_get_info(
-        "cuMemGetInfo_v2",
-        free,
-        total,
-        || next_driver::cuMemGetInfo_v2(free, total) as c_int,
-        api::cuMemGetInfo,
-    ) as u32
+    // SAFETY: the caller's own pointers, checked there before they are written.
+    unsafe {
+        mem_get_info(
+            "cuMemGetInfo_v2",
+            free,
+            total,
+            || next_driver::cuMemGetInfo_v2(free, total) as c_int,
+            api::cuMemGetInfo,
+        ) as u32
+    }
 }
 
 /// # Safety
@@ -405,14 +429,14 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     elem: c_uint,
 ) -> u32 {
     let Some(_g) = Guard::enter().filter(|_| !dptr.is_null() && !pitch.is_null()) else {
-        return next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+        return unsafe { next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem) };
     };
     // The driver's pitch for this width: one row of it, freed again.
     let probe = || {
         let (mut p, mut row) = (0u64, 0 as size_t);
-        match next_driver::cuMemAllocPitch_v2(&mut p, &mut row, width, 1, elem) {
+        match unsafe { next_driver::cuMemAllocPitch_v2(&mut p, &mut row, width, 1, elem) } {
             0 => {
-                next_driver::cuMemFree_v2(p);
+                unsafe { next_driver::cuMemFree_v2(p) };
                 Ok(row)
             }
             e => Err(e),
@@ -420,12 +444,17 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     };
     let once = || match api::cuMemAllocPitch(width, height, probe) {
         Answer::Done(Ok((p, row))) => {
-            *dptr = p;
-            *pitch = row;
+            // SAFETY: the caller's out-pointers (not null: checked).
+            unsafe {
+                *dptr = p;
+                *pitch = row;
+            }
             0
         }
         Answer::Done(Err(e)) => e,
-        Answer::PassThrough => next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem),
+        Answer::PassThrough => unsafe {
+            next_driver::cuMemAllocPitch_v2(dptr, pitch, width, height, elem)
+        },
     };
     driver_boundary("cuMemAllocPitch_v2", || match once() {
         // As cuMemAlloc_v2: memory held for reuse must not cost this allocation its memory.
@@ -448,18 +477,21 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut c_void, dptr: u64) -> u32 {
     api::sharing::note_shared();
     let Some(_g) = Guard::enter().filter(|_| !handle.is_null()) else {
-        return next_driver::cuIpcGetMemHandle(handle, dptr);
+        return unsafe { next_driver::cuIpcGetMemHandle(handle, dptr) };
     };
     driver_boundary("cuIpcGetMemHandle", || {
         match api::cudaIpcGetMemHandle(dptr) {
             Answer::Done(Ok(bytes)) => {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len());
+                // SAFETY: the caller's 64-byte `cudaIpcMemHandle_t` (not null: checked).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), handle as *mut u8, bytes.len())
+                };
                 0
             }
             // The runtime's codes for these answers are the driver's numbers too (1, 2, 400,
             // 801, 999).
             Answer::Done(Err(e)) => e as u32,
-            Answer::PassThrough => next_driver::cuIpcGetMemHandle(handle, dptr),
+            Answer::PassThrough => unsafe { next_driver::cuIpcGetMemHandle(handle, dptr) },
         }
     })
 }
@@ -475,17 +507,20 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
 ) -> u32 {
     api::sharing::note_imported();
     let Some(_g) = Guard::enter().filter(|_| !dptr.is_null()) else {
-        return next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags);
+        return unsafe { next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags) };
     };
     driver_boundary(
         "cuIpcOpenMemHandle_v2",
         || match api::cudaIpcOpenMemHandle(handle.reserved) {
             Answer::Done(Ok(p)) => {
-                *dptr = p;
+                // SAFETY: the caller's out-pointer (not null: checked).
+                unsafe { *dptr = p };
                 0
             }
             Answer::Done(Err(e)) => e as u32,
-            Answer::PassThrough => next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags),
+            Answer::PassThrough => unsafe {
+                next_driver::cuIpcOpenMemHandle_v2(dptr, handle, flags)
+            },
         },
     )
 }
@@ -496,12 +531,12 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
     let Some(_g) = Guard::enter() else {
-        return next_driver::cuIpcCloseMemHandle(dptr);
+        return unsafe { next_driver::cuIpcCloseMemHandle(dptr) };
     };
     driver_boundary("cuIpcCloseMemHandle", || {
         match api::cudaIpcCloseMemHandle(dptr) {
             Answer::Done(e) => e as u32,
-            Answer::PassThrough => next_driver::cuIpcCloseMemHandle(dptr),
+            Answer::PassThrough => unsafe { next_driver::cuIpcCloseMemHandle(dptr) },
         }
     })
 }
@@ -511,7 +546,7 @@ pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> u32 {
 /// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint) -> u32 {
-    let e = next_driver::cuCtxEnablePeerAccess(peer, flags);
+    let e = unsafe { next_driver::cuCtxEnablePeerAccess(peer, flags) };
     let Some(_g) = Guard::enter() else {
         return e;
     };
@@ -526,7 +561,7 @@ pub unsafe extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: c_uint)
 /// through it (or null where CUDA allows null).
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDisablePeerAccess(peer: *mut c_void) -> u32 {
-    let e = next_driver::cuCtxDisablePeerAccess(peer);
+    let e = unsafe { next_driver::cuCtxDisablePeerAccess(peer) };
     let Some(_g) = Guard::enter() else {
         return e;
     };
@@ -594,12 +629,16 @@ unsafe fn redirect_entry_point(
     version: c_int,
     runtime_api: bool,
 ) {
-    if symbol.is_null() || pfn.is_null() || (*pfn).is_null() {
+    // SAFETY: `pfn` is the lookup's out-pointer, read where not null.
+    if symbol.is_null() || pfn.is_null() || unsafe { (*pfn).is_null() } {
         return;
     }
-    let name = std::ffi::CStr::from_ptr(symbol).to_bytes();
-    let before = *pfn;
-    redirect_by_name(name, pfn, version, runtime_api);
+    // SAFETY: the lookup's symbol name, NUL-terminated (the call's contract; not null).
+    let name = unsafe { std::ffi::CStr::from_ptr(symbol) }.to_bytes();
+    // SAFETY: checked above; the real lookup wrote it.
+    let before = unsafe { *pfn };
+    // SAFETY: as above.
+    unsafe { redirect_by_name(name, pfn, version, runtime_api) };
     // Which memory functions a program fetches, and whether it got expseg's: the first
     // question when a program's memory does not reach the pool (EXPSEG_LOG=expseg=debug).
     // (Lookups come early, during the runtime's initialisation: reading the configuration
@@ -615,7 +654,7 @@ unsafe fn redirect_entry_point(
             } else {
                 "cuGetProcAddress"
             },
-            if *pfn == before {
+            if unsafe { *pfn } == before {
                 "the driver's"
             } else {
                 "expseg's"
@@ -625,9 +664,11 @@ unsafe fn redirect_entry_point(
 }
 
 unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, runtime_api: bool) {
+    // SAFETY (every read and write of `*pfn` here): the lookup's out-pointer, not null
+    // (the caller's check), holding the real lookup's answer.
     // The program's orderings (synchronizes, event records): whatever variant was found.
-    if let Some(p) = order::for_lookup(name, *pfn) {
-        *pfn = p;
+    if let Some(p) = order::for_lookup(name, unsafe { *pfn }) {
+        unsafe { *pfn = p };
         return;
     }
     let ours: *mut c_void = match name {
@@ -645,13 +686,13 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
             .then(|| crate::vmm_hooks::for_caller(name, version))
             .flatten()
             .or_else(|| driver_hook_for(name, version, crate::vmm_hooks::caller_pc))
-            .or_else(|| order::seen_for_lookup(name, *pfn))
+            .or_else(|| order::seen_for_lookup(name, unsafe { *pfn }))
         {
             Some(p) => p,
             None => return,
         },
     };
-    *pfn = ours;
+    unsafe { *pfn = ours };
 }
 
 /// `cuGetProcAddress` (before CUDA 12: no status argument).
@@ -666,10 +707,11 @@ pub unsafe extern "C" fn cuGetProcAddress(
     version: c_int,
     flags: u64,
 ) -> u32 {
-    let r = next_driver::cuGetProcAddress(symbol, pfn, version, flags);
+    let r = unsafe { next_driver::cuGetProcAddress(symbol, pfn, version, flags) };
     if r == 0 {
         contained("cuGetProcAddress", REAL_FOUND, || {
-            redirect_entry_point(symbol, pfn, version, false)
+            // SAFETY: the lookup's own arguments, which the real lookup just answered.
+            unsafe { redirect_entry_point(symbol, pfn, version, false) }
         });
     }
     r
@@ -686,10 +728,11 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: u64,
     status: *mut c_void,
 ) -> u32 {
-    let r = next_driver::cuGetProcAddress_v2(symbol, pfn, version, flags, status);
+    let r = unsafe { next_driver::cuGetProcAddress_v2(symbol, pfn, version, flags, status) };
     if r == 0 {
         contained("cuGetProcAddress_v2", REAL_FOUND, || {
-            redirect_entry_point(symbol, pfn, version, false)
+            // SAFETY: the lookup's own arguments, which the real lookup just answered.
+            unsafe { redirect_entry_point(symbol, pfn, version, false) }
         });
     }
     r
@@ -705,10 +748,11 @@ pub unsafe extern "C" fn cudaGetDriverEntryPoint(
     flags: u64,
     status: *mut c_void,
 ) -> c_int {
-    let r = next::cudaGetDriverEntryPoint(symbol, pfn, flags, status);
+    let r = unsafe { next::cudaGetDriverEntryPoint(symbol, pfn, flags, status) };
     if r == 0 {
         contained("cudaGetDriverEntryPoint", REAL_FOUND, || {
-            redirect_entry_point(symbol, pfn, i32::MAX, true)
+            // SAFETY: the lookup's own arguments, which the real lookup just answered.
+            unsafe { redirect_entry_point(symbol, pfn, i32::MAX, true) }
         });
     }
     r
@@ -725,10 +769,11 @@ pub unsafe extern "C" fn cudaGetDriverEntryPointByVersion(
     flags: u64,
     status: *mut c_void,
 ) -> c_int {
-    let r = next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status);
+    let r = unsafe { next::cudaGetDriverEntryPointByVersion(symbol, pfn, version, flags, status) };
     if r == 0 {
         contained("cudaGetDriverEntryPointByVersion", REAL_FOUND, || {
-            redirect_entry_point(symbol, pfn, version as c_int, true)
+            // SAFETY: the lookup's own arguments, which the real lookup just answered.
+            unsafe { redirect_entry_point(symbol, pfn, version as c_int, true) }
         });
     }
     r

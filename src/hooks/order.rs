@@ -13,8 +13,6 @@
 //! (`_ptsz`, another version), so it is kept in a slot of its own and handed out as that
 //! slot's forwarder; a function met when every slot is taken is handed out unchanged.
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 use super::guard::around_real;
 use crate::api as mirror;
 use crate::real::next_driver;

@@ -6,8 +6,6 @@
 //! mappings) name the mapping, not its reservation (`Range::Page`); anything else is the
 //! driver's own answer.
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 use super::guard::Guard;
 use crate::api;
 use crate::real::next_driver;
