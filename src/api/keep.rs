@@ -109,8 +109,12 @@ pub fn modes() -> Vec<(i32, String)> {
 }
 
 /// The report's words on keeping, after the status: "; GPU 0: keeping released memory (...)"
-/// per watched GPU; empty where keeping is not automatic.
-pub fn status_suffix() -> String {
+/// per watched GPU; empty where keeping is not automatic, and in a forked child (`forked`:
+/// its modes are copies of the parent's).
+pub fn status_suffix(forked: bool) -> String {
+    if forked {
+        return String::new();
+    }
     modes()
         .iter()
         .map(|(d, what)| format!("; GPU {d}: {what}"))
@@ -148,6 +152,28 @@ pub struct Hooks {
     pub forked: fn() -> bool,
 }
 
+/// The GPUs `EXPSEG_KEEP=auto` watches (device, the CUDA driver's UUID by `uuid_of`): every
+/// device where the user set no release delay and other processes can ask (sockets); none
+/// otherwise.
+pub fn gpus_to_watch(
+    c: &crate::config::Config,
+    devices: i32,
+    uuid_of: impl Fn(i32) -> Option<[u8; 16]>,
+) -> Vec<(i32, Option<[u8; 16]>)> {
+    match c.keep_auto && c.release_delay_ms == 0 && c.sockets && devices > 0 {
+        true => (0..devices).map(|d| (d, uuid_of(d))).collect(),
+        false => Vec::new(),
+    }
+}
+
+/// The coalescers' release delay: [`DELAY_MS`] where GPUs are watched, else the user's.
+pub fn delay_ms(c: &crate::config::Config, watched: &[(i32, Option<[u8; 16]>)]) -> u64 {
+    match watched.is_empty() {
+        true => c.release_delay_ms,
+        false => DELAY_MS,
+    }
+}
+
 /// Start the thread that watches the GPUs of `uuids` (device, the CUDA driver's UUID; their
 /// coalescers start not keeping). NVML is loaded there, not in the allocation that made the
 /// coalescers (loading it may take long). False if it could not start (keeping stays off).
@@ -174,6 +200,9 @@ pub fn start(uuids: Vec<(i32, Option<[u8; 16]>)>, hooks: Hooks) -> bool {
                 ANY_KEEPING.store(false, Ordering::Release);
             }
         });
+    if spawned.is_err() {
+        log::warn!("no thread to watch the GPU's processes: released memory goes back at once");
+    }
     spawned.is_ok()
 }
 

@@ -604,10 +604,7 @@ pub fn live_report_json(library: &str) -> String {
     } else {
         None
     };
-    let status = match FORKED.load(Ordering::Relaxed) {
-        true => status,
-        false => status + &keep::status_suffix(),
-    };
+    let status = status + &keep::status_suffix(FORKED.load(Ordering::Relaxed));
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(vmm::report_rows());
     snap.global

@@ -457,10 +457,7 @@ pub fn write_exit_report() {
         None if !STATE_STARTED.load(Ordering::Acquire) => (not_started_status(false), Vec::new()),
         None => ("pool busy at exit; pool figures missing".into(), Vec::new()),
     };
-    let status = match forked() {
-        true => status,
-        false => status + &crate::api::keep::status_suffix(),
-    };
+    let status = status + &crate::api::keep::status_suffix(forked());
     let mut snap = stats::Snapshot::take(status, config().effective(), pools);
     snap.global.extend(coalescers::report_rows());
     if let Err(e) = stats::write_report(&template, &snap) {
@@ -494,6 +491,7 @@ pub fn forget_foreign_range(va: u64, size: u64) {
 /// is `api::vmm`'s. They live here, beside the configuration, because the exit report that
 /// the configuration registers reads their figures and they read the configuration.
 pub(super) mod coalescers {
+    use crate::api::keep;
     use crate::api::state::config;
     use crate::api::trace::record;
     use crate::coalesce::trace::{Call, Outcome};
@@ -521,18 +519,8 @@ pub(super) mod coalescers {
             Ok(t) => {
                 let n = cuda::device_count(t).unwrap_or(0);
                 let c = config();
-                // EXPSEG_KEEP=auto where the user set no delay and other processes can ask
-                // (sockets): kept while only expseg processes share the GPU (`api::keep`,
-                // whose thread finds out with NVML whether it can tell).
-                let watched: Vec<(i32, Option<[u8; 16]>)> =
-                    match c.keep_auto && c.release_delay_ms == 0 && c.sockets && n > 0 {
-                        true => (0..n).map(|d| (d, cuda::device_uuid(t, d))).collect(),
-                        false => Vec::new(),
-                    };
-                let delay_ms = match watched.is_empty() {
-                    true => c.release_delay_ms,
-                    false => crate::api::keep::DELAY_MS,
-                };
+                let watched = keep::gpus_to_watch(c, n, |d| cuda::device_uuid(t, d));
+                let delay_ms = keep::delay_ms(c, &watched);
                 // Without the thread that gives kept handles back, nothing would after the delay:
                 // release at once instead.
                 let threaded = n > 0 && start_releaser(delay_ms);
@@ -546,10 +534,8 @@ pub(super) mod coalescers {
                         Ok(drv) => {
                             let mut co = Coalescer::new(drv, cfg);
                             co.keep_host(c.pause_keep_host.keeps());
-                            if watching {
-                                // Until the watcher has looked at the GPU's processes.
-                                co.set_keeping(false);
-                            }
+                            // A watched GPU keeps nothing until the watcher has looked.
+                            co.set_keeping(!watching);
                             Some(co)
                         }
                         Err(why) => {
@@ -566,14 +552,12 @@ pub(super) mod coalescers {
                     .collect();
                 let trace = c.test_trace.as_deref();
                 crate::api::trace::begin(trace, &cfg, c.pause_keep_host.keeps(), &granularity);
+                let hooks = keep::Hooks {
+                    set_keeping: set_keeping_of,
+                    forked: crate::api::state::forked,
+                };
                 if watching {
-                    let hooks = crate::api::keep::Hooks {
-                        set_keeping: set_keeping_of,
-                        forked: crate::api::state::forked,
-                    };
-                    if !crate::api::keep::start(watched, hooks) {
-                        log::warn!("no thread to watch the GPU's processes: released memory goes back at once");
-                    }
+                    keep::start(watched, hooks);
                 }
                 devs
             }
@@ -685,20 +669,13 @@ pub(super) mod coalescers {
         }
     }
 
-    /// Device `dev`'s coalescer keeps released memory from now on, or gives back what it
-    /// keeps: the bytes given back (`api::keep`'s watcher); None before the coalescers exist
-    /// (the watcher's first look may come while they are being made).
+    /// `api::keep`'s hook: device `dev` keeps released memory, or gives it back (the bytes);
+    /// None before the coalescers exist (the watcher may look while they are being made).
     fn set_keeping_of(dev: i32, keep: bool) -> Option<u64> {
         use crate::gpu::Driver as _;
-        if !started() {
-            return None;
-        }
-        let mut v = lock();
-        let mut freed = 0;
-        for c in v.all().filter(|c| c.driver().device() == dev) {
-            freed += in_context(c, |c| c.set_keeping(keep));
-        }
-        Some(freed)
+        let mut v = started().then(lock)?;
+        let on_dev = v.all().filter(|c| c.driver().device() == dev);
+        Some(on_dev.map(|c| in_context(c, |c| c.set_keeping(keep))).sum())
     }
 
     /// Kept handles go back to the driver once the program has been quiet for the delay: a
