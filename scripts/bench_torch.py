@@ -155,6 +155,7 @@ MODES = ["default", "expandable", "expandable_256", "expseg", "expseg-preload", 
 KNOWN_MODES = set(MODES) | set(HANDOFF_MODES) | {
     "noec", "floor-now", "floor-late", "max_split", "expseg-keep200", "expseg-alt", "expseg-noahead", "expseg-nolearn",
     "expseg-tail", "expseg-tail-noahead", "expseg-compact", "expseg-keepoff", "expseg-keepauto",
+    "expseg-keepauto-unbounded", "expseg-keepauto-60",
 }
 
 
@@ -201,11 +202,16 @@ def mode_env(mode, lib):
     elif mode == "expseg-release0":
         env["LD_PRELOAD"] = lib
         env["EXPSEG_RELEASE_DELAY"] = "0"
-    elif mode == "expseg-keepauto":
+    elif mode.startswith("expseg-keepauto"):
         # Opt-in: released memory kept while only expseg processes share the GPU
         # (EXPSEG_KEEP=auto: api::keep); run with --fill-expseg so the filler is one of them.
+        # -unbounded: what is kept has no bound on its give-back (EXPSEG_KEEP_GIVEBACK=0);
+        # -60: a bound of 60 ms instead of the default 40.
         env["LD_PRELOAD"] = lib
         env["EXPSEG_KEEP"] = "auto"
+        bound = {"expseg-keepauto-unbounded": "0", "expseg-keepauto-60": "60"}.get(mode)
+        if bound:
+            env["EXPSEG_KEEP_GIVEBACK"] = bound
     elif mode == "expseg-keepoff":
         # Released memory always back at once (EXPSEG_KEEP=off), even where only expseg
         # processes share the GPU (the default keeps it there: api::keep).

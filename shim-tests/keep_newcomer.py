@@ -57,6 +57,8 @@ def main():
     plain = {k: v for k, v in os.environ.items() if not k.startswith(("EXPSEG_", "PYTORCH_CUDA_ALLOC_CONF"))}
     plain.pop("LD_PRELOAD", None)
     tenv = dict(plain, LD_PRELOAD=lib, EXPSEG_LOG="info", EXPSEG_KEEP="auto")
+    if "EXPSEG_KEEP_GIVEBACK" in os.environ:  # the bound under test, where one is given
+        tenv["EXPSEG_KEEP_GIVEBACK"] = os.environ["EXPSEG_KEEP_GIVEBACK"]
     t = subprocess.Popen([sys.executable, __file__, "--trainer", str(int(0.8 * free / GIB))], env=tenv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rng = random.Random(int(os.environ.get("SEED", "1")))
     ok = 0

@@ -177,6 +177,11 @@ pub struct Config {
     /// need it), and given back from the moment another process is listed (`api::keep`). Opt-in:
     /// a plain process arriving can ask before the give-back ends (measured: RESULTS.md).
     pub keep_auto: bool,
+    /// `EXPSEG_KEEP_GIVEBACK` (default 40 ms; 0: no bound): under `EXPSEG_KEEP=auto`, what is
+    /// kept is bounded by the time giving it back is estimated to take (`coalesce::GIVEBACK_*`),
+    /// the oldest kept handles going back first, so that a plain process arriving (listed about
+    /// 100 ms before it allocates) finds its memory back.
+    pub keep_giveback_ms: u64,
     /// `EXPSEG_GROW_AHEAD`: most bytes a new coalesced handle covers beyond the program's
     /// last page (at most 1/64 of the most held), so that its next pages need no driver call;
     /// they go back at the program's first unmap. 0: off.
@@ -266,6 +271,7 @@ impl Default for Config {
             // is then 0.25x default instead of 1.0x, docs/design.md). Keeping is opt-in.
             release_delay_ms: 0,
             keep_auto: false,
+            keep_giveback_ms: 40,
             // Bounded by 1/64 of the peak held and by EXPSEG_COALESCE_MAX in practice.
             grow_ahead: GIB,
             ipc_dir: "/tmp".into(),
@@ -408,6 +414,20 @@ const VARS: &[Var] = &[
             _ => Err("auto or off"),
         },
         show: |c| if c.keep_auto { "auto" } else { "off" }.to_string(),
+    },
+    Var {
+        name: "EXPSEG_KEEP_GIVEBACK",
+        set: |c, v| {
+            let ms = v.trim().strip_suffix("ms").unwrap_or(v.trim());
+            match ms.parse::<u64>() {
+                Ok(n) if n <= 10_000 => {
+                    c.keep_giveback_ms = n;
+                    Ok(())
+                }
+                _ => Err("milliseconds from 0 (no bound) to 10000, such as 40 or 40ms"),
+            }
+        },
+        show: |c| format!("{}ms", c.keep_giveback_ms),
     },
     Var {
         name: "EXPSEG_GROW_AHEAD",

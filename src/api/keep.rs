@@ -144,12 +144,23 @@ pub fn any_keeping() -> bool {
 }
 
 /// What the watching thread does to the process: make device d's coalescer keep or give back
-/// what it keeps (the bytes given back), and whether this is a forked child (stop).
+/// what it keeps, and whether this is a forked child (stop).
 #[derive(Clone, Copy)]
 pub struct Hooks {
     /// None: the coalescers are not there yet (asked again at the next poll).
-    pub set_keeping: fn(i32, bool) -> Option<u64>,
+    pub set_keeping: fn(i32, bool) -> Option<GaveBack>,
     pub forked: fn() -> bool,
+}
+
+/// What a give-back did, for the line that says it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GaveBack {
+    pub bytes: u64,
+    /// Kept handles before, and the estimate of their give-back (`EXPSEG_KEEP_GIVEBACK`).
+    pub handles: u64,
+    pub estimate_us: u64,
+    /// How long taking the coalescers' lock took (another thread's call in progress).
+    pub waited_us: u64,
 }
 
 /// The GPUs `EXPSEG_KEEP=auto` watches (device, the CUDA driver's UUID by `uuid_of`): every
@@ -171,6 +182,15 @@ pub fn delay_ms(c: &crate::config::Config, watched: &[(i32, Option<[u8; 16]>)]) 
     match watched.is_empty() {
         true => c.release_delay_ms,
         false => DELAY_MS,
+    }
+}
+
+/// The bound on what a coalescer keeps, in microseconds of estimated give-back
+/// (`EXPSEG_KEEP_GIVEBACK`): only where its GPU is watched; 0 (none) otherwise.
+pub fn giveback_bound_us(c: &crate::config::Config, watching: bool) -> u64 {
+    match watching {
+        true => c.keep_giveback_ms * 1000,
+        false => 0,
     }
 }
 
@@ -265,15 +285,17 @@ fn watch(gpus: &[(i32, nvml::Gpu)], hooks: Hooks) {
 /// false if the coalescers are not there yet.
 fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) -> bool {
     let t0 = Instant::now();
-    let Some(freed) = (hooks.set_keeping)(dev, keep) else {
+    let Some(g) = (hooks.set_keeping)(dev, keep) else {
         return false;
     };
-    match (keep, freed) {
-        (true, _) => log::debug!("GPU {dev}: {why}"),
-        (false, 0) => log::debug!("GPU {dev}: {why}"),
+    match (keep, g.bytes) {
+        (true, _) | (false, 0) => log::debug!("GPU {dev}: {why}"),
         (false, n) => log::info!(
-            "GPU {dev}: {why}; gave back {n} kept bytes in {:.1} ms",
-            t0.elapsed().as_secs_f64() * 1e3
+            "GPU {dev}: {why}; gave back {n} kept bytes ({} kept handles, estimated {:.1} ms) in {:.1} ms, {:.1} ms of it waiting for another call",
+            g.handles,
+            g.estimate_us as f64 / 1e3,
+            t0.elapsed().as_secs_f64() * 1e3,
+            g.waited_us as f64 / 1e3
         ),
     }
     set_modes(std::iter::once((dev, why.to_string())));

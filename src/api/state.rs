@@ -529,6 +529,7 @@ pub(super) mod coalescers {
                     cfg.release_delay = Duration::from_millis(delay_ms);
                 }
                 let watching = threaded && !watched.is_empty();
+                cfg.keep_giveback_us = keep::giveback_bound_us(c, watching);
                 let devs: Vec<Option<Coalescer<CudaDriver>>> = (0..n)
                     .map(|d| match CudaDriver::open(t, d) {
                         Ok(drv) => {
@@ -671,11 +672,22 @@ pub(super) mod coalescers {
 
     /// `api::keep`'s hook: device `dev` keeps released memory, or gives it back (the bytes);
     /// None before the coalescers exist (the watcher may look while they are being made).
-    fn set_keeping_of(dev: i32, keep: bool) -> Option<u64> {
+    fn set_keeping_of(dev: i32, keep: bool) -> Option<keep::GaveBack> {
         use crate::gpu::Driver as _;
+        let t0 = std::time::Instant::now();
         let mut v = started().then(lock)?;
-        let on_dev = v.all().filter(|c| c.driver().device() == dev);
-        Some(on_dev.map(|c| in_context(c, |c| c.set_keeping(keep))).sum())
+        let mut g = keep::GaveBack {
+            waited_us: t0.elapsed().as_micros() as u64,
+            ..Default::default()
+        };
+        for c in v.all().filter(|c| c.driver().device() == dev) {
+            (g.handles, g.estimate_us) = (
+                g.handles + c.kept_handles(),
+                g.estimate_us + c.kept_giveback_us(),
+            );
+            g.bytes += in_context(c, |c| c.set_keeping(keep));
+        }
+        Some(g)
     }
 
     /// Kept handles go back to the driver once the program has been quiet for the delay: a
@@ -832,6 +844,7 @@ pub(super) mod coalescers {
             ),
             ("coalesce_reused_bytes", sum(&|s| s.reused_bytes)),
             ("coalesce_kept_released", sum(&|s| s.kept_released)),
+            ("coalesce_kept_bounded", sum(&|s| s.kept_bounded)),
             (
                 "coalesce_reused_in_place_bytes",
                 sum(&|s| s.reused_in_place),

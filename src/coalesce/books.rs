@@ -93,6 +93,26 @@ pub struct CoalesceConfig {
     /// Handles are cut where live pages met released ones at the end of a giving back
     /// (`EXPSEG_LEARN_CUTS`, [`super::cuts`]).
     pub learn_cuts: bool,
+    /// What is kept is bounded by the time giving it back is estimated to take, in
+    /// microseconds ([`giveback_us`]); 0: no bound (`EXPSEG_KEEP_GIVEBACK`, under
+    /// `EXPSEG_KEEP=auto` only).
+    pub keep_giveback_us: u64,
+}
+
+/// Giving a kept handle back costs the driver about this much a handle, in microseconds
+/// (`scripts/vmm-cost/release_parallel.c`, H200: 5,120 handles of 20 MiB in 144-163 ms)...
+pub const GIVEBACK_US_A_HANDLE: u64 = 15;
+/// ...plus its bytes at this many a microsecond (1.6 GB/ms: 50 handles of 2 GiB in 54-74 ms,
+/// 400 of 256 MiB in 69-88 ms; more threads do not release faster)...
+pub const GIVEBACK_BYTES_A_US: u64 = 1_600_000;
+/// ...plus an unmap first where it is still mapped (parked): `keep_newcomer.py` (H200) gave
+/// back 1,131 parked handles of about 20 MiB (23.7 GB) in 111 ms, 98 us a handle.
+pub const GIVEBACK_US_UNMAP: u64 = 80;
+
+/// The estimated time to give back `handles` kept handles of `bytes` in all, `parked` of them
+/// mapped, in microseconds.
+pub fn giveback_us(handles: u64, parked: u64, bytes: u64) -> u64 {
+    handles * GIVEBACK_US_A_HANDLE + parked * GIVEBACK_US_UNMAP + bytes / GIVEBACK_BYTES_A_US
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -130,6 +150,7 @@ impl Default for CoalesceConfig {
             move_live: false,
             split_tail: true,
             learn_cuts: true,
+            keep_giveback_us: 0,
         }
     }
 }
@@ -151,6 +172,7 @@ impl CoalesceConfig {
             move_live: c.compact,
             split_tail: c.split_tail,
             learn_cuts: c.learn_cuts,
+            keep_giveback_us: 0,
         }
     }
 }
@@ -192,6 +214,9 @@ pub struct CoalesceStats {
     pub reused_bytes: u64,
     /// Kept handles that went back to the driver (quiet, mem_get_info, or memory needed).
     pub kept_released: u64,
+    /// Kept handles given back because what was kept would take longer to give back than
+    /// `EXPSEG_KEEP_GIVEBACK` allows.
+    pub kept_bounded: u64,
     /// Bytes of pages served by a kept handle still mapped where the pages were mapped: no
     /// driver call at all.
     pub reused_in_place: u64,
@@ -467,6 +492,11 @@ impl<D: Driver> Coalescer<D> {
     /// Pages the program holds, and physical handles behind them.
     pub fn counts(&self) -> (usize, usize) {
         (self.pages.len(), self.phys.len())
+    }
+
+    /// Released handles kept for reuse.
+    pub fn kept_handles(&self) -> u64 {
+        self.kept.len() as u64
     }
 
     /// Bytes of released handles kept for reuse.

@@ -95,7 +95,37 @@ impl<D: Driver> Coalescer<D> {
             },
         );
         self.kept_bytes += size;
+        self.bound_kept();
         Ok(())
+    }
+
+    /// The estimated time to give back every kept handle, in microseconds.
+    pub fn kept_giveback_us(&self) -> u64 {
+        super::books::giveback_us(
+            self.kept.len() as u64,
+            self.parked.len() as u64,
+            self.kept_bytes,
+        )
+    }
+
+    /// Under a bound on the time giving back what is kept may take
+    /// (`CoalesceConfig::keep_giveback_us`): past it, the oldest kept handles go back until
+    /// what is kept takes at most 7/8 of it (so that the next releases do not each sort them).
+    fn bound_kept(&mut self) {
+        let bound = self.cfg.keep_giveback_us;
+        if bound == 0 || self.kept_giveback_us() <= bound {
+            return;
+        }
+        let mut oldest: Vec<KeptKey> = self.kept.keys().copied().collect();
+        oldest.sort_unstable_by_key(|k| k.2);
+        for k in oldest {
+            if self.kept_giveback_us() <= bound - bound / 8 {
+                break;
+            }
+            if self.give_back(k) {
+                self.stats.kept_bounded += 1;
+            }
+        }
     }
 
     /// A phys that is still mapped and has no page left: kept where it is (parked). Pages
@@ -117,6 +147,7 @@ impl<D: Driver> Coalescer<D> {
         );
         self.parked.insert(b, k);
         self.kept_bytes += ph.size;
+        self.bound_kept();
     }
 
     /// Create `size` bytes. Kept handles that could not serve the pages make room first (the

@@ -386,3 +386,21 @@ fn keeping_for_expseg_only_gpus_is_opt_in() {
     assert_eq!(bad.len(), 1, "{bad:?}");
     assert!(bad[0].contains("EXPSEG_KEEP"), "{bad:?}");
 }
+
+#[test]
+fn the_bound_on_what_is_kept_is_milliseconds_and_a_bad_word_keeps_the_default() {
+    let (c, bad) = with(&[]);
+    assert_eq!((c.keep_giveback_ms, bad.len()), (40, 0));
+    for (word, want) in [("25", 25), ("25ms", 25), (" 0 ", 0), ("10000", 10_000)] {
+        let (c, bad) = with(&[("EXPSEG_KEEP_GIVEBACK", word)]);
+        assert_eq!((c.keep_giveback_ms, bad.len()), (want, 0), "{word:?}");
+    }
+    for word in ["fast", "-1", "10001", "2s"] {
+        let (c, bad) = with(&[("EXPSEG_KEEP_GIVEBACK", word)]);
+        assert_eq!(c.keep_giveback_ms, 40, "{word:?}");
+        assert!(
+            bad.len() == 1 && bad[0].contains("EXPSEG_KEEP_GIVEBACK"),
+            "{bad:?}"
+        );
+    }
+}

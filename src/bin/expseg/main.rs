@@ -424,8 +424,14 @@ fn check_keep(r: &mut Report, t: &'static DriverTable, n: i32) {
         match listed {
             Some(_) => r.add(
                 format!("released memory kept, GPU {d}"),
-                "auto: NVML lists the GPU's processes; kept while all others are expseg processes of yours, given back when another arrives",
-                Verdict::Ok,
+                format!("auto: NVML lists the GPU's processes; kept while all others are expseg processes of yours, given back when another arrives; {}", match c.keep_giveback_ms {
+                    0 => "EXPSEG_KEEP_GIVEBACK=0: no bound on what is kept (a plain process arriving may find it not yet given back)".to_string(),
+                    ms => format!("at most what gives back in about {ms} ms (EXPSEG_KEEP_GIVEBACK)"),
+                }),
+                match c.keep_giveback_ms {
+                    0 => Verdict::Warn,
+                    _ => Verdict::Ok,
+                },
             ),
             None => r.add(
                 format!("released memory kept, GPU {d}"),

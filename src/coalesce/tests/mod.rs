@@ -57,6 +57,7 @@ pub(super) fn cfg() -> CoalesceConfig {
         move_live: true,
         split_tail: false,
         learn_cuts: false,
+        keep_giveback_us: 0,
     }
 }
 

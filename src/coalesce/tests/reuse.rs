@@ -173,3 +173,40 @@ fn keeping_turned_off_gives_every_kept_handle_back_and_keeps_none_until_turned_o
     assert_eq!(c.kept_bytes(), 2 * PAGE);
     all_given_back(&mut c);
 }
+
+#[test]
+fn what_is_kept_is_bounded_by_the_time_giving_it_back_takes_the_oldest_going_first() {
+    // A handle of 4 pages, parked: 15 us + 80 us (its unmap) + 80 MiB at 1.6 GB/ms (52 us).
+    let one = super::super::books::giveback_us(1, 1, 4 * PAGE);
+    assert_eq!(one, 147);
+    let (mut c, va) = setup(
+        100 * PAGE,
+        CoalesceConfig {
+            keep_giveback_us: 2 * one + one / 2, // 7/8 of it still holds two
+            ..delayed()
+        },
+    );
+    let batches: Vec<Vec<u64>> = (0..5)
+        .map(|i| grow(&mut c, va + i * 10 * PAGE, 4).unwrap())
+        .collect();
+    for (i, hs) in batches.iter().enumerate() {
+        shrink(&mut c, va + i as u64 * 10 * PAGE, hs);
+        assert!(c.kept_giveback_us() <= 2 * one + one / 2, "batch {i}");
+    }
+    assert_eq!(c.kept_bytes(), 8 * PAGE, "the two newest handles kept");
+    assert_eq!(c.driver().used(), 8 * PAGE, "the three oldest given back");
+    assert_eq!(c.stats().kept_bounded, 3);
+    let parked =
+        |c: &Coalescer<FakeDriver>, i: u64| c.parked_in_range(va + i * 10 * PAGE, 4 * PAGE);
+    assert!(!parked(&c, 0) && !parked(&c, 2) && parked(&c, 3) && parked(&c, 4));
+    // Without a bound all five stay.
+    let (mut c, va) = setup(100 * PAGE, delayed());
+    let batches: Vec<Vec<u64>> = (0..5)
+        .map(|i| grow(&mut c, va + i * 10 * PAGE, 4).unwrap())
+        .collect();
+    for (i, hs) in batches.iter().enumerate() {
+        shrink(&mut c, va + i as u64 * 10 * PAGE, hs);
+    }
+    assert_eq!((c.kept_bytes(), c.stats().kept_bounded), (20 * PAGE, 0));
+    all_given_back(&mut c);
+}
