@@ -161,6 +161,9 @@ pub struct GaveBack {
     pub estimate_us: u64,
     /// How long taking the coalescers' lock took (another thread's call in progress).
     pub waited_us: u64,
+    /// How long the give-back's parts took: retries, handles with no live page (and how many),
+    /// kept handles.
+    pub parts: crate::coalesce::TrimParts,
 }
 
 /// The GPUs `EXPSEG_KEEP=auto` watches (device, the CUDA driver's UUID by `uuid_of`): every
@@ -291,11 +294,15 @@ fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) -> bool {
     match (keep, g.bytes) {
         (true, _) | (false, 0) => log::debug!("GPU {dev}: {why}"),
         (false, n) => log::info!(
-            "GPU {dev}: {why}; gave back {n} kept bytes ({} kept handles, estimated {:.1} ms) in {:.1} ms, {:.1} ms of it waiting for another call",
+            "GPU {dev}: {why}; gave back {n} kept bytes ({} kept handles, estimated {:.1} ms) in {:.1} ms: {:.1} waiting for another call, {:.1} retries, {:.1} for {} handles with no live page, {:.1} for the kept ones",
             g.handles,
             g.estimate_us as f64 / 1e3,
             t0.elapsed().as_secs_f64() * 1e3,
-            g.waited_us as f64 / 1e3
+            g.waited_us as f64 / 1e3,
+            g.parts.leftovers.as_secs_f64() * 1e3,
+            g.parts.idle.as_secs_f64() * 1e3,
+            g.parts.idle_handles,
+            g.parts.kept.as_secs_f64() * 1e3
         ),
     }
     set_modes(std::iter::once((dev, why.to_string())));

@@ -685,7 +685,8 @@ pub(super) mod coalescers {
                 g.handles + c.kept_handles(),
                 g.estimate_us + c.kept_giveback_us(),
             );
-            g.bytes += in_context(c, |c| c.set_keeping(keep));
+            let (bytes, parts) = in_context(c, |c| c.set_keeping_timed(keep));
+            (g.bytes, g.parts) = (g.bytes + bytes, parts);
         }
         Some(g)
     }

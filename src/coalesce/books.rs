@@ -527,11 +527,16 @@ impl<D: Driver> Coalescer<D> {
     /// tried again at the next release), the rest at the program's next call. The bytes given
     /// back.
     pub fn set_keeping(&mut self, keeping: bool) -> u64 {
+        self.set_keeping_timed(keeping).0
+    }
+
+    /// [`Self::set_keeping`], with how long the parts of the give-back took.
+    pub fn set_keeping_timed(&mut self, keeping: bool) -> (u64, super::TrimParts) {
         self.keeping = keeping;
         if keeping {
-            return 0;
+            return (0, Default::default());
         }
-        self.trim_unmoved()
+        self.trim_unmoved_timed()
     }
 
     /// Whether released handles are kept now.

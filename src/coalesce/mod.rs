@@ -68,6 +68,16 @@ pub use sleep::{Choose, Paused};
 use crate::gpu::{Driver, DrvResult, PageProps};
 use books::{end, Page, FREE_FRESH_NS, FREE_STALE_NS, NEXT_VH, OTHERS_BYTES_PER_MS, TAG};
 
+/// How long the parts of a give-back took ([`Coalescer::trim_unmoved_timed`]): retrying what
+/// the driver refused before, handles with no live page (and how many), kept handles.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TrimParts {
+    pub leftovers: std::time::Duration,
+    pub idle: std::time::Duration,
+    pub idle_handles: u64,
+    pub kept: std::time::Duration,
+}
+
 impl<D: Driver> Coalescer<D> {
     /// Give back now everything held beyond the program's pages (stranded pages compacted,
     /// kept handles released): the bytes given back.
@@ -149,11 +159,20 @@ impl<D: Driver> Coalescer<D> {
     /// moving them gives back (bytes grown ahead of live pages, pages stranded by a release
     /// loop in progress) goes back at the program's next call (`giving_back_ended`).
     pub fn trim_unmoved(&mut self) -> u64 {
+        self.trim_unmoved_timed().0
+    }
+
+    /// [`Self::trim_unmoved`], with how long each of its parts took.
+    pub fn trim_unmoved_timed(&mut self) -> (u64, TrimParts) {
         let before = self.physical_bytes();
+        let mut parts = TrimParts::default();
+        let t0 = std::time::Instant::now();
         self.retry_leftovers();
+        let t1 = std::time::Instant::now();
         let idle = self.pids(|pid, p| {
             p.slots.is_empty() && p.asleep.is_none() && (p.ahead > 0 || self.dirty.contains(&pid))
         });
+        parts.idle_handles = idle.len() as u64;
         for pid in idle {
             let ahead = self.phys[&pid].ahead;
             match self.release_idle(pid) {
@@ -161,11 +180,14 @@ impl<D: Driver> Coalescer<D> {
                 Err(e) => log::warn!("releasing an idle handle failed ({e}); tried again later"),
             }
         }
+        let t2 = std::time::Instant::now();
         self.release_kept();
+        let t3 = std::time::Instant::now();
         if self.stranded() > 0 || self.phys.values().any(|p| p.ahead > 0) {
             self.trim_owed = true;
         }
-        before.saturating_sub(self.physical_bytes())
+        (parts.leftovers, parts.idle, parts.kept) = (t1 - t0, t2 - t1, t3 - t2);
+        (before.saturating_sub(self.physical_bytes()), parts)
     }
 
     /// A call other than an unmap or a release: if the program was giving memory back, that
