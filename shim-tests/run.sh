@@ -421,8 +421,10 @@ fi
 # Sharing is exact (torch_share_exact.py): a share while a worker writes the neighbouring
 # tensor (raw cudaIpcGetMemHandle and reduce_tensor; the worker on its own stream, the
 # default stream, a graph), a share while another thread captures a graph, and a handle
-# taken once with a consumer without expseg reading every sync (host and interprocess event).
-# SHARE_ROUNDS rounds a race run (default 20); SHARE_PARTS picks parts (race capture sync).
+# taken once with a consumer without expseg reading every sync (host and interprocess event),
+# the same through reduce_tensor (the export route), and a consumer writing back into a shared
+# weight whose neighbour stays untouched. SHARE_ROUNDS rounds a race run (default 20);
+# SHARE_PARTS picks parts (race capture sync syncreduce writeback).
 share_part() { [ -z "${SHARE_PARTS:-}" ] || [[ " $SHARE_PARTS " == *" $1 "* ]]; }
 share_run() { # name check env... -- args after --
   local name=$1 check=$2; shift 2
@@ -464,6 +466,20 @@ if want share && torch_for share; then
     # What keeping a plain consumer's view current costs: the same without it (reads stale).
     EXPSEG_IPC_MIRROR_SYNC=off CONSUMER=plain LD_PRELOAD="$lib" python3 "$here/torch_share_exact.py" sync 4096 host >"$logs/share_sync_off.log" 2>&1
     echo "INFO EXPSEG_IPC_MIRROR_SYNC=off, 4096 MiB, host: $(grep '^{' "$logs/share_sync_off.log" | cut -c1-300)"
+  fi
+  if share_part syncreduce; then
+    share_run sync_512_event_reduce_native "" CONSUMER=plain PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- sync 512 event reduce
+    for m in host event; do
+      share_run "sync_512_${m}_reduce_plain" "" CONSUMER=plain LD_PRELOAD="$lib" -- sync 512 "$m" reduce
+    done
+    share_run sync_512_event_reduce_expseg_consumer "" LD_PRELOAD="$lib" -- sync 512 event reduce
+  fi
+  if share_part writeback; then
+    share_run writeback_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- writeback
+    share_run writeback_expseg_consumer "" LD_PRELOAD="$lib" -- writeback
+    # A consumer without expseg writing back: natively seen by the producer (the case
+    # docs/contract.md names where a share reaches it through a copy).
+    share_run writeback_plain_consumer "" CONSUMER=plain LD_PRELOAD="$lib" -- writeback
   fi
 fi
 # TWO_GPU_PARTS picks parts of it (stress race model ipc; unset: all): the whole section takes

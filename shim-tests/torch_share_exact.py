@@ -13,10 +13,15 @@ PART race ROUTE WRITER ROUNDS: each round the main thread makes a tensor `x` for
   CONSUMER=plain runs the consumer without LD_PRELOAD.
 PART capture: one thread captures a CUDA graph (global mode, PyTorch's default) while another
   asks `cudaIpcGetMemHandle` of a tensor: both succeed and the graph replays right.
-PART sync MIB MODE: a producer takes the handle of a buffer once, then 10 times rewrites it,
-  orders it (MODE host: `torch.cuda.synchronize()`; event: records an interprocess event the
-  consumer waits on) and signals; the consumer (CONSUMER=plain: without expseg) reads it each
-  time. Then 30 training steps with the handle live (`loss.item()` each step): their median.
+PART sync MIB MODE [ROUTE]: a producer takes the handle of a buffer once (ROUTE raw, the
+  default, or reduce: the consumer rebuilds the tensor once and keeps it), then 10 times
+  rewrites it, orders it (MODE host: `torch.cuda.synchronize()`; event: records an
+  interprocess event the consumer waits on) and signals; the consumer (CONSUMER=plain: without
+  expseg) reads it each time. Then 30 training steps with the handle live (`loss.item()` each
+  step): their median.
+PART writeback: a weight made right after another tensor (one handle under expseg) is shared
+  by `reduce_tensor`; the consumer adds 1 to it and synchronizes, 5 times; the producer reads
+  each result (natively exact both ways) and checks the neighbour is untouched.
 
 Prints one JSON line; exit 0 when every check passed.
 """
@@ -84,7 +89,7 @@ def consumer(q_in, q_out):
     rt = ctypes.CDLL("libcudart.so.13")
     rt.cudaSetDevice(0)
     opened = {}
-    ev = None
+    ev = ev_t = kept = None
     while True:
         msg = q_in.get()
         kind = msg[0]
@@ -109,7 +114,23 @@ def consumer(q_in, q_out):
             e = ctypes.c_void_p()
             rc = rt.cudaIpcOpenEventHandle(ctypes.byref(e), h)
             ev = e if rc == 0 else None
+            ev_t = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), msg[1]) if rc == 0 else None
             q_out.put(("event", rc))
+        elif kind == "keep":  # (keep, rebuilt tensor): kept for later rereads and writes
+            kept = msg[1]
+            torch.cuda.synchronize()
+            q_out.put(("kept",))
+        elif kind == "reread":  # (reread, value): the kept tensor read again
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev_t)
+            torch.cuda.synchronize()
+            n = kept.numel()
+            got = [float(kept[i].item()) for i in (0, n // 2, n - 1)]
+            q_out.put(("read", all(g == msg[1] for g in got), got))
+        elif kind == "add":  # the kept tensor written back: one added to every element
+            kept.add_(1)
+            torch.cuda.synchronize()
+            q_out.put(("added",))
         elif kind == "tensor":  # (tensor, key, rebuilt tensor, value)
             _, key, t, value = msg
             torch.cuda.synchronize()
@@ -253,14 +274,17 @@ def capture():
     return out
 
 
-def sync(mib, mode):
+def sync(mib, mode, route="raw"):
     dev = torch.device("cuda", 0)
     ctx = mp.get_context("spawn")
     proc, q_in, q_out = start_consumer(ctx)
     buf = torch.zeros(mib * MIB // 4, device=dev)
     torch.cuda.synchronize()
-    rc, raw, off = raw_handle(buf)
-    out = {"part": "sync", "mib": mib, "mode": mode, "consumer": os.environ.get("CONSUMER", "same")}
+    rc, raw, off = raw_handle(buf) if route == "raw" else (0, None, 0)
+    out = {"part": "sync", "mib": mib, "mode": mode, "route": route, "consumer": os.environ.get("CONSUMER", "same")}
+    if route == "reduce":
+        q_in.put(("keep", buf))
+        q_out.get(timeout=120)
     if rc:
         out.update(ok=False, error=f"cudaIpcGetMemHandle {rc}")
         q_in.put(("stop",))
@@ -279,7 +303,10 @@ def sync(mib, mode):
         else:
             ev.record()
         t1 = time.perf_counter()
-        q_in.put(("raw", 0, raw, off, buf.numel(), float(k)))
+        if route == "raw":
+            q_in.put(("raw", 0, raw, off, buf.numel(), float(k)))
+        else:
+            q_in.put(("reread", float(k)))
         ans = q_out.get(timeout=120)
         right += int(ans[0] == "read" and ans[1])
         if not (ans[0] == "read" and ans[1]):
@@ -311,14 +338,41 @@ def sync(mib, mode):
     return out
 
 
+def writeback():
+    dev = torch.device("cuda", 0)
+    ctx = mp.get_context("spawn")
+    proc, q_in, q_out = start_consumer(ctx)
+    x = torch.zeros(16 * MIB, dtype=torch.int32, device=dev)  # the neighbour, 64 MiB
+    w = torch.zeros(16 * MIB, device=dev)  # the weight right after it
+    torch.cuda.synchronize()
+    out = {"part": "writeback", "route": "reduce", "consumer": os.environ.get("CONSUMER", "same")}
+    q_in.put(("keep", w))
+    q_out.get(timeout=120)
+    seen = []
+    for k in range(1, 6):
+        q_in.put(("add",))
+        q_out.get(timeout=120)
+        torch.cuda.synchronize()
+        seen.append(float(w[len(w) // 2].item()))
+    q_in.put(("stop",))
+    proc.join(timeout=60)
+    out["seen"] = seen
+    out["x_intact"] = bool((x == 0).all().item())
+    out["expseg"] = expseg_figures()
+    out["ok"] = seen == [1.0, 2.0, 3.0, 4.0, 5.0] and out["x_intact"]
+    return out
+
+
 def main():
     part = sys.argv[1]
     if part == "race":
         out = race(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif part == "capture":
         out = capture()
+    elif part == "writeback":
+        out = writeback()
     else:
-        out = sync(int(sys.argv[2]), sys.argv[3])
+        out = sync(int(sys.argv[2]), sys.argv[3], *(sys.argv[4:5]))
     print(json.dumps(out))
     sys.stdout.flush()
     os._exit(0 if out["ok"] else 1)
