@@ -5,6 +5,9 @@
 // more than 64 MiB, with each poll's cost; "newcomer" is the arriving process: it prints the
 // monotonic time at its start, after cuInit, after its context exists and after its first
 // allocation of 1 GiB. Times are CLOCK_MONOTONIC milliseconds, comparable across processes.
+// The watcher also prints each open of the driver's device files (inotify IN_OPEN on
+// /dev/nvidiactl, /dev/nvidia0, /dev/nvidia-uvm; the opener is not named), a possible signal
+// earlier than NVML's list.
 //
 //   gcc -O2 -o newcomer newcomer.c -I$CUDA_HOME/include -lcuda -ldl
 //   ./newcomer watch SECONDS & sleep 1; ./newcomer newcomer
@@ -13,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -61,7 +65,11 @@ static int watch(double seconds) {
     for (unsigned i = 0; i < n && nk < 256; i++) known[nk++] = ps[i].pid;
   size_t free0, total;
   cuMemGetInfo(&free0, &total);
-  printf("mode=watch self=%d listed_at_start=%u free_gib=%.2f\n", getpid(), nk, free0 / 1073741824.0);
+  const char* files[] = {"/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"};
+  int wd[3], in = inotify_init1(IN_NONBLOCK);
+  for (int i = 0; i < 3; i++) wd[i] = in >= 0 ? inotify_add_watch(in, files[i], IN_OPEN) : -1;
+  printf("mode=watch self=%d listed_at_start=%u free_gib=%.2f inotify=%d,%d,%d\n", getpid(), nk,
+         free0 / 1073741824.0, wd[0], wd[1], wd[2]);
   fflush(stdout);
   static double nv[1 << 20], mi[1 << 20];
   size_t polls = 0;
@@ -93,6 +101,14 @@ static int watch(double seconds) {
       fflush(stdout);
     }
     last_free = f;
+    char ev[4096] __attribute__((aligned(8)));
+    ssize_t got = in >= 0 ? read(in, ev, sizeof ev) : -1;
+    for (ssize_t o = 0; o < got;) {
+      struct inotify_event* e = (struct inotify_event*)(ev + o);
+      for (int i = 0; i < 3; i++)
+        if (e->wd == wd[i]) printf("opened %s t=%.3f\n", files[i], now_ms());
+      o += (ssize_t)sizeof(struct inotify_event) + e->len;
+    }
   }
   qsort(nv, polls, sizeof(double), cmp);
   qsort(mi, polls, sizeof(double), cmp);
