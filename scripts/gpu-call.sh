@@ -15,6 +15,8 @@
 #   keep [ROUNDS]            shim-tests/keep_newcomer.py (EXPSEG_KEEP=auto beside plain newcomers)
 #   dmabuf                   shim-tests/torch_dmabuf_pause.py
 #   probe FILE.c|cu [ARGS]   a probe of scripts/vmm-cost built with nvcc and run
+#   newcomer                 scripts/vmm-cost/newcomer.c watching while a PyTorch and a C newcomer
+#                            arrive (device-file opens, NVML listing, their own timestamps)
 # PART_LIMIT: seconds each part may take (default 300).
 set -u
 out=${OUT:-/tmp/gpu-call}; mkdir -p "$out"
@@ -50,6 +52,14 @@ for part in "$@"; do
       else
         say "probe $src: build failed: $(tail -3 "$logs/probe-$n.build")"
       fi ;;
-    *) say "unknown part '$kind' (suite, bench, keep, dmabuf, probe)" ;;
+    newcomer)
+      exe=/tmp/newcomer-$n
+      if nvcc -O2 -o "$exe" scripts/vmm-cost/newcomer.c -lcuda -ldl >"$logs/newcomer-$n.build" 2>&1; then
+        { "$exe" watch 8 & sleep 1; python3 scripts/vmm-cost/newcomer_torch.py; sleep 1; "$exe" newcomer; wait; } >"$logs/newcomer-$n.log" 2>&1
+        say "newcomer rc=$?"; grep -E '^(mode|listed|opened|free_drop|polls)' "$logs/newcomer-$n.log" | cut -c1-200 | head -40 | tee -a "$out/summary.txt"
+      else
+        say "newcomer: build failed: $(tail -3 "$logs/newcomer-$n.build")"
+      fi ;;
+    *) say "unknown part '$kind' (suite, bench, keep, dmabuf, probe, newcomer)" ;;
   esac
 done
