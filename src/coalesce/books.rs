@@ -99,6 +99,16 @@ pub struct CoalesceConfig {
     pub keep_giveback_us: u64,
 }
 
+/// How long the parts of a give-back took ([`Coalescer::trim_unmoved_timed`]): retrying what
+/// the driver refused before, handles with no live page (and how many), kept handles.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TrimParts {
+    pub leftovers: std::time::Duration,
+    pub idle: std::time::Duration,
+    pub idle_handles: u64,
+    pub kept: std::time::Duration,
+}
+
 /// Giving a kept handle back costs the driver about this much a handle, in microseconds
 /// (`scripts/vmm-cost/release_parallel.c`, H200: 5,120 handles of 20 MiB in 144-163 ms)...
 pub const GIVEBACK_US_A_HANDLE: u64 = 15;
@@ -531,7 +541,7 @@ impl<D: Driver> Coalescer<D> {
     }
 
     /// [`Self::set_keeping`], with how long the parts of the give-back took.
-    pub fn set_keeping_timed(&mut self, keeping: bool) -> (u64, super::TrimParts) {
+    pub fn set_keeping_timed(&mut self, keeping: bool) -> (u64, TrimParts) {
         self.keeping = keeping;
         if keeping {
             return (0, Default::default());

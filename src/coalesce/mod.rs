@@ -61,22 +61,12 @@ mod timed;
 pub mod trace;
 
 pub use books::{
-    is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, INVALID, NOT_SUPPORTED,
+    is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, TrimParts, INVALID, NOT_SUPPORTED,
 };
 pub use sleep::{Choose, Paused};
 
 use crate::gpu::{Driver, DrvResult, PageProps};
 use books::{end, Page, FREE_FRESH_NS, FREE_STALE_NS, NEXT_VH, OTHERS_BYTES_PER_MS, TAG};
-
-/// How long the parts of a give-back took ([`Coalescer::trim_unmoved_timed`]): retrying what
-/// the driver refused before, handles with no live page (and how many), kept handles.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct TrimParts {
-    pub leftovers: std::time::Duration,
-    pub idle: std::time::Duration,
-    pub idle_handles: u64,
-    pub kept: std::time::Duration,
-}
 
 impl<D: Driver> Coalescer<D> {
     /// Give back now everything held beyond the program's pages (stranded pages compacted,
