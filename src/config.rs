@@ -178,7 +178,7 @@ pub struct Config {
     /// a plain process arriving can ask before the give-back ends (measured: RESULTS.md).
     pub keep_auto: bool,
     /// `EXPSEG_KEEP_GIVEBACK` (default 40 ms; 0: no bound): under `EXPSEG_KEEP=auto`, what is
-    /// kept is bounded by the time giving it back is estimated to take (`coalesce::GIVEBACK_*`),
+    /// kept is bounded by the time giving it back is estimated to take (`coalesce::reuse::giveback_us`),
     /// the oldest kept handles going back first, so that a plain process arriving (listed about
     /// 100 ms before it allocates) finds its memory back.
     pub keep_giveback_ms: u64,

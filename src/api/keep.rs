@@ -155,15 +155,9 @@ pub struct Hooks {
 /// What a give-back did, for the line that says it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GaveBack {
-    pub bytes: u64,
-    /// Kept handles before, and the estimate of their give-back (`EXPSEG_KEEP_GIVEBACK`).
-    pub handles: u64,
-    pub estimate_us: u64,
     /// How long taking the coalescers' lock took (another thread's call in progress).
     pub waited_us: u64,
-    /// How long the give-back's parts took: retries, handles with no live page (and how many),
-    /// kept handles.
-    pub parts: crate::coalesce::TrimParts,
+    pub trim: crate::coalesce::TrimParts,
 }
 
 /// The GPUs `EXPSEG_KEEP=auto` watches (device, the CUDA driver's UUID by `uuid_of`): every
@@ -291,18 +285,19 @@ fn apply(hooks: Hooks, dev: i32, keep: bool, why: &str) -> bool {
     let Some(g) = (hooks.set_keeping)(dev, keep) else {
         return false;
     };
-    match (keep, g.bytes) {
+    let (t, ms) = (g.trim, |d: std::time::Duration| d.as_secs_f64() * 1e3);
+    match (keep, t.bytes) {
         (true, _) | (false, 0) => log::debug!("GPU {dev}: {why}"),
         (false, n) => log::info!(
             "GPU {dev}: {why}; gave back {n} kept bytes ({} kept handles, estimated {:.1} ms) in {:.1} ms: {:.1} waiting for another call, {:.1} retries, {:.1} for {} handles with no live page, {:.1} for the kept ones",
-            g.handles,
-            g.estimate_us as f64 / 1e3,
-            t0.elapsed().as_secs_f64() * 1e3,
+            t.kept_handles,
+            t.estimate_us as f64 / 1e3,
+            ms(t0.elapsed()),
             g.waited_us as f64 / 1e3,
-            g.parts.leftovers.as_secs_f64() * 1e3,
-            g.parts.idle.as_secs_f64() * 1e3,
-            g.parts.idle_handles,
-            g.parts.kept.as_secs_f64() * 1e3
+            ms(t.leftovers),
+            ms(t.idle),
+            t.idle_handles,
+            ms(t.kept)
         ),
     }
     set_modes(std::iter::once((dev, why.to_string())));

@@ -670,25 +670,17 @@ pub(super) mod coalescers {
         }
     }
 
-    /// `api::keep`'s hook: device `dev` keeps released memory, or gives it back (the bytes);
+    /// `api::keep`'s hook: device `dev` keeps released memory, or gives it back (what that did);
     /// None before the coalescers exist (the watcher may look while they are being made).
     fn set_keeping_of(dev: i32, keep: bool) -> Option<keep::GaveBack> {
         use crate::gpu::Driver as _;
         let t0 = std::time::Instant::now();
         let mut v = started().then(lock)?;
-        let mut g = keep::GaveBack {
-            waited_us: t0.elapsed().as_micros() as u64,
-            ..Default::default()
-        };
-        for c in v.all().filter(|c| c.driver().device() == dev) {
-            (g.handles, g.estimate_us) = (
-                g.handles + c.kept_handles(),
-                g.estimate_us + c.kept_giveback_us(),
-            );
-            let (bytes, parts) = in_context(c, |c| c.set_keeping_timed(keep));
-            (g.bytes, g.parts) = (g.bytes + bytes, parts);
-        }
-        Some(g)
+        let waited_us = t0.elapsed().as_micros() as u64;
+        let on_dev = v.all().filter(|c| c.driver().device() == dev);
+        let trim = on_dev.map(|c| in_context(c, |c| c.set_keeping_timed(keep)));
+        let trim = trim.fold(Default::default(), crate::coalesce::TrimParts::plus);
+        Some(keep::GaveBack { waited_us, trim })
     }
 
     /// Kept handles go back to the driver once the program has been quiet for the delay: a
@@ -869,42 +861,33 @@ pub(super) mod coalescers {
                 rows.push((names[2], a.1.peak_held));
             }
         }
-        // Driver time of the coalescers, per operation that was called.
-        const NAMES: [&str; Op::ALL.len() + 1] = [
-            "coalesce_create",
-            "coalesce_release",
-            "coalesce_reserve",
-            "coalesce_free_va",
-            "coalesce_map",
-            "coalesce_unmap",
-            "coalesce_set_access",
-            "coalesce_legacy_alloc",
-            "coalesce_legacy_free",
-            "coalesce_copy",
-            "coalesce_ipc_handle",
-            "coalesce_sync",
-            "coalesce_meminfo",
-        ];
-        const NS: [&str; Op::ALL.len() + 1] = [
-            "coalesce_create_ns",
-            "coalesce_release_ns",
-            "coalesce_reserve_ns",
-            "coalesce_free_va_ns",
-            "coalesce_map_ns",
-            "coalesce_unmap_ns",
-            "coalesce_set_access_ns",
-            "coalesce_legacy_alloc_ns",
-            "coalesce_legacy_free_ns",
-            "coalesce_copy_ns",
-            "coalesce_ipc_handle_ns",
-            "coalesce_sync_ns",
-            "coalesce_meminfo_ns",
-        ];
-        for i in 0..NAMES.len() {
+        // Driver time of the coalescers, per operation that was called: its calls and their ns.
+        macro_rules! names {
+            ($($op:literal),*) => {
+                ([$(concat!("coalesce_", $op)),*], [$(concat!("coalesce_", $op, "_ns")),*])
+            };
+        }
+        const ROWS: ([&str; Op::ALL.len() + 1], [&str; Op::ALL.len() + 1]) = names!(
+            "create",
+            "release",
+            "reserve",
+            "free_va",
+            "map",
+            "unmap",
+            "set_access",
+            "legacy_alloc",
+            "legacy_free",
+            "copy",
+            "ipc_handle",
+            "sync",
+            "meminfo"
+        );
+        let (names, ns) = ROWS;
+        for i in 0..names.len() {
             let calls: u64 = all.iter().map(|a| a.5[i].0).sum();
             if calls > 0 {
-                rows.push((NAMES[i], calls));
-                rows.push((NS[i], crate::clock::ns(all.iter().map(|a| a.5[i].1).sum())));
+                rows.push((names[i], calls));
+                rows.push((ns[i], crate::clock::ns(all.iter().map(|a| a.5[i].1).sum())));
             }
         }
         rows

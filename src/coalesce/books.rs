@@ -94,35 +94,9 @@ pub struct CoalesceConfig {
     /// (`EXPSEG_LEARN_CUTS`, [`super::cuts`]).
     pub learn_cuts: bool,
     /// What is kept is bounded by the time giving it back is estimated to take, in
-    /// microseconds ([`giveback_us`]); 0: no bound (`EXPSEG_KEEP_GIVEBACK`, under
+    /// microseconds (`reuse::giveback_us`); 0: no bound (`EXPSEG_KEEP_GIVEBACK`, under
     /// `EXPSEG_KEEP=auto` only).
     pub keep_giveback_us: u64,
-}
-
-/// How long the parts of a give-back took ([`Coalescer::trim_unmoved_timed`]): retrying what
-/// the driver refused before, handles with no live page (and how many), kept handles.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct TrimParts {
-    pub leftovers: std::time::Duration,
-    pub idle: std::time::Duration,
-    pub idle_handles: u64,
-    pub kept: std::time::Duration,
-}
-
-/// Giving a kept handle back costs the driver about this much a handle, in microseconds
-/// (`scripts/vmm-cost/release_parallel.c`, H200: 5,120 handles of 20 MiB in 144-163 ms)...
-pub const GIVEBACK_US_A_HANDLE: u64 = 15;
-/// ...plus its bytes at this many a microsecond (1.6 GB/ms: 50 handles of 2 GiB in 54-74 ms,
-/// 400 of 256 MiB in 69-88 ms; more threads do not release faster)...
-pub const GIVEBACK_BYTES_A_US: u64 = 1_600_000;
-/// ...plus an unmap first where it is still mapped (parked): `keep_newcomer.py` (H200) gave
-/// back 1,131 parked handles of about 20 MiB (23.7 GB) in 111 ms, 98 us a handle.
-pub const GIVEBACK_US_UNMAP: u64 = 80;
-
-/// The estimated time to give back `handles` kept handles of `bytes` in all, `parked` of them
-/// mapped, in microseconds.
-pub fn giveback_us(handles: u64, parked: u64, bytes: u64) -> u64 {
-    handles * GIVEBACK_US_A_HANDLE + parked * GIVEBACK_US_UNMAP + bytes / GIVEBACK_BYTES_A_US
 }
 
 /// Bytes grown ahead are at most this fraction of the peak held (1/64: 1.6 %).
@@ -529,24 +503,6 @@ impl<D: Driver> Coalescer<D> {
 
     pub(super) fn parking(&self) -> bool {
         self.keeping && !self.cfg.release_delay.is_zero()
-    }
-
-    /// Whether released handles may be kept from now on (where a release delay is set): off,
-    /// what goes back without moving a live page goes back at once (`trim_unmoved`: every kept
-    /// handle, a parked one unmapped first, and idle handles; one that will not unmap stays,
-    /// tried again at the next release), the rest at the program's next call. The bytes given
-    /// back.
-    pub fn set_keeping(&mut self, keeping: bool) -> u64 {
-        self.set_keeping_timed(keeping).0
-    }
-
-    /// [`Self::set_keeping`], with how long the parts of the give-back took.
-    pub fn set_keeping_timed(&mut self, keeping: bool) -> (u64, TrimParts) {
-        self.keeping = keeping;
-        if keeping {
-            return (0, Default::default());
-        }
-        self.trim_unmoved_timed()
     }
 
     /// Whether released handles are kept now.

@@ -61,8 +61,9 @@ mod timed;
 pub mod trace;
 
 pub use books::{
-    is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, TrimParts, INVALID, NOT_SUPPORTED,
+    is_virtual, CoalesceConfig, CoalesceStats, Coalescer, Seen, INVALID, NOT_SUPPORTED,
 };
+pub use reuse::TrimParts;
 pub use sleep::{Choose, Paused};
 
 use crate::gpu::{Driver, DrvResult, PageProps};
@@ -149,11 +150,11 @@ impl<D: Driver> Coalescer<D> {
     /// moving them gives back (bytes grown ahead of live pages, pages stranded by a release
     /// loop in progress) goes back at the program's next call (`giving_back_ended`).
     pub fn trim_unmoved(&mut self) -> u64 {
-        self.trim_unmoved_timed().0
+        self.trim_unmoved_timed().bytes
     }
 
     /// [`Self::trim_unmoved`], with how long each of its parts took.
-    pub fn trim_unmoved_timed(&mut self) -> (u64, TrimParts) {
+    pub fn trim_unmoved_timed(&mut self) -> TrimParts {
         let before = self.physical_bytes();
         let mut parts = TrimParts::default();
         let t0 = std::time::Instant::now();
@@ -177,7 +178,8 @@ impl<D: Driver> Coalescer<D> {
             self.trim_owed = true;
         }
         (parts.leftovers, parts.idle, parts.kept) = (t1 - t0, t2 - t1, t3 - t2);
-        (before.saturating_sub(self.physical_bytes()), parts)
+        parts.bytes = before.saturating_sub(self.physical_bytes());
+        parts
     }
 
     /// A call other than an unmap or a release: if the program was giving memory back, that

@@ -5,7 +5,76 @@
 use super::books::{key, Coalescer, Kept, KeptKey};
 use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps};
 
+/// What a give-back did ([`Coalescer::set_keeping_timed`]): the bytes, the kept handles
+/// before it and the estimate of their give-back, and how long its parts took (retrying what
+/// the driver refused before, handles with no live page and how many, kept handles).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TrimParts {
+    pub bytes: u64,
+    pub kept_handles: u64,
+    pub estimate_us: u64,
+    pub leftovers: std::time::Duration,
+    pub idle: std::time::Duration,
+    pub idle_handles: u64,
+    pub kept: std::time::Duration,
+}
+
+impl TrimParts {
+    /// Two coalescers' give-backs as one.
+    pub fn plus(self, o: TrimParts) -> TrimParts {
+        TrimParts {
+            bytes: self.bytes + o.bytes,
+            kept_handles: self.kept_handles + o.kept_handles,
+            estimate_us: self.estimate_us + o.estimate_us,
+            leftovers: self.leftovers + o.leftovers,
+            idle: self.idle + o.idle,
+            idle_handles: self.idle_handles + o.idle_handles,
+            kept: self.kept + o.kept,
+        }
+    }
+}
+
+/// Giving a kept handle back costs the driver about this much a handle, in microseconds
+/// (`scripts/vmm-cost/release_parallel.c`, H200: 5,120 handles of 20 MiB in 144-163 ms)...
+pub const GIVEBACK_US_A_HANDLE: u64 = 15;
+/// ...plus its bytes at this many a microsecond (1.6 GB/ms: 50 handles of 2 GiB in 54-74 ms,
+/// 400 of 256 MiB in 69-88 ms; more threads do not release faster)...
+pub const GIVEBACK_BYTES_A_US: u64 = 1_600_000;
+/// ...plus an unmap first where it is still mapped (parked): `keep_newcomer.py` (H200) gave
+/// back 1,131 parked handles of about 20 MiB (23.7 GB) in 111 ms, 98 us a handle.
+pub const GIVEBACK_US_UNMAP: u64 = 80;
+
+/// The estimated time to give back `handles` kept handles of `bytes` in all, `parked` of them
+/// mapped, in microseconds.
+pub fn giveback_us(handles: u64, parked: u64, bytes: u64) -> u64 {
+    handles * GIVEBACK_US_A_HANDLE + parked * GIVEBACK_US_UNMAP + bytes / GIVEBACK_BYTES_A_US
+}
+
 impl<D: Driver> Coalescer<D> {
+    /// Whether released handles may be kept from now on (where a release delay is set): off,
+    /// what goes back without moving a live page goes back at once (`trim_unmoved`: every kept
+    /// handle, a parked one unmapped first, and idle handles; one that will not unmap stays,
+    /// tried again at the next release), the rest at the program's next call. The bytes given
+    /// back.
+    pub fn set_keeping(&mut self, keeping: bool) -> u64 {
+        self.set_keeping_timed(keeping).bytes
+    }
+
+    /// [`Self::set_keeping`], with what was kept before and how long the give-back's parts
+    /// took.
+    pub fn set_keeping_timed(&mut self, keeping: bool) -> TrimParts {
+        self.keeping = keeping;
+        if keeping {
+            return TrimParts::default();
+        }
+        let (kept_handles, estimate_us) = (self.kept_handles(), self.kept_giveback_us());
+        TrimParts {
+            kept_handles,
+            estimate_us,
+            ..self.trim_unmoved_timed()
+        }
+    }
+
     /// Give every kept handle back to the driver (a parked one is unmapped first; one that
     /// will not unmap stays kept and is tried again next time).
     pub fn release_kept(&mut self) {
@@ -101,7 +170,7 @@ impl<D: Driver> Coalescer<D> {
 
     /// The estimated time to give back every kept handle, in microseconds.
     pub fn kept_giveback_us(&self) -> u64 {
-        super::books::giveback_us(
+        giveback_us(
             self.kept.len() as u64,
             self.parked.len() as u64,
             self.kept_bytes,

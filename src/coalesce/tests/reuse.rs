@@ -177,7 +177,7 @@ fn keeping_turned_off_gives_every_kept_handle_back_and_keeps_none_until_turned_o
 #[test]
 fn what_is_kept_is_bounded_by_the_time_giving_it_back_takes_the_oldest_going_first() {
     // A handle of 4 pages, parked: 15 us + 80 us (its unmap) + 80 MiB at 1.6 GB/ms (52 us).
-    let one = super::super::books::giveback_us(1, 1, 4 * PAGE);
+    let one = super::super::reuse::giveback_us(1, 1, 4 * PAGE);
     assert_eq!(one, 147);
     let (mut c, va) = setup(
         100 * PAGE,
