@@ -426,6 +426,8 @@ fi
 # weight whose neighbour stays untouched. SHARE_ROUNDS rounds a race run (default 20);
 # SHARE_PARTS picks parts (race capture sync syncreduce writeback).
 share_part() { [ -z "${SHARE_PARTS:-}" ] || [[ " $SHARE_PARTS " == *" $1 "* ]]; }
+# SHARE_ROUTES picks the race's routes (raw reduce; unset: both).
+share_route() { [ -z "${SHARE_ROUTES:-}" ] || [[ " $SHARE_ROUTES " == *" $1 "* ]]; }
 share_run() { # name check env... -- args after --
   local name=$1 check=$2; shift 2
   local envs=() ; while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
@@ -440,19 +442,25 @@ share_run() { # name check env... -- args after --
 if want share && torch_for share; then
   r=${SHARE_ROUNDS:-20}
   if share_part race; then
-    share_run race_raw_side_native "" -- race raw side "$r"
-    share_run race_reduce_side_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- race reduce side "$r"
-    for w in side default graph; do
+    share_route raw && share_run race_raw_side_native "" -- race raw side "$r"
+    share_route reduce && share_run race_reduce_side_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- race reduce side "$r"
+    share_route raw && for w in side default graph; do
       share_run "race_raw_${w}" 'e["coalesce_compactions"] == 0 and e["coalesce_exports_split"] == 0' LD_PRELOAD="$lib" -- race raw "$w" "$r"
     done
-    share_run race_raw_side_plain_consumer 'e["coalesce_compactions"] == 0' CONSUMER=plain LD_PRELOAD="$lib" -- race raw side "$r"
-    for w in side default; do
-      share_run "race_reduce_${w}" "" LD_PRELOAD="$lib" -- race reduce "$w" "$r"
+    share_route raw && share_run race_raw_side_plain_consumer 'e["coalesce_compactions"] == 0' CONSUMER=plain LD_PRELOAD="$lib" -- race raw side "$r"
+    # The export route: with a non-blocking stream in the program (side) a page inside a
+    # coalesced handle is exported through a mirror, nothing moves; without one (default) the
+    # handle is split, held by the legacy stream's fence (which then holds every stream).
+    share_route reduce && share_run race_reduce_side 'e["coalesce_exports_split"] == 0 and e["export_mirrors_made"] > 0' LD_PRELOAD="$lib" -- race reduce side "$r"
+    share_route reduce && for w in default; do
+      share_run "race_reduce_${w}" 'e["export_mirrors_made"] == 0' LD_PRELOAD="$lib" -- race reduce "$w" "$r"
     done
   fi
   if share_part capture; then
     share_run capture_native "" -- capture
     share_run capture "" LD_PRELOAD="$lib" -- capture
+    share_run capture_reduce_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- capture reduce
+    share_run capture_reduce "" LD_PRELOAD="$lib" -- capture reduce
   fi
   if share_part sync; then
     share_run sync_512_host_native "" CONSUMER=plain -- sync 512 host
@@ -473,6 +481,11 @@ if want share && torch_for share; then
       share_run "sync_512_${m}_reduce_plain" "" CONSUMER=plain LD_PRELOAD="$lib" -- sync 512 "$m" reduce
     done
     share_run sync_512_event_reduce_expseg_consumer "" LD_PRELOAD="$lib" -- sync 512 event reduce
+    # With a non-blocking stream in the producer: the pages go through copies kept current.
+    for m in host event; do
+      share_run "sync_512_${m}_reduce_side_plain" 'e["export_mirrors_made"] > 0 and e["coalesce_exports_split"] == 0' SIDE=1 CONSUMER=plain LD_PRELOAD="$lib" -- sync 512 "$m" reduce
+    done
+    share_run sync_512_host_reduce_side_expseg_consumer 'e["export_mirrors_made"] > 0' SIDE=1 LD_PRELOAD="$lib" -- sync 512 host reduce
   fi
   if share_part writeback; then
     share_run writeback_native "" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- writeback

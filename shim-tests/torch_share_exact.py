@@ -11,10 +11,12 @@ PART race ROUTE WRITER ROUNDS: each round the main thread makes a tensor `x` for
   its own; default: on the default stream; graph: a CUDA graph per tensor replayed on its
   stream). Exact: every `x` holds its count, every `w` read right, no CUDA error.
   CONSUMER=plain runs the consumer without LD_PRELOAD.
-PART capture: one thread captures a CUDA graph (global mode, PyTorch's default) while another
-  asks `cudaIpcGetMemHandle` of a tensor: both succeed and the graph replays right.
+PART capture [ROUTE]: one thread captures a CUDA graph (global mode, PyTorch's default) while
+  another shares a tensor made right after another (ROUTE raw, the default: `cudaIpcGetMemHandle`;
+  reduce: `reduce_tensor`): both succeed and the graph replays right.
 PART sync MIB MODE [ROUTE]: a producer takes the handle of a buffer once (ROUTE raw, the
-  default, or reduce: the consumer rebuilds the tensor once and keeps it), then 10 times
+  default, or reduce: the consumer rebuilds the tensor once and keeps it; SIDE=1: the producer
+  has a non-blocking stream), then 10 times
   rewrites it, orders it (MODE host: `torch.cuda.synchronize()`; event: records an
   interprocess event the consumer waits on) and signals; the consumer (CONSUMER=plain: without
   expseg) reads it each time. Then 30 training steps with the handle live (`loss.item()` each
@@ -34,6 +36,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import reduce_tensor
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -52,7 +55,8 @@ def expseg_figures():
     except (ValueError, KeyError):
         return None
     keys = ("coalesce_compactions", "coalesce_held_moves", "coalesce_exports_split",
-            "coalesce_splits_refused", "ipc_mirror_sync_copies", "ipc_mirror_event_copies",
+            "coalesce_splits_refused", "coalesce_moves_refused_capture", "export_mirrors_made",
+            "ipc_mirror_sync_copies", "ipc_mirror_event_copies",
             "ipc_mirror_sync_bytes", "ipc_tickets_issued")
     return {k: p.get(k) for k in keys}
 
@@ -237,7 +241,7 @@ def race(route, writer, rounds):
     return out
 
 
-def capture():
+def capture(route="raw"):
     dev = torch.device("cuda", 0)
     a = torch.ones(1 << 20, device=dev)
     shared = torch.full((8 * MIB,), 3.0, device=dev)
@@ -247,7 +251,14 @@ def capture():
 
     def sharer():
         opened.wait()
-        result["rc"], _, _ = raw_handle(shared)
+        try:
+            if route == "raw":
+                result["rc"], _, _ = raw_handle(shared)
+            else:
+                reduce_tensor(shared)
+                result["rc"] = 0
+        except Exception as e:  # noqa: BLE001
+            result["rc"] = str(e).splitlines()[0][:200]
         share_done.set()
 
     th = threading.Thread(target=sharer)
@@ -268,7 +279,7 @@ def capture():
         g.replay()
         torch.cuda.synchronize()
         right = bool((c == 3).all().item())
-    out = {"part": "capture", "share_rc": result.get("rc"), "capture_error": capture_error,
+    out = {"part": "capture", "route": route, "share_rc": result.get("rc"), "capture_error": capture_error,
            "replay_right": right, "expseg": expseg_figures()}
     out["ok"] = result.get("rc") == 0 and capture_error is None and right is True
     return out
@@ -278,10 +289,16 @@ def sync(mib, mode, route="raw"):
     dev = torch.device("cuda", 0)
     ctx = mp.get_context("spawn")
     proc, q_in, q_out = start_consumer(ctx)
+    # SIDE=1: the program has a non-blocking stream (PyTorch then has its pool of them), as a
+    # trainer with side streams does: under expseg a page inside a coalesced handle is then
+    # exported as a copy kept current at the orderings.
+    side = torch.cuda.Stream(dev) if os.environ.get("SIDE") == "1" else None
+    pad = torch.empty(4 * MIB, device=dev)  # the buffer starts inside a handle, not at its start
     buf = torch.zeros(mib * MIB // 4, device=dev)
     torch.cuda.synchronize()
     rc, raw, off = raw_handle(buf) if route == "raw" else (0, None, 0)
-    out = {"part": "sync", "mib": mib, "mode": mode, "route": route, "consumer": os.environ.get("CONSUMER", "same")}
+    out = {"part": "sync", "mib": mib, "mode": mode, "route": route, "side": side is not None,
+           "consumer": os.environ.get("CONSUMER", "same")}
     if route == "reduce":
         q_in.put(("keep", buf))
         q_out.get(timeout=120)
@@ -333,6 +350,7 @@ def sync(mib, mode, route="raw"):
     out["step_ms_median"] = sorted(steps[5:])[len(steps[5:]) // 2]
     q_in.put(("stop",))
     proc.join(timeout=60)
+    del pad
     out["expseg"] = expseg_figures()
     out["ok"] = right == 10
     return out
@@ -368,7 +386,7 @@ def main():
     if part == "race":
         out = race(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif part == "capture":
-        out = capture()
+        out = capture(*(sys.argv[2:3]))
     elif part == "writeback":
         out = writeback()
     else:

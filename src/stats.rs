@@ -82,6 +82,11 @@ pub struct Global {
     /// Mirrors of other allocators' memory (PyTorch's pages): bytes held now, bytes made in all.
     pub foreign_mirror_bytes: Counter,
     pub foreign_mirror_bytes_made: Counter,
+    /// Exports of pages inside coalesced handles made through a page-sized copy
+    /// (`api::ipc::pages`): copies made, bytes held now, copies made again.
+    pub export_mirrors_made: Counter,
+    pub export_mirror_bytes: Counter,
+    pub export_mirror_copies: Counter,
     /// Mirrors made to the end of PyTorch's live blocks instead of the whole run of mappings,
     /// and the bytes of runs they did not copy.
     pub foreign_mirrors_bounded: Counter,
@@ -126,6 +131,9 @@ pub static GLOBAL: Global = Global {
     ipc_mirror_sync_bytes: Counter::new(),
     foreign_mirror_bytes: Counter::new(),
     foreign_mirror_bytes_made: Counter::new(),
+    export_mirrors_made: Counter::new(),
+    export_mirror_bytes: Counter::new(),
+    export_mirror_copies: Counter::new(),
     foreign_mirrors_bounded: Counter::new(),
     foreign_mirror_bytes_spared: Counter::new(),
     ipc_tickets_opened: Counter::new(),
@@ -173,6 +181,9 @@ impl Global {
                 "foreign_mirror_bytes_made",
                 self.foreign_mirror_bytes_made.get(),
             ),
+            ("export_mirrors_made", self.export_mirrors_made.get()),
+            ("export_mirror_bytes", self.export_mirror_bytes.get()),
+            ("export_mirror_copies", self.export_mirror_copies.get()),
             (
                 "foreign_mirrors_bounded",
                 self.foreign_mirrors_bounded.get(),

@@ -138,7 +138,13 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     // Descriptors exported for this page are no longer served (PyTorch closes them with it).
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
     match catch_unwind(|| vmm::release(h)) {
-        Ok(Some(c)) => c,
+        Ok(Some(c)) => {
+            // A copy exported for the page goes with it (api::ipc::pages).
+            if c == 0 && catch_unwind(|| crate::api::export_copies::released(h)).is_err() {
+                return unknown("cuMemRelease");
+            }
+            c
+        }
         // SAFETY: the driver's own function, with the program's own arguments.
         Ok(None) => unsafe { f(h) },
         Err(_) => unknown("cuMemRelease"),
@@ -225,7 +231,9 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     };
     // SAFETY: the driver's own function, with the program's own arguments.
     let export = |h| unsafe { f(out, h, kind, flags) };
-    let r = match catch_unwind(|| vmm::export(h)) {
+    // A page inside a coalesced handle, while the program has non-blocking streams: a copy
+    // of it is exported (api::ipc::pages); otherwise its own handle, split off if need be.
+    let r = match catch_unwind(|| crate::api::export_copies::export(h).or_else(|| vmm::export(h))) {
         Ok(Some(Ok(real_h))) => export(real_h),
         Ok(Some(Err(e))) => e,
         Ok(None) => export(h),

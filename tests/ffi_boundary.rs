@@ -51,7 +51,17 @@ const EXEMPT: &[(&str, &str, &str)] = &[
     ("hooks/order.rs", "export_slot", "one atomic store (api::sharing), then the driver's call"),
     ("hooks/order.rs", "range_handle_slot", "expseg's part in range_asked(): around_real(), which catches; then the driver's call"),
     ("hooks/order.rs", "cuMemGetHandleForAddressRange", "expseg's part in range_asked(): around_real(), which catches; then the driver's call"),
+    ("hooks/streams.rs", "create_slot", STREAMS),
+    ("hooks/streams.rs", "create_prio_slot", STREAMS),
+    ("hooks/streams.rs", "destroy_slot", STREAMS),
+    ("hooks/streams.rs", "cuStreamCreate", STREAMS),
+    ("hooks/streams.rs", "cuStreamCreateWithPriority", STREAMS),
+    ("hooks/streams.rs", "cuStreamDestroy", STREAMS),
+    ("hooks/streams.rs", "cuStreamDestroy_v2", STREAMS),
 ];
+
+/// Why the stream hooks (src/hooks/streams.rs) need no boundary of their own.
+const STREAMS: &str = "expseg's part runs in made() or gone(), which catch (contained); the rest is the driver's call";
 
 /// Why the ordering hooks (src/hooks/order.rs) need no boundary of their own.
 const ORDER: &str = "expseg's part runs in synchronized(), recording() or shared_event(), which catch (around_real); the rest is the driver's call";

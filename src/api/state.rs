@@ -819,6 +819,10 @@ pub(super) mod coalescers {
                 sum(&|s| s.cross_device_waits),
             ),
             ("coalesce_held_moves", sum(&|s| s.held_moves)),
+            (
+                "coalesce_moves_refused_capture",
+                sum(&|s| s.moves_refused_capture),
+            ),
             ("coalesce_peer_holds", sum(&|s| s.peer_holds)),
             ("coalesce_peer_holds_let_go", sum(&|s| s.peer_holds_let_go)),
             ("coalesce_moves_put_off", sum(&|s| s.moves_put_off)),

@@ -49,6 +49,40 @@ pub fn begin_read_run(base: u64, size: u64, max: usize) -> Option<(super::reads:
     Some((reading, run))
 }
 
+/// A registered read of page `vh` at `va` (`size` bytes: an export's copy of it), where the
+/// page is still mapped there with its memory (not paused, not moved away): checked under the
+/// coalescers' bare mutex once the read is registered (as [`begin_read_run`]), so no coalescer
+/// call moves or pauses it until the read ends. None: not so.
+pub fn begin_read_page(vh: u64, va: u64, size: u64) -> Option<super::reads::Reading> {
+    if !started() {
+        return None;
+    }
+    let mut g = books();
+    let reading = super::reads::begin(va, size);
+    let mapped = g.all().any(|c| c.page_mapped_at(vh, va));
+    mapped.then_some(reading)
+}
+
+/// Before `cuMemExportToShareableHandle` of page `vh`: where it lies inside a larger handle
+/// (`Coalescer::export_inside`; woken first if paused), its device, address, size and
+/// properties. None: not a page of ours, or one a split would not move others for.
+pub fn export_inside(vh: u64) -> Option<Result<(i32, u64, u64, PageProps), u32>> {
+    if !is_virtual(vh) || !started() {
+        return None;
+    }
+    let mut v = lock();
+    if v.frozen_owns(vh) {
+        return Some(Err(FROZEN_USED));
+    }
+    let c = v.owner(vh)?;
+    let dev = c.driver().device();
+    match in_context(c, |c| c.export_inside(vh)) {
+        Ok(Some((va, size, props))) => Some(Ok((dev, va, size, props))),
+        Ok(None) => None,
+        Err(e) => Some(Err(e.0)),
+    }
+}
+
 /// A range past the end of the address space: nothing of expseg's is there (the driver
 /// answers it).
 fn wraps(va: u64, size: u64) -> bool {

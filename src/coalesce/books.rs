@@ -219,6 +219,8 @@ pub struct CoalesceStats {
     /// Compactions whose copies and remapping ran behind a hold on the device's default
     /// stream (`Driver::copy_and_hold`).
     pub held_moves: u64,
+    /// Moves of live pages not made because a stream of the program's captured a CUDA graph.
+    pub moves_refused_capture: u64,
     /// Holds of peers' default streams kept through a move, and let go before it was done
     /// (`EXPSEG_PEER_HOLD`, `Held::peers_let_go`). Moves copied through the host hold nothing
     /// and count in neither.

@@ -10,6 +10,9 @@ use crate::gpu::{ChunkHandle, Driver, DrvError, DrvResult, PageProps, PeerWait};
 /// pages could not be held (`EXPSEG_PEER_HOLD=1`), so its kernels queued meanwhile could write
 /// them while they move. Nothing moved; the pages stay where they are (`CUDA_ERROR_NOT_READY`).
 pub(super) const PUT_OFF: DrvError = DrvError(600);
+/// A driver's answer where a stream of the program's captures a CUDA graph (`gpu::fence`):
+/// no move is made.
+const CAPTURING: u32 = 900;
 
 /// A compaction that would move pages the program has mapped, with moving them off
 /// (`CoalesceConfig::move_live`): nothing changed (`CUDA_ERROR_NOT_PERMITTED`).
@@ -306,6 +309,7 @@ impl<D: Driver> Coalescer<D> {
         // pages: they finish before the pages move, as this device's do in copy_out.
         self.wait_for_peers(&acc)?;
         let peers = self.peers_to_hold(&acc);
+        let can_wait = put_off.is_some();
         let put_off = put_off.filter(|_| self.cfg.peer_hold == PeerHold::On && !peers.is_empty());
         let mut w = Work::default();
         let out = self.copy_out(
@@ -313,6 +317,16 @@ impl<D: Driver> Coalescer<D> {
         );
         if let Err(e) = out {
             self.undo(&mut w);
+            // A capture in progress: a move that can wait is put off, one made for stranded
+            // bytes declined (as where live moves are off); a share's fails with the code.
+            if e.0 == CAPTURING {
+                self.stats.moves_refused_capture += 1;
+                return Err(match (can_wait, live) {
+                    (true, _) => PUT_OFF,
+                    (false, Live::AsConfigured) => STAYS,
+                    _ => e,
+                });
+            }
             return Err(e);
         }
         // Commit point: the old handle leaves its address; the device copies take its place.

@@ -5,7 +5,7 @@
 //! split, which moves the handle's live pages, refused where the handle was shared whole).
 
 use super::books::{Coalescer, INVALID, NOT_SUPPORTED};
-use crate::gpu::{ChunkHandle, Driver, DrvResult};
+use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
 
 impl<D: Driver> Coalescer<D> {
     /// `cuMemExportToShareableHandle` of a page: the page gets a handle of its own (a consumer
@@ -41,6 +41,38 @@ impl<D: Driver> Coalescer<D> {
         self.pages.get_mut(&vh).unwrap().single = true;
         let (pid, _) = self.pages[&vh].slot.expect("has memory");
         Ok(self.phys[&pid].handle)
+    }
+
+    /// Before `cuMemExportToShareableHandle` of page `vh`: where the page lies inside a handle
+    /// larger than itself (one a split would move the live neighbours of), mapped at its
+    /// address, its `(address, size, properties)`, so that the caller may export a copy of it
+    /// instead (`api::ipc::pages`); `None` where the page has a handle of its own or no memory
+    /// (the export needs no move). Paused, it resumes first. Nothing else changes.
+    pub fn export_inside(&mut self, vh: u64) -> DrvResult<Option<(u64, u64, PageProps)>> {
+        self.wake_page(vh)?;
+        self.giving_back_ended();
+        let p = self.pages.get(&vh).ok_or(INVALID)?;
+        let (Some((pid, off)), Some(va)) = (p.slot, p.va) else {
+            return Ok(None);
+        };
+        let ph = &self.phys[&pid];
+        let inside = ph.size != p.size && ph.base.is_some_and(|b| b + off == va);
+        Ok(inside.then_some((va, p.size, p.props)))
+    }
+
+    /// Whether page `vh` is mapped at `va` with its memory there (not paused, not moved
+    /// away): what a copy of it may read.
+    pub fn page_mapped_at(&self, vh: u64, va: u64) -> bool {
+        let Some(p) = self.pages.get(&vh) else {
+            return false;
+        };
+        match (p.slot, p.va) {
+            (Some((pid, off)), Some(v)) if v == va => self
+                .phys
+                .get(&pid)
+                .is_some_and(|ph| ph.asleep.is_none() && ph.base.is_some_and(|b| b + off == va)),
+            _ => false,
+        }
     }
 
     /// The real handle behind page `vh` and where the page starts in it, for a call that names

@@ -745,6 +745,12 @@ impl Driver for CudaDriver {
         wait: super::PeerWait,
     ) -> DrvResult<Held> {
         if super::fence::enabled() {
+            // No move while a stream of the program's captures a graph: the device wait
+            // below would end the capture.
+            let list = super::streams::STREAMS.on_device(self.dev);
+            if super::fence::capturing(self.t, self.dev, &list).is_some() {
+                return Err(DrvError(super::fence::CAPTURING));
+            }
             // Work already queued on any stream ends first (the fence holds the default
             // stream only).
             self.synchronize()?;

@@ -660,6 +660,42 @@ fn hold_one(
     })
 }
 
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a stream of the device captures a CUDA graph; no
+/// move is made while it does (the device wait before a move would end the capture).
+pub const CAPTURING: u32 = 900;
+
+/// The first stream of `list` (the program's, `gpu::streams`) that captures a CUDA graph now,
+/// if any; said once as a warning (later at debug level): the move that needed the check is
+/// not made.
+pub fn capturing(t: &DriverTable, dev: i32, list: &[crate::gpu::streams::Stream]) -> Option<usize> {
+    let s = list.iter().find(|s| {
+        in_context(t, s.ctx, || super::stream::capturing(t, s.stream)).unwrap_or(false)
+    })?;
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let level = match SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        false => log::Level::Warn,
+        true => log::Level::Debug,
+    };
+    log::log!(level, "device {dev}: no page moves now: stream {:#x} of the program's captures a CUDA graph (the device wait before a move would end the capture); a move that can wait is put off, a call that needs one fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (later ones at debug level)", s.stream);
+    Some(s.stream)
+}
+
+/// Run `f` with context `ctx` current (pushed, then popped); `None` where it cannot be pushed
+/// (a context destroyed meanwhile).
+fn in_context<T>(t: &DriverTable, ctx: usize, f: impl FnOnce() -> T) -> Option<T> {
+    let push = t.cuCtxPushCurrent_v2?;
+    let pop = t.cuCtxPopCurrent_v2?;
+    // SAFETY: a context the program made a stream in (a destroyed one gets an error).
+    if unsafe { push(ctx as cudarc::driver::sys::CUcontext) } != 0 {
+        return None;
+    }
+    let r = f();
+    let mut out: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; pops what was pushed above.
+    unsafe { pop(&mut out) };
+    Some(r)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

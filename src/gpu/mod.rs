@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod fake;
 pub mod fence;
 pub mod stream;
+pub mod streams;
 
 use std::fmt;
 

@@ -14,6 +14,7 @@
 mod guard;
 mod order;
 pub mod query;
+mod streams;
 
 use crate::api::{self, Answer, OUT_OF_MEMORY};
 use crate::real::{next, next_driver, CudaIpcMemHandle};
@@ -667,7 +668,9 @@ unsafe fn redirect_by_name(name: &[u8], pfn: *mut *mut c_void, version: c_int, r
     // SAFETY (every read and write of `*pfn` here): the lookup's out-pointer, not null
     // (the caller's check), holding the real lookup's answer.
     // The program's orderings (synchronizes, event records): whatever variant was found.
-    if let Some(p) = order::for_lookup(name, unsafe { *pfn }) {
+    if let Some(p) = order::for_lookup(name, unsafe { *pfn })
+        .or_else(|| streams::for_lookup(name, unsafe { *pfn }))
+    {
         unsafe { *pfn = p };
         return;
     }

@@ -238,6 +238,10 @@ forwarders! {
     cuEventRecordWithFlags_ptsz(event: usize, stream: usize, flags: c_uint);
     cuIpcGetEventHandle(handle: *mut c_void, event: usize);
     cuMemGetHandleForAddressRange(handle: *mut c_void, ptr: u64, size: size_t, kind: c_uint, flags: u64);
+    cuStreamCreate(out: *mut usize, flags: c_uint);
+    cuStreamCreateWithPriority(out: *mut usize, flags: c_uint, prio: c_int);
+    cuStreamDestroy(stream: usize);
+    cuStreamDestroy_v2(stream: usize);
 }
 
 /// Whether `path` names a shared CUDA runtime (`libcudart.so.13`, `libcudart.so.12`, a wheel's

@@ -9,6 +9,21 @@ use cudarc::driver::sys::CUcontext;
 static PRIMARY: [std::sync::atomic::AtomicUsize; 64] =
     [const { std::sync::atomic::AtomicUsize::new(0) }; 64];
 
+/// The calling thread's current context and its device, whatever context it is; `None`
+/// without one (or where the driver cannot say).
+pub fn current_context_device(t: &DriverTable) -> Option<(usize, i32)> {
+    let get_dev = t.cuCtxGetDevice?;
+    let mut cur: CUcontext = std::ptr::null_mut();
+    let mut dev = 0;
+    // SAFETY: valid out-pointers.
+    unsafe {
+        if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_dev(&mut dev) != 0 {
+            return None;
+        }
+    }
+    Some((cur as usize, dev))
+}
+
 /// The device whose *primary* context is current on the calling thread; `None` when there is
 /// no current context, when it is another context (`cuCtxCreate`), or when the driver lacks
 /// the calls to tell. Never creates a context: an inactive primary context is not retained.

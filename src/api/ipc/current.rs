@@ -193,6 +193,14 @@ fn copy_mirrors(
     copies: &crate::stats::Counter,
     when: &str,
 ) {
+    // Exports of coalesced pages through a copy (`pages`): every consumer reads the copy.
+    if config().ipc_mirror_sync != MirrorSync::Off {
+        let (n, bytes) = super::pages::copy_all(dev, |dst, src, size| {
+            stream::relaxed(t, || copy(dst, src, size))
+        });
+        copies.add(n);
+        GLOBAL.ipc_mirror_sync_bytes.add(bytes);
+    }
     for target in &targets(dev) {
         let Some((reading, src, dst, size)) = read_target(t, dev, target) else {
             continue;

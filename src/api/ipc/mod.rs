@@ -5,7 +5,8 @@
 //! VMM memory ([`foreign`]), the mirrors both use ([`mirror`]) and how they are kept current
 //! ([`current`]), the program's runs of such memory ([`runs`]), tickets and their socket
 //! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
-//! ([`shares`]), the consumer's side ([`open`]), whether this process shared or mapped
+//! ([`shares`]), exports of coalesced pages through a copy ([`pages`]), the consumer's side
+//! ([`open`]), whether this process shared or mapped
 //! another's memory at all ([`sharing`]), and dma-bufs of its ranges ([`ranges`]).
 
 mod check;
@@ -14,6 +15,7 @@ mod foreign;
 mod get;
 mod mirror;
 mod open;
+pub mod pages;
 mod ranges;
 mod runs;
 pub(super) mod shares;
