@@ -2009,6 +2009,41 @@ fn pytorch_pages_are_coalesced_compacted_and_exported_page_by_page() {
 }
 
 #[test]
+fn a_page_inside_a_coalesced_handle_is_exported_as_a_copy_where_the_program_has_a_side_stream() {
+    // PyTorch after torch.cuda.Stream(): a non-blocking stream no hold of a move reaches. The
+    // export moves nothing: the importer maps a copy, made again at a synchronize; its own
+    // writes stay there (one-way, said once).
+    // Also from a thread with no context current (torch.multiprocessing's queue feeder).
+    for thread in ["", "1"] {
+        let mut env = vec![("SIDE_STREAM", "1")];
+        if !thread.is_empty() {
+            env.push(("EXPORT_THREAD", thread));
+        }
+        let r = pages("libc10_cuda.so", "full", &env).ok();
+        for (k, v) in [
+            ("side_stream_rc", "0"),
+            ("export_rc", "0"),
+            ("importer_sees_page", "1"),
+            ("shared_both_ways", "0"),
+            ("sync_rc", "0"),
+            ("after_sync_seen", "1"),
+            ("export_mirrors_made", "1"),
+            ("export_wrong_context", "0"),
+            ("coalesce_exports_split", "0"),
+            ("after_export_intact", "1"),
+            ("used_end", "0"),
+        ] {
+            assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+        }
+        assert!(
+            r.stderr().contains("is exported as a copy"),
+            "said once: {}",
+            r.stderr()
+        );
+    }
+}
+
+#[test]
 fn other_callers_and_the_off_switch_get_the_drivers_own_pages() {
     for (lib, env) in [
         ("libother.so", vec![]),

@@ -823,6 +823,10 @@ pub fn replacement(name: &[u8]) -> Option<*mut c_void> {
         b"cuEventRecordWithFlags_ptsz" => order::cuEventRecordWithFlags_ptsz as *mut c_void,
         b"cuIpcGetEventHandle" => order::cuIpcGetEventHandle as *mut c_void,
         b"cuMemGetHandleForAddressRange" => order::cuMemGetHandleForAddressRange as *mut c_void,
+        b"cuStreamCreate" => streams::cuStreamCreate as *mut c_void,
+        b"cuStreamCreateWithPriority" => streams::cuStreamCreateWithPriority as *mut c_void,
+        b"cuStreamDestroy" => streams::cuStreamDestroy as *mut c_void,
+        b"cuStreamDestroy_v2" => streams::cuStreamDestroy_v2 as *mut c_void,
         _ => return None,
     })
 }

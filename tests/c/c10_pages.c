@@ -64,6 +64,20 @@ static void* trim_thread(void* arg) {
   *(uint64_t*)arg = trim ? trim() : (uint64_t)-1;
   return 0;
 }
+/* One figure of the library's expseg_stats_json: KEY=N (-1: absent). */
+static void print_stat(const char* key) {
+  size_t (*f)(char*, size_t) = (size_t (*)(char*, size_t))dlsym(RTLD_DEFAULT, "expseg_stats_json");
+  static char buf[1 << 16];
+  char pat[128];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char* at = f && f(buf, sizeof buf) ? strstr(buf, pat) : 0;
+  printf("%s=%lld\n", key, at ? atoll(at + strlen(pat)) : -1LL);
+}
+
+/* An export from a thread with no context current (torch.multiprocessing's queue feeder). */
+static int export_fd = -1; static CUresult export_rc = 0;
+static void* export_thread(void* arg) { export_rc = export_(&export_fd, *(uint64_t*)arg, 1, 0); return 0; }
+
 static Prop prop(void) { Prop p; memset(&p, 0, sizeof p); p.type = 1; p.requestedHandleTypes = 1; p.location.type = 1; p.location.id = dev_; return p; }
 static int grow(int at, int n) {
   Prop p = prop();
@@ -400,7 +414,13 @@ int expandable(const char* what) {
      * first: the kernel then refuses everyone without CAP_SYS_PTRACE. */
     if (grow(0, 2)) return 3;
     fill(0); fill(1);
-    int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
+    int fd = -1; CUresult er;
+  if (getenv("EXPORT_THREAD")) {
+    pthread_t t; pthread_create(&t, 0, export_thread, &h[1]); pthread_join(t, 0);
+    er = export_rc; fd = export_fd;
+  } else {
+    er = export_(&fd, h[1], 1, 0);
+  }
     int secret = open("/proc/self/status", O_RDONLY);
     if (er || fd < 0 || secret < 0) { printf("export_rc=%d\n", er); return 3; }
     if (!strcmp(what, "share_fd_nodump")) prctl(PR_SET_DUMPABLE, 0);
@@ -594,13 +614,36 @@ int expandable(const char* what) {
   for (int i = 2; i < 6; i++) fill(i);
   ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i);
   printf("all_intact=%d\n", ok);
+  /* SIDE_STREAM: the program has a non-blocking stream (as PyTorch after torch.cuda.Stream()):
+   * a page inside a coalesced handle is exported as a copy (nothing moves), one-way, made again
+   * at a synchronize. */
+  int side = getenv("SIDE_STREAM") != 0;
+  if (side) {
+    CUresult (*screate)(void**, unsigned) = dlsym(RTLD_DEFAULT, "cuStreamCreate");
+    void* s = 0;
+    printf("side_stream_rc=%d\n", screate ? screate(&s, 1) : -1);
+  }
   /* A page exported alone and mapped by an importer shows that page's data. */
   int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
   uint64_t ih = 0, iva = 0; int shared_ok = 0;
   if (!er && !import_(&ih, (void*)(intptr_t)fd, 1) && !reserve(&iva, PAGE, 0, 0, 0) && !map(iva, PAGE, 0, ih, 0)) {
     Access a = {{1, 0}, 3}; access_(iva, PAGE, &a, 1);
     shared_ok = holds((char*)iva, 1);
+    if (side) printf("importer_sees_page=%d\n", shared_ok);
     ((char*)iva)[7] = 'z'; shared_ok &= ((char*)(va + PAGE))[7] == 'z'; ((char*)iva)[7] = 'A' + 1;
+    if (side) {
+      /* The producer writes and synchronizes: the importer reads it; its own write stays. */
+      char keep = ((char*)(va + PAGE))[9];
+      ((char*)(va + PAGE))[9] = 'q';
+      CUresult (*csync)(void) = dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
+      int src = csync ? (int)csync() : -1;
+      printf("sync_rc=%d after_sync_seen=%d\n", src, ((char*)iva)[9] == 'q');
+      ((char*)(va + PAGE))[9] = keep;
+      if (csync) csync();
+      printf("export_wrong_context=%ld\n", fakecu_count("wrong_context"));
+      print_stat("export_mirrors_made");
+      print_stat("coalesce_exports_split");
+    }
     unmap(iva, PAGE); release(ih); addrfree(iva, PAGE);
   }
   printf("export_rc=%d shared_both_ways=%d\n", er, shared_ok);

@@ -133,7 +133,6 @@ mod process {
     use crate::config::MirrorSync;
     use crate::gpu::cuda::CudaDriver;
     use crate::gpu::{stream, streams::STREAMS, ChunkHandle};
-    use crate::real::runtime;
     use crate::stats::GLOBAL;
     use std::collections::HashMap;
     use std::sync::{Mutex, MutexGuard};
@@ -153,6 +152,22 @@ mod process {
 
     /// `CUDA_ERROR_NOT_INITIALIZED`, where there is no driver table.
     const NO_DRIVER: u32 = 3;
+
+    /// Run `f` with `dev`'s primary context current (pushed and popped where another, or
+    /// none, was: `torch.multiprocessing` exports from its queue's feeder thread, which has no
+    /// context), in relaxed capture mode; a driver error as the code.
+    fn on_primary<T>(
+        t: &'static crate::real::DriverTable,
+        dev: i32,
+        f: impl FnOnce() -> crate::gpu::DrvResult<T>,
+    ) -> Result<T, u32> {
+        let pushed = crate::real::primary::push_primary(t, dev)?;
+        let r = stream::relaxed(t, f).map_err(|e| e.0);
+        if pushed {
+            crate::real::primary::pop_primary(t);
+        }
+        r
+    }
 
     /// `cuMemExportToShareableHandle` of page `vh`: the handle to export where the page goes
     /// through a copy (made, or filled again now); `None` where it does not (the page has a
@@ -192,14 +207,11 @@ mod process {
                     }
                 },
             };
-            runtime::on_device(dev, || {
-                stream::relaxed(t, || b.copies.make(d, vh, src, size, props))
-                    .map_err(|e| i32::try_from(e.0).unwrap_or(999))
-            })
+            on_primary(t, dev, || b.copies.make(d, vh, src, size, props))
         };
         let c = match made {
             Ok(c) => c,
-            Err(e) => return Some(Err(u32::try_from(e).unwrap_or(999))),
+            Err(e) => return Some(Err(e)),
         };
         GLOBAL.export_mirrors_made.add(1);
         GLOBAL.export_mirror_bytes.add(size);
@@ -233,13 +245,10 @@ mod process {
         let Some(reading) = crate::api::vmm::begin_read_page(vh, c.src, c.size) else {
             return Err(INVALID);
         };
-        let r = runtime::on_device(c.dev, || {
-            stream::relaxed(t, || stream::copy_on_legacy(t, c.va, c.src, c.size))
-                .map_err(|e| i32::try_from(e.0).unwrap_or(999))
-        });
+        let r = on_primary(t, c.dev, || stream::copy_on_legacy(t, c.va, c.src, c.size));
         drop(reading);
         GLOBAL.export_mirror_copies.add(1);
-        r.map_err(|e| u32::try_from(e).unwrap_or(999))
+        r
     }
 
     /// After a synchronize, or before a record of a shared event: every copy of `dev` gets
@@ -283,9 +292,7 @@ mod process {
             return;
         };
         let Ok(t) = crate::real::driver() else { return };
-        let _ = runtime::on_device(c.dev, || {
-            Ok::<_, i32>(stream::relaxed(t, || b.copies.release(d, vh)))
-        });
+        let _ = on_primary(t, c.dev, || Ok(b.copies.release(d, vh)));
         GLOBAL.export_mirror_bytes.sub(c.size);
     }
 }
