@@ -191,24 +191,15 @@ mod process {
             Ok(t) => t,
             Err(_) => return Some(Err(NO_DRIVER)),
         };
-        let made = {
-            let mut g = books();
-            let b = g.get_or_insert_with(|| Books {
-                copies: Copies::default(),
-                drivers: HashMap::new(),
-            });
-            let d = match b.drivers.entry(dev) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => match CudaDriver::open(t, dev) {
-                    Ok(d) => e.insert(d),
-                    Err(why) => {
-                        log::warn!("an export of a page inside a coalesced handle cannot go through a copy ({why}); the handle is split");
-                        return None;
-                    }
-                },
-            };
-            on_primary(t, dev, || b.copies.make(d, vh, src, size, props))
-        };
+        // Out of memory for the copy: what this process holds beyond its pages goes back (and
+        // other expseg processes are asked), then once more.
+        let mut made = make(t, vh, dev, src, size, props)?;
+        if made == Err(OUT_OF_MEMORY) && crate::api::trim::make_room(Some(dev)) {
+            made = make(t, vh, dev, src, size, props)?;
+        }
+        if made == Err(OUT_OF_MEMORY) {
+            log::error!("no device memory for the copy an export of the page at {src:#x} ({size} bytes) goes through; the export fails with CUDA_ERROR_OUT_OF_MEMORY (a split would move live pages under the program's non-blocking streams)");
+        }
         let c = match made {
             Ok(c) => c,
             Err(e) => return Some(Err(e)),
@@ -220,6 +211,39 @@ mod process {
         }
         said_once(src, size);
         Some(fill(vh, &c).map(|()| c.handle))
+    }
+
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    const OUT_OF_MEMORY: u32 = 2;
+
+    /// A copy's handle for page `vh` on `dev`, made in the device's primary context. None:
+    /// the device cannot make one (said once; the export splits instead).
+    fn make(
+        t: &'static crate::real::DriverTable,
+        vh: u64,
+        dev: i32,
+        src: u64,
+        size: u64,
+        props: crate::gpu::PageProps,
+    ) -> Option<Result<PageCopy, u32>> {
+        let mut g = books();
+        let b = g.get_or_insert_with(|| Books {
+            copies: Copies::default(),
+            drivers: HashMap::new(),
+        });
+        let d = match b.drivers.entry(dev) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => match CudaDriver::open(t, dev) {
+                Ok(d) => e.insert(d),
+                Err(why) => {
+                    log::warn!("an export of a page inside a coalesced handle cannot go through a copy ({why}); the handle is split");
+                    return None;
+                }
+            },
+        };
+        Some(on_primary(t, dev, || {
+            b.copies.make(d, vh, src, size, props)
+        }))
     }
 
     /// The first export through a copy says what the consumer gets.
