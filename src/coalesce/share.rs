@@ -28,13 +28,26 @@ impl<D: Driver> Coalescer<D> {
             Some((pid, _)) if self.phys[&pid].size != size => {
                 self.refuse_split_of_shared(pid)?;
                 // Every page of the phys is likely shared too: split it once, page by page.
-                let members: Vec<u64> = self.phys[&pid].slots.values().copied().collect();
-                for m in members {
-                    self.pages.get_mut(&m).unwrap().single = true;
+                let members: Vec<(u64, bool)> = self.phys[&pid]
+                    .slots
+                    .values()
+                    .map(|m| (*m, self.pages[m].single))
+                    .collect();
+                for (m, _) in &members {
+                    self.pages.get_mut(m).unwrap().single = true;
+                }
+                self.shared_here(pid);
+                if let Err(e) = self.compact_for_sharing(pid) {
+                    // Nothing moved (a capture in progress, no memory): the pages are as they
+                    // were, so a later export may split them.
+                    for (m, was) in members {
+                        if let Some(p) = self.pages.get_mut(&m) {
+                            p.single = was;
+                        }
+                    }
+                    return Err(e);
                 }
                 self.stats.exports_split += 1;
-                self.shared_here(pid);
-                self.compact_for_sharing(pid)?;
             }
             Some((pid, _)) => self.shared_here(pid),
         }
@@ -192,13 +205,22 @@ impl<D: Driver> Coalescer<D> {
         if split {
             self.refuse_split_of_shared(pid)?;
         }
+        let was: Vec<bool> = members.iter().map(|m| self.pages[m].single).collect();
         for m in &members {
             self.pages.get_mut(m).unwrap().single = true;
         }
         self.shared_here(pid);
         if split {
+            if let Err(e) = self.compact_for_sharing(pid) {
+                // Nothing moved: the pages are as they were.
+                for (m, w) in members.iter().zip(was) {
+                    if let Some(p) = self.pages.get_mut(m) {
+                        p.single = w;
+                    }
+                }
+                return Err(e);
+            }
             self.stats.exports_split += 1;
-            self.compact_for_sharing(pid)?;
         }
         Ok(())
     }

@@ -668,9 +668,9 @@ pub const CAPTURING: u32 = 900;
 /// if any; said once as a warning (later at debug level): the move that needed the check is
 /// not made.
 pub fn capturing(t: &DriverTable, dev: i32, list: &[crate::gpu::streams::Stream]) -> Option<usize> {
-    let s = list.iter().find(|s| {
-        in_context(t, s.ctx, || super::stream::capturing(t, s.stream)).unwrap_or(false)
-    })?;
+    let s = list
+        .iter()
+        .find(|s| in_context(t, s.ctx, || stream_capturing(t, s.stream)).unwrap_or(false))?;
     static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let level = match SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
         false => log::Level::Warn,
@@ -678,6 +678,16 @@ pub fn capturing(t: &DriverTable, dev: i32, list: &[crate::gpu::streams::Stream]
     };
     log::log!(level, "device {dev}: no page moves now: stream {:#x} of the program's captures a CUDA graph (the device wait before a move would end the capture); a move that can wait is put off, a call that needs one fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (later ones at debug level)", s.stream);
     Some(s.stream)
+}
+
+/// Whether `stream` captures a graph now (`cuStreamIsCapturing`: active or invalidated).
+fn stream_capturing(t: &DriverTable, stream: usize) -> bool {
+    let Some(f) = t.cuStreamIsCapturing else {
+        return false;
+    };
+    let mut status: libc::c_uint = 0;
+    // SAFETY: valid out-pointer; the stream is the program's, in the current context.
+    unsafe { f(stream as CUstream, &mut status) == 0 && status != 0 }
 }
 
 /// Run `f` with context `ctx` current (pushed, then popped); `None` where it cannot be pushed

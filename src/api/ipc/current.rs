@@ -50,7 +50,10 @@ pub(super) fn currency() -> &'static str {
 /// mirror was made). Never in a forked child: it passes everything through, and a lock another
 /// thread held at the fork would never be let go there.
 pub fn sync_armed() -> bool {
-    ARMED.load(Ordering::Relaxed) && !crate::api::state::forked()
+    let armed = ARMED.load(Ordering::Relaxed)
+        || (super::pages::MADE.load(Ordering::Relaxed)
+            && config().ipc_mirror_sync != MirrorSync::Off);
+    armed && !crate::api::state::forked()
 }
 
 /// Events the program made handles of for other processes (`cuIpcGetEventHandle`), at most

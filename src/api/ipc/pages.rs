@@ -14,8 +14,11 @@
 //! the consumer lets it go). A consumer reads what the producer ordered before signalling it;
 //! what it writes stays in the copy (one warning says so at the first such export).
 
-use crate::gpu::{ChunkHandle, Driver, DrvResult, PageProps};
+use crate::gpu::cuda::CudaDriver;
+use crate::gpu::{stream, streams::STREAMS, ChunkHandle, Driver, DrvResult, PageProps};
+use crate::stats::GLOBAL;
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 
 /// A page-sized handle holding a copy of one of the program's pages, mapped where expseg
 /// copies into it.
@@ -127,201 +130,187 @@ impl Copies {
 }
 
 /// The process's copies and the drivers that made them, one a device.
-mod process {
-    use super::{Copies, PageCopy};
-    use crate::api::state::config;
-    use crate::config::MirrorSync;
-    use crate::gpu::cuda::CudaDriver;
-    use crate::gpu::{stream, streams::STREAMS, ChunkHandle};
-    use crate::stats::GLOBAL;
-    use std::collections::HashMap;
-    use std::sync::{Mutex, MutexGuard};
-
-    struct Books {
-        copies: Copies,
-        drivers: HashMap<i32, CudaDriver>,
-    }
-
-    static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
-
-    /// The books (a poisoned lock still guards whole entries: each change is one insert or
-    /// remove after the driver's calls).
-    fn books() -> MutexGuard<'static, Option<Books>> {
-        BOOKS.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// `CUDA_ERROR_NOT_INITIALIZED`, where there is no driver table.
-    const NO_DRIVER: u32 = 3;
-
-    /// Run `f` with `dev`'s primary context current (pushed and popped where another, or
-    /// none, was: `torch.multiprocessing` exports from its queue's feeder thread, which has no
-    /// context), in relaxed capture mode; a driver error as the code.
-    fn on_primary<T>(
-        t: &'static crate::real::DriverTable,
-        dev: i32,
-        f: impl FnOnce() -> crate::gpu::DrvResult<T>,
-    ) -> Result<T, u32> {
-        let pushed = crate::real::primary::push_primary(t, dev)?;
-        let r = stream::relaxed(t, f).map_err(|e| e.0);
-        if pushed {
-            crate::real::primary::pop_primary(t);
-        }
-        r
-    }
-
-    /// `cuMemExportToShareableHandle` of page `vh`: the handle to export where the page goes
-    /// through a copy (made, or filled again now); `None` where it does not (the page has a
-    /// handle of its own or no memory, or the program has no non-blocking stream on its
-    /// device: `api::vmm::export` splits it, the legacy stream's fence holding every stream).
-    pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
-        let (dev, src, size, props) = match crate::api::vmm::export_inside(vh)? {
-            Ok(x) => x,
-            Err(e) => return Some(Err(e)),
-        };
-        // Exported before: the same copy, its bytes made again (where the page is mapped now).
-        // The books' lock is never held over a copy (it waits for the device).
-        let known = books().as_mut().and_then(|b| b.copies.moved_to(vh, src));
-        if let Some(c) = known {
-            return Some(fill(vh, &c).map(|()| c.handle));
-        }
-        if !STREAMS.on_device(dev).iter().any(|s| s.non_blocking) {
-            return None;
-        }
-        let t = match crate::real::driver() {
-            Ok(t) => t,
-            Err(_) => return Some(Err(NO_DRIVER)),
-        };
-        // Out of memory for the copy: what this process holds beyond its pages goes back (and
-        // other expseg processes are asked), then once more.
-        let mut made = make(t, vh, dev, src, size, props)?;
-        if made == Err(OUT_OF_MEMORY) && crate::api::trim::make_room(Some(dev)) {
-            made = make(t, vh, dev, src, size, props)?;
-        }
-        if made == Err(OUT_OF_MEMORY) {
-            log::error!("no device memory for the copy an export of the page at {src:#x} ({size} bytes) goes through; the export fails with CUDA_ERROR_OUT_OF_MEMORY (a split would move live pages under the program's non-blocking streams)");
-        }
-        let c = match made {
-            Ok(c) => c,
-            Err(e) => return Some(Err(e)),
-        };
-        GLOBAL.export_mirrors_made.add(1);
-        GLOBAL.export_mirror_bytes.add(size);
-        if config().ipc_mirror_sync != MirrorSync::Off {
-            super::super::current::arm();
-        }
-        said_once(src, size);
-        Some(fill(vh, &c).map(|()| c.handle))
-    }
-
-    /// `CUDA_ERROR_OUT_OF_MEMORY`.
-    const OUT_OF_MEMORY: u32 = 2;
-
-    /// A copy's handle for page `vh` on `dev`, made in the device's primary context. None:
-    /// the device cannot make one (said once; the export splits instead).
-    fn make(
-        t: &'static crate::real::DriverTable,
-        vh: u64,
-        dev: i32,
-        src: u64,
-        size: u64,
-        props: crate::gpu::PageProps,
-    ) -> Option<Result<PageCopy, u32>> {
-        let mut g = books();
-        let b = g.get_or_insert_with(|| Books {
-            copies: Copies::default(),
-            drivers: HashMap::new(),
-        });
-        let d = match b.drivers.entry(dev) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => match CudaDriver::open(t, dev) {
-                Ok(d) => e.insert(d),
-                Err(why) => {
-                    log::warn!("an export of a page inside a coalesced handle cannot go through a copy ({why}); the handle is split");
-                    return None;
-                }
-            },
-        };
-        Some(on_primary(t, dev, || {
-            b.copies.make(d, vh, src, size, props)
-        }))
-    }
-
-    /// The first export through a copy says what the consumer gets.
-    fn said_once(src: u64, size: u64) {
-        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        let (level, tail) = match SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            false => (
-                log::Level::Warn,
-                " (said for the first such export; EXPSEG_LOG=expseg=debug names every one)",
-            ),
-            true => (log::Level::Debug, ""),
-        };
-        log::log!(level, "the page at {src:#x} ({size} bytes) is exported as a copy: it lies inside a larger handle of expseg's, and a split would move its live neighbours under the program's non-blocking streams, which no hold reaches; a consumer reads what this process wrote before the export, a synchronize or a record of an event it shared, and what the consumer writes is not seen here{tail}");
-    }
-
-    /// Copy page `vh` into its copy `c` now: after the work queued on the legacy stream and
-    /// the blocking streams (not a device synchronize: capture-safe), under a registered read
-    /// of the page (the program's unmaps and expseg's moves of it wait). A page no longer
-    /// mapped where it was is not copied (an error: `CUDA_ERROR_INVALID_VALUE`).
-    fn fill(vh: u64, c: &PageCopy) -> Result<(), u32> {
-        const INVALID: u32 = 1;
-        let t = crate::real::driver().map_err(|_| NO_DRIVER)?;
-        let Some(reading) = crate::api::vmm::begin_read_page(vh, c.src, c.size) else {
-            return Err(INVALID);
-        };
-        let r = on_primary(t, c.dev, || stream::copy_on_legacy(t, c.va, c.src, c.size));
-        drop(reading);
-        GLOBAL.export_mirror_copies.add(1);
-        r
-    }
-
-    /// After a synchronize, or before a record of a shared event: every copy of `dev` gets
-    /// its page's bytes again with `copy(dst, src, size)`, under a registered read; a page no
-    /// longer mapped where it was is passed over. How many were copied, and their bytes.
-    pub fn copy_all(
-        dev: i32,
-        copy: impl Fn(u64, u64, u64) -> crate::gpu::DrvResult<()>,
-    ) -> (u64, u64) {
-        let list = match books().as_ref() {
-            Some(b) if !b.copies.is_empty() => b.copies.on_device(dev),
-            _ => return (0, 0),
-        };
-        let (mut n, mut bytes) = (0, 0);
-        for (vh, c) in list {
-            let Some(reading) = crate::api::vmm::begin_read_page(vh, c.src, c.size) else {
-                continue;
-            };
-            let r = copy(c.va, c.src, c.size);
-            drop(reading);
-            match r {
-                Ok(()) => {
-                    n += 1;
-                    bytes += c.size;
-                }
-                Err(e) => log::warn!(
-                    "copying the page at {:#x} into its export's copy failed ({e}); the consumer reads the previous copy",
-                    c.src
-                ),
-            }
-        }
-        (n, bytes)
-    }
-
-    /// The program released page `vh`: its copy goes.
-    pub fn released(vh: u64) {
-        let mut g = books();
-        let Some(b) = g.as_mut() else { return };
-        let Some(c) = b.copies.get(vh) else { return };
-        let Some(d) = b.drivers.get_mut(&c.dev) else {
-            return;
-        };
-        let Ok(t) = crate::real::driver() else { return };
-        let _ = on_primary(t, c.dev, || Ok(b.copies.release(d, vh)));
-        GLOBAL.export_mirror_bytes.sub(c.size);
-    }
+struct Books {
+    copies: Copies,
+    drivers: HashMap<i32, CudaDriver>,
 }
 
-pub use process::{copy_all, export, released};
+static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
+
+/// Whether a copy was ever made: until then the program's synchronizes cost one load more
+/// (`current::sync_armed`).
+pub(super) static MADE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The books (a poisoned lock still guards whole entries: each change is one insert or
+/// remove after the driver's calls).
+fn books() -> MutexGuard<'static, Option<Books>> {
+    BOOKS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `CUDA_ERROR_NOT_INITIALIZED`, where there is no driver table.
+const NO_DRIVER: u32 = 3;
+
+/// Run `f` with `dev`'s primary context current (pushed and popped where another, or
+/// none, was: `torch.multiprocessing` exports from its queue's feeder thread, which has no
+/// context), in relaxed capture mode; a driver error as the code.
+fn on_primary<T>(
+    t: &'static crate::real::DriverTable,
+    dev: i32,
+    f: impl FnOnce() -> crate::gpu::DrvResult<T>,
+) -> Result<T, u32> {
+    let pushed = crate::real::primary::push_primary(t, dev)?;
+    let r = stream::relaxed(t, f).map_err(|e| e.0);
+    if pushed {
+        crate::real::primary::pop_primary(t);
+    }
+    r
+}
+
+/// `cuMemExportToShareableHandle` of page `vh`: the handle to export where the page goes
+/// through a copy (made, or filled again now); `None` where it does not (the page has a
+/// handle of its own or no memory, or the program has no non-blocking stream on its
+/// device: `api::vmm::export` splits it, the legacy stream's fence holding every stream).
+pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
+    let (dev, src, size, props) = match crate::api::vmm::export_inside(vh)? {
+        Ok(x) => x,
+        Err(e) => return Some(Err(e)),
+    };
+    // Exported before: the same copy, its bytes made again (where the page is mapped now).
+    // The books' lock is never held over a copy (it waits for the device).
+    let known = books().as_mut().and_then(|b| b.copies.moved_to(vh, src));
+    if let Some(c) = known {
+        return Some(fill(vh, &c).map(|()| c.handle));
+    }
+    if !STREAMS.on_device(dev).iter().any(|s| s.non_blocking) {
+        return None;
+    }
+    let t = match crate::real::driver() {
+        Ok(t) => t,
+        Err(_) => return Some(Err(NO_DRIVER)),
+    };
+    // Out of memory for the copy: what this process holds beyond its pages goes back (and
+    // other expseg processes are asked), then once more.
+    let mut made = make(t, vh, dev, src, size, props)?;
+    if made == Err(OUT_OF_MEMORY) && crate::api::trim::make_room(Some(dev)) {
+        made = make(t, vh, dev, src, size, props)?;
+    }
+    if made == Err(OUT_OF_MEMORY) {
+        log::error!("no device memory for the copy an export of the page at {src:#x} ({size} bytes) goes through; the export fails with CUDA_ERROR_OUT_OF_MEMORY (a split would move live pages under the program's non-blocking streams)");
+    }
+    let c = match made {
+        Ok(c) => c,
+        Err(e) => return Some(Err(e)),
+    };
+    GLOBAL.export_mirrors_made.add(1);
+    GLOBAL.export_mirror_bytes.add(size);
+    MADE.store(true, std::sync::atomic::Ordering::Release);
+    said_once(src, size);
+    Some(fill(vh, &c).map(|()| c.handle))
+}
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+const OUT_OF_MEMORY: u32 = 2;
+
+/// A copy's handle for page `vh` on `dev`, made in the device's primary context. None:
+/// the device cannot make one (said once; the export splits instead).
+fn make(
+    t: &'static crate::real::DriverTable,
+    vh: u64,
+    dev: i32,
+    src: u64,
+    size: u64,
+    props: crate::gpu::PageProps,
+) -> Option<Result<PageCopy, u32>> {
+    let mut g = books();
+    let b = g.get_or_insert_with(|| Books {
+        copies: Copies::default(),
+        drivers: HashMap::new(),
+    });
+    let d = match b.drivers.entry(dev) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => match CudaDriver::open(t, dev) {
+            Ok(d) => e.insert(d),
+            Err(why) => {
+                log::warn!("an export of a page inside a coalesced handle cannot go through a copy ({why}); the handle is split");
+                return None;
+            }
+        },
+    };
+    Some(on_primary(t, dev, || {
+        b.copies.make(d, vh, src, size, props)
+    }))
+}
+
+/// The first export through a copy says what the consumer gets.
+fn said_once(src: u64, size: u64) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let (level, tail) = match SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        false => (
+            log::Level::Warn,
+            " (said for the first such export; EXPSEG_LOG=expseg=debug names every one)",
+        ),
+        true => (log::Level::Debug, ""),
+    };
+    log::log!(level, "the page at {src:#x} ({size} bytes) is exported as a copy: it lies inside a larger handle of expseg's, and a split would move its live neighbours under the program's non-blocking streams, which no hold reaches; a consumer reads what this process wrote before the export, a synchronize or a record of an event it shared, and what the consumer writes is not seen here{tail}");
+}
+
+/// Copy page `vh` into its copy `c` now: after the work queued on the legacy stream and
+/// the blocking streams (not a device synchronize: capture-safe), under a registered read
+/// of the page (the program's unmaps and expseg's moves of it wait). A page no longer
+/// mapped where it was is not copied (an error: `CUDA_ERROR_INVALID_VALUE`).
+fn fill(vh: u64, c: &PageCopy) -> Result<(), u32> {
+    const INVALID: u32 = 1;
+    let t = crate::real::driver().map_err(|_| NO_DRIVER)?;
+    let Some(reading) = crate::api::vmm::begin_read_page(vh, c.src, c.size) else {
+        return Err(INVALID);
+    };
+    let r = on_primary(t, c.dev, || stream::copy_on_legacy(t, c.va, c.src, c.size));
+    drop(reading);
+    GLOBAL.export_mirror_copies.add(1);
+    r
+}
+
+/// After a synchronize, or before a record of a shared event: every copy of `dev` gets
+/// its page's bytes again with `copy(dst, src, size)`, under a registered read; a page no
+/// longer mapped where it was is passed over. How many were copied, and their bytes.
+pub fn copy_all(dev: i32, copy: impl Fn(u64, u64, u64) -> crate::gpu::DrvResult<()>) -> (u64, u64) {
+    let list = match books().as_ref() {
+        Some(b) if !b.copies.is_empty() => b.copies.on_device(dev),
+        _ => return (0, 0),
+    };
+    let (mut n, mut bytes) = (0, 0);
+    for (vh, c) in list {
+        let Some(reading) = crate::api::vmm::begin_read_page(vh, c.src, c.size) else {
+            continue;
+        };
+        let r = copy(c.va, c.src, c.size);
+        drop(reading);
+        match r {
+            Ok(()) => {
+                n += 1;
+                bytes += c.size;
+            }
+            Err(e) => log::warn!(
+                "copying the page at {:#x} into its export's copy failed ({e}); the consumer reads the previous copy",
+                c.src
+            ),
+        }
+    }
+    (n, bytes)
+}
+
+/// The program released page `vh`: its copy goes.
+pub fn released(vh: u64) {
+    let mut g = books();
+    let Some(b) = g.as_mut() else { return };
+    let Some(c) = b.copies.get(vh) else { return };
+    let Some(d) = b.drivers.get_mut(&c.dev) else {
+        return;
+    };
+    let Ok(t) = crate::real::driver() else { return };
+    let _ = on_primary(t, c.dev, || Ok(b.copies.release(d, vh)));
+    GLOBAL.export_mirror_bytes.sub(c.size);
+}
 
 #[cfg(test)]
 mod tests {

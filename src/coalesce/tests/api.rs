@@ -588,3 +588,62 @@ fn a_shared_handle_that_left_its_address_comes_back_whole_where_a_page_of_it_is_
         all_given_back(&mut c);
     }
 }
+
+#[test]
+fn a_page_inside_a_larger_handle_says_where_it_lies_and_nothing_moves() {
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    let creates = c.driver().calls_of(Op::Create);
+    let (at, size, _) = c
+        .export_inside(hs[2])
+        .unwrap()
+        .expect("inside one handle of 4");
+    assert_eq!((at, size), (va + 2 * PAGE, PAGE));
+    assert!(c.page_mapped_at(hs[2], va + 2 * PAGE));
+    assert!(
+        !c.page_mapped_at(hs[2], va + PAGE),
+        "not where another page is"
+    );
+    assert_eq!(c.driver().calls_of(Op::Create), creates, "nothing made");
+    assert_eq!(c.stats().compactions, 0, "nothing moved");
+    // A page with a handle of its own: nothing to say (its export moves nothing either).
+    let own = c.create(PAGE, PROPS).unwrap();
+    c.map(va + 10 * PAGE, PAGE, 0, own).unwrap();
+    c.set_access(va + 10 * PAGE, PAGE, &[(0, RW)]).unwrap();
+    assert_eq!(c.export_inside(own), Ok(None));
+    assert!(c.unmap(va + 10 * PAGE, PAGE).unwrap());
+    assert!(!c.page_mapped_at(own, va + 10 * PAGE), "unmapped");
+    c.release(own).unwrap();
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
+
+#[test]
+fn a_split_refused_while_a_stream_captures_a_graph_changes_nothing() {
+    // The real driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED before its device wait
+    // (`gpu::fence::capturing`); the fake's copy stands for it.
+    let (mut c, va) = setup(100 * PAGE, cfg());
+    let hs = grow(&mut c, va, 4).unwrap();
+    fill(&mut c, va, 4);
+    let before = (c.driver().chunk_count(), c.driver().mapping_list());
+    c.driver_mut().fail(Op::Copy, DrvError(900));
+    assert_eq!(
+        c.export(hs[1]),
+        Err(DrvError(900)),
+        "the share's call fails with the code"
+    );
+    assert_eq!(c.stats().moves_refused_capture, 1);
+    assert_eq!(
+        (c.driver().chunk_count(), c.driver().mapping_list()),
+        before
+    );
+    assert!(intact(&c, va, 4));
+    // Once the capture ended, the same export splits.
+    let h1 = c.export(hs[1]).unwrap();
+    assert!(!is_virtual(h1));
+    assert!(intact(&c, va, 4));
+    shrink(&mut c, va, &hs);
+    assert_eq!(c.driver().used(), 0);
+}
