@@ -493,6 +493,10 @@ if want share && torch_for share; then
     # A consumer without expseg writing back: natively seen by the producer (the case
     # docs/contract.md names where a share reaches it through a copy).
     share_run writeback_plain_consumer "" CONSUMER=plain LD_PRELOAD="$lib" -- writeback
+    # With a side stream the export goes through a one-way copy: printed, the case the
+    # contract names (natively both ways).
+    SIDE=1 LD_PRELOAD="$lib" python3 "$here/torch_share_exact.py" writeback >"$logs/share_writeback_side.log" 2>&1
+    echo "INFO writeback with a side stream (one-way copy, docs/contract.md), rc=$?: $(grep '^{' "$logs/share_writeback_side.log" | cut -c1-300)"
   fi
 fi
 # TWO_GPU_PARTS picks parts of it (stress race model ipc; unset: all): the whole section takes

@@ -23,7 +23,9 @@ PART sync MIB MODE [ROUTE]: a producer takes the handle of a buffer once (ROUTE 
   step): their median.
 PART writeback: a weight made right after another tensor (one handle under expseg) is shared
   by `reduce_tensor`; the consumer adds 1 to it and synchronizes, 5 times; the producer reads
-  each result (natively exact both ways) and checks the neighbour is untouched.
+  each result (natively exact both ways) and checks the neighbour is untouched. SIDE=1: the
+  producer has a non-blocking stream (under expseg the export goes through a one-way copy: the
+  producer does not see the consumer's writes, the case docs/contract.md names).
 
 Prints one JSON line; exit 0 when every check passed.
 """
@@ -161,10 +163,7 @@ def race(route, writer, rounds):
     dev = torch.device("cuda", 0)
     ctx = mp.get_context("spawn")
     proc, q_in, q_out = start_consumer(ctx)
-    # A high mark: later handles grow ahead, so `x` and `w` made back to back share one.
-    big = torch.empty(40 * GIB, dtype=torch.uint8, device=dev)
-    del big
-    torch.cuda.empty_cache()
+    grown_ahead(dev)  # `x` and `w` made back to back share one handle under expseg
     xs, adds, ws = [], [], []
     stop, err = threading.Event(), []
     side = torch.cuda.Stream(dev) if writer in ("side", "graph") else None
@@ -289,11 +288,12 @@ def sync(mib, mode, route="raw"):
     dev = torch.device("cuda", 0)
     ctx = mp.get_context("spawn")
     proc, q_in, q_out = start_consumer(ctx)
-    # SIDE=1: the program has a non-blocking stream (PyTorch then has its pool of them), as a
-    # trainer with side streams does: under expseg a page inside a coalesced handle is then
-    # exported as a copy kept current at the orderings.
-    side = torch.cuda.Stream(dev) if os.environ.get("SIDE") == "1" else None
-    pad = torch.empty(4 * MIB, device=dev)  # the buffer starts inside a handle, not at its start
+    # SIDE=1: under expseg a page inside a coalesced handle is then exported as a copy kept
+    # current at the orderings (the buffer starts inside a handle grown ahead, after a pad).
+    side = side_stream(dev)
+    if side is not None:
+        grown_ahead(dev)
+    pad = torch.empty(4 * MIB, device=dev)
     buf = torch.zeros(mib * MIB // 4, device=dev)
     torch.cuda.synchronize()
     rc, raw, off = raw_handle(buf) if route == "raw" else (0, None, 0)
@@ -356,14 +356,32 @@ def sync(mib, mode, route="raw"):
     return out
 
 
+def grown_ahead(dev):
+    """A high mark first: later handles grow ahead, so tensors made back to back share one
+    (under expseg; natively nothing changes)."""
+    big = torch.empty(40 * GIB, dtype=torch.uint8, device=dev)
+    del big
+    torch.cuda.empty_cache()
+
+
+def side_stream(dev):
+    """SIDE=1: a non-blocking stream of the program's (PyTorch then makes its pool of them),
+    as a trainer with side streams has."""
+    return torch.cuda.Stream(dev) if os.environ.get("SIDE") == "1" else None
+
+
 def writeback():
     dev = torch.device("cuda", 0)
     ctx = mp.get_context("spawn")
     proc, q_in, q_out = start_consumer(ctx)
+    side = side_stream(dev)
+    if side is not None:
+        grown_ahead(dev)
     x = torch.zeros(16 * MIB, dtype=torch.int32, device=dev)  # the neighbour, 64 MiB
     w = torch.zeros(16 * MIB, device=dev)  # the weight right after it
     torch.cuda.synchronize()
-    out = {"part": "writeback", "route": "reduce", "consumer": os.environ.get("CONSUMER", "same")}
+    out = {"part": "writeback", "route": "reduce", "side": side is not None,
+           "consumer": os.environ.get("CONSUMER", "same")}
     q_in.put(("keep", w))
     q_out.get(timeout=120)
     seen = []
