@@ -197,10 +197,14 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
     if made == Err(OUT_OF_MEMORY) {
         log::error!("no device memory for the copy an export of the page at {src:#x} ({size} bytes) goes through; the export fails with CUDA_ERROR_OUT_OF_MEMORY (a split would move live pages under the program's non-blocking streams)");
     }
-    let c = match made {
-        Ok(c) => c,
+    let (c, new) = match made {
+        Ok(x) => x,
         Err(e) => return Some(Err(e)),
     };
+    if !new {
+        // Made by another thread's export of the same page meanwhile.
+        return Some(fill(vh, &c).map(|()| c.handle));
+    }
     GLOBAL.export_mirrors_made.add(1);
     GLOBAL.export_mirror_bytes.add(size);
     MADE.store(true, std::sync::atomic::Ordering::Release);
@@ -212,7 +216,7 @@ pub fn export(vh: u64) -> Option<Result<ChunkHandle, u32>> {
 const OUT_OF_MEMORY: u32 = 2;
 
 /// A copy's handle for page `vh` on `dev`, made in the device's primary context. None:
-/// the device cannot make one (said once; the export splits instead).
+/// the device cannot be opened for one (a warning; the export splits instead).
 fn make(
     t: &'static crate::real::DriverTable,
     vh: u64,
@@ -220,12 +224,16 @@ fn make(
     src: u64,
     size: u64,
     props: crate::gpu::PageProps,
-) -> Option<Result<PageCopy, u32>> {
+) -> Option<Result<(PageCopy, bool), u32>> {
     let mut g = books();
     let b = g.get_or_insert_with(|| Books {
         copies: Copies::default(),
         drivers: HashMap::new(),
     });
+    // Another thread exported the same page meanwhile: its copy (filled by the caller).
+    if let Some(c) = b.copies.get(vh) {
+        return Some(Ok((c, false)));
+    }
     let d = match b.drivers.entry(dev) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => match CudaDriver::open(t, dev) {
@@ -236,9 +244,7 @@ fn make(
             }
         },
     };
-    Some(on_primary(t, dev, || {
-        b.copies.make(d, vh, src, size, props)
-    }))
+    Some(on_primary(t, dev, || b.copies.make(d, vh, src, size, props)).map(|c| (c, true)))
 }
 
 /// The first export through a copy says what the consumer gets.
