@@ -2044,6 +2044,27 @@ fn a_page_inside_a_coalesced_handle_is_exported_as_a_copy_where_the_program_has_
 }
 
 #[test]
+fn an_export_that_would_split_while_a_stream_captures_a_graph_moves_nothing_then_splits_after() {
+    let r = pages("libc10_cuda.so", "full", &[("CAPTURE_STREAM", "1")]).ok();
+    for (k, v) in [
+        ("capture_export_rc", "900"),
+        ("capture_intact", "1"),
+        ("coalesce_moves_refused_capture", "1"),
+        ("export_rc", "0"),
+        ("shared_both_ways", "1"),
+        ("after_export_intact", "1"),
+        ("used_end", "0"),
+    ] {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+    assert!(
+        r.stderr().contains("captures a CUDA graph"),
+        "the cause is named: {}",
+        r.stderr()
+    );
+}
+
+#[test]
 fn other_callers_and_the_off_switch_get_the_drivers_own_pages() {
     for (lib, env) in [
         ("libother.so", vec![]),

@@ -414,13 +414,7 @@ int expandable(const char* what) {
      * first: the kernel then refuses everyone without CAP_SYS_PTRACE. */
     if (grow(0, 2)) return 3;
     fill(0); fill(1);
-    int fd = -1; CUresult er;
-  if (getenv("EXPORT_THREAD")) {
-    pthread_t t; pthread_create(&t, 0, export_thread, &h[1]); pthread_join(t, 0);
-    er = export_rc; fd = export_fd;
-  } else {
-    er = export_(&fd, h[1], 1, 0);
-  }
+    int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
     int secret = open("/proc/self/status", O_RDONLY);
     if (er || fd < 0 || secret < 0) { printf("export_rc=%d\n", er); return 3; }
     if (!strcmp(what, "share_fd_nodump")) prctl(PR_SET_DUMPABLE, 0);
@@ -623,8 +617,32 @@ int expandable(const char* what) {
     void* s = 0;
     printf("side_stream_rc=%d\n", screate ? screate(&s, 1) : -1);
   }
-  /* A page exported alone and mapped by an importer shows that page's data. */
-  int fd = -1; CUresult er = export_(&fd, h[1], 1, 0);
+  /* CAPTURE_STREAM: a stream of the program's captures a graph while a page inside a coalesced
+   * handle is exported (no non-blocking stream: the export would split): nothing moves, the
+   * export fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; once the capture ended it splits. */
+  if (getenv("CAPTURE_STREAM")) {
+    CUresult (*screate)(void**, unsigned) = dlsym(RTLD_DEFAULT, "cuStreamCreate");
+    CUresult (*begin)(void*, unsigned) = dlsym(RTLD_DEFAULT, "cuStreamBeginCapture_v2");
+    CUresult (*end)(void*, void**) = dlsym(RTLD_DEFAULT, "cuStreamEndCapture");
+    void *s = 0, *g = 0;
+    int cfd = -1;
+    int made = screate && begin && end && !screate(&s, 0) && !begin(s, 2);
+    CUresult cr = made ? export_(&cfd, h[1], 1, 0) : (CUresult)-1;
+    if (made) end(s, &g);
+    free(g);
+    int ok = 1; for (int i = 0; i < 8; i++) ok &= holds((char*)(va + i * PAGE), i);
+    printf("capture_export_rc=%d capture_intact=%d\n", (int)cr, ok);
+    print_stat("coalesce_moves_refused_capture");
+  }
+  /* A page exported alone and mapped by an importer shows that page's data (EXPORT_THREAD:
+   * exported from a thread with no context current, as torch.multiprocessing's feeder). */
+  int fd = -1; CUresult er;
+  if (getenv("EXPORT_THREAD")) {
+    pthread_t t; pthread_create(&t, 0, export_thread, &h[1]); pthread_join(t, 0);
+    er = export_rc; fd = export_fd;
+  } else {
+    er = export_(&fd, h[1], 1, 0);
+  }
   uint64_t ih = 0, iva = 0; int shared_ok = 0;
   if (!er && !import_(&ih, (void*)(intptr_t)fd, 1) && !reserve(&iva, PAGE, 0, 0, 0) && !map(iva, PAGE, 0, ih, 0)) {
     Access a = {{1, 0}, 3}; access_(iva, PAGE, &a, 1);

@@ -640,7 +640,12 @@ CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { fakecu_read(s
 static long host_registered;
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) { (void)p; (void)flags; __atomic_add_fetch(&host_registered, (long)n, __ATOMIC_SEQ_CST); return 0; }
 CUresult cuMemHostUnregister(void* p) { (void)p; return 0; }
-CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)(uintptr_t)0x5e; return 0; }
+/* Streams: a handle each (nothing runs on them but captures and the copies above). */
+static uintptr_t next_stream = 0x5e;
+CUresult cuStreamCreate(void** st, unsigned flags) { (void)flags; *st = (void*)__atomic_fetch_add(&next_stream, 0x100, __ATOMIC_SEQ_CST); return 0; }
+CUresult cuStreamCreateWithPriority(void** st, unsigned flags, int prio) { (void)prio; return cuStreamCreate(st, flags); }
+CUresult cuStreamDestroy_v2(void* st) { return st ? 0 : 400; }
+CUresult cuStreamIsCapturing(void* st, int* status) { *status = st && st == capturing; return 0; }
 /* Events: a record is only checked; an interprocess handle is 64 bytes of a pattern. */
 CUresult cuEventRecord(void* e, void* st) { (void)st; return e ? 0 : 400; }
 CUresult cuIpcGetEventHandle(void* h, void* e) { if (!h || !e) return 1; memset(h, 0xe7, 64); return 0; }
