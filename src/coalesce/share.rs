@@ -70,7 +70,14 @@ impl<D: Driver> Coalescer<D> {
         };
         let ph = &self.phys[&pid];
         let inside = ph.size != p.size && ph.base.is_some_and(|b| b + off == va);
-        Ok(inside.then_some((va, p.size, p.props)))
+        if !inside {
+            return Ok(None);
+        }
+        let (size, props) = (p.size, p.props);
+        // Learned as for a split: pages mapped here again get handles of their own, so the
+        // next share of the same buffer needs no copy.
+        self.shared_here(pid);
+        Ok(Some((va, size, props)))
     }
 
     /// Whether page `vh` is mapped at `va` with its memory there (not paused, not moved

@@ -136,6 +136,24 @@ fn pages_mapped_where_pages_were_shared_get_handles_of_their_own_so_sharing_agai
 }
 
 #[test]
+fn pages_mapped_where_pages_were_exported_through_a_copy_get_handles_of_their_own() {
+    let (mut c, va) = setup(100 * PAGE, learning());
+    let hs = grow(&mut c, va, 3).unwrap();
+    shrink(&mut c, va, &hs);
+    let hs = grow(&mut c, va, 3).unwrap();
+    assert_eq!(c.counts(), (3, 1));
+    // The first share goes through a copy (`api::ipc::pages`): nothing moves.
+    assert!(c.export_inside(hs[1]).unwrap().is_some());
+    assert_eq!(c.stats().compactions, 0);
+    shrink(&mut c, va, &hs);
+    // The same buffer again: a handle a page, so its share needs neither a copy nor a split.
+    let hs = grow(&mut c, va, 3).unwrap();
+    assert_eq!(c.counts(), (3, 3));
+    assert_eq!(c.export_inside(hs[1]), Ok(None));
+    assert_eq!(c.stats().compactions, 0);
+}
+
+#[test]
 fn bytes_grown_ahead_stop_where_pages_were_shared_so_the_shared_buffer_stays_alone() {
     let mut k = learning();
     k.ahead = 8 * PAGE;
