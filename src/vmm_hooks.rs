@@ -137,14 +137,16 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let f = real_or!(cuMemRelease);
     // Descriptors exported for this page are no longer served (PyTorch closes them with it).
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
-    match catch_unwind(|| vmm::release(h)) {
-        Ok(Some(c)) => {
-            // A copy exported for the page goes with it (api::ipc::pages).
-            if c == 0 && catch_unwind(|| crate::api::export_copies::released(h)).is_err() {
-                return unknown("cuMemRelease");
-            }
-            c
+    // A copy exported for the page goes with it (api::ipc::pages).
+    let release = || {
+        let r = vmm::release(h);
+        if r == Some(0) {
+            crate::api::export_copies::released(h);
         }
+        r
+    };
+    match catch_unwind(release) {
+        Ok(Some(c)) => c,
         // SAFETY: the driver's own function, with the program's own arguments.
         Ok(None) => unsafe { f(h) },
         Err(_) => unknown("cuMemRelease"),

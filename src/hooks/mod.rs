@@ -12,6 +12,7 @@
 #![allow(non_snake_case)]
 
 mod guard;
+#[macro_use]
 mod order;
 pub mod query;
 mod streams;

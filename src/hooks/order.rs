@@ -20,18 +20,18 @@ use libc::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Variants one function may come in through the lookups.
-const SLOTS: usize = 4;
+pub(super) const SLOTS: usize = 4;
 
 /// The real functions handed out through one function's slots (0: free).
-struct Slots([AtomicUsize; SLOTS]);
+pub(super) struct Slots([AtomicUsize; SLOTS]);
 
 impl Slots {
-    const fn new() -> Slots {
+    pub(super) const fn new() -> Slots {
         Slots([const { AtomicUsize::new(0) }; SLOTS])
     }
 
     /// The slot holding `f`: the one it is in already, or a free one it takes now.
-    fn claim(&self, f: usize) -> Option<usize> {
+    pub(super) fn claim(&self, f: usize) -> Option<usize> {
         for (i, s) in self.0.iter().enumerate() {
             match s.compare_exchange(0, f, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return Some(i),
@@ -42,7 +42,7 @@ impl Slots {
         None
     }
 
-    fn get(&self, i: usize) -> usize {
+    pub(super) fn get(&self, i: usize) -> usize {
         self.0[i].load(Ordering::Acquire)
     }
 }
@@ -206,7 +206,7 @@ fn range_asked(ptr: u64, size: usize) {
     );
 }
 
-/// The forwarders of one function's slots, in slot order.
+/// The forwarders of one function's slots, in slot order (`hooks::streams` uses it too).
 macro_rules! slot_fns {
     ($f:ident) => {
         [

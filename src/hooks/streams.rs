@@ -7,35 +7,10 @@
 //! streams through the functions they fetch there).
 
 use super::guard::contained;
+use super::order::Slots;
 use crate::gpu::streams::STREAMS;
 use crate::real::next_driver;
 use libc::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-const SLOTS: usize = 4;
-
-struct Slots([AtomicUsize; SLOTS]);
-
-impl Slots {
-    const fn new() -> Slots {
-        Slots([const { AtomicUsize::new(0) }; SLOTS])
-    }
-
-    fn claim(&self, f: usize) -> Option<usize> {
-        for (i, s) in self.0.iter().enumerate() {
-            match s.compare_exchange(0, f, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(i),
-                Err(cur) if cur == f => return Some(i),
-                Err(_) => {}
-            }
-        }
-        None
-    }
-
-    fn get(&self, i: usize) -> usize {
-        self.0[i].load(Ordering::Acquire)
-    }
-}
 
 static CREATE: Slots = Slots::new();
 static CREATE_PRIO: Slots = Slots::new();
@@ -99,17 +74,6 @@ unsafe extern "C" fn destroy_slot<const I: usize>(s: usize) -> u32 {
     let r = unsafe { f(s) };
     gone("cuStreamDestroy", r, s);
     r
-}
-
-macro_rules! slot_fns {
-    ($f:ident) => {
-        [
-            $f::<0> as *mut c_void,
-            $f::<1> as *mut c_void,
-            $f::<2> as *mut c_void,
-            $f::<3> as *mut c_void,
-        ]
-    };
 }
 
 /// What a lookup of `name` hands out instead of `found`: the forwarder of the slot `found`

@@ -28,15 +28,8 @@ pub fn current_context_device(t: &DriverTable) -> Option<(usize, i32)> {
 /// no current context, when it is another context (`cuCtxCreate`), or when the driver lacks
 /// the calls to tell. Never creates a context: an inactive primary context is not retained.
 pub fn primary_device(t: &DriverTable) -> Option<i32> {
-    let get_dev = t.cuCtxGetDevice?;
-    let mut cur: CUcontext = std::ptr::null_mut();
-    let mut dev = 0;
-    // SAFETY: valid out-pointers; the driver answers errors for a thread without a context.
-    unsafe {
-        if (t.cuCtxGetCurrent)(&mut cur) != 0 || cur.is_null() || get_dev(&mut dev) != 0 {
-            return None;
-        }
-    }
+    let (cur, dev) = current_context_device(t)?;
+    let cur = cur as CUcontext;
     // An inactive primary context cannot be the current one (and retaining it would create it).
     if !primary_active(t, dev) {
         return None;
