@@ -28,7 +28,7 @@ fi
 build=$(mktemp -d)
 passed=0 failed=0
 # ONLY="static cupy ..." runs those sections alone (names: alloc ipc static cupy jaxnumba
-# ipcstress train coalesce ahead crossctx reclaim threads share twogpu torchipc nodump torchrun sleep pausebusy doctor quiet); unset runs all.
+# ipcstress reopen train coalesce ahead crossctx reclaim threads share twogpu torchipc nodump torchrun sleep pausebusy doctor quiet); unset runs all.
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 result() { # name status detail
   if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "PASS $1 $3"; else failed=$((failed + 1)); echo "FAIL $1 $3"; fi
@@ -107,6 +107,35 @@ if want ipc && [ -x "$build/ipc_test" ]; then
   else
     result ipc_move_failure_at_each_step $rc ""
   fi
+fi
+
+# A handle opened, read, written and closed again each round (a weight sync sharing the same
+# buffer every step), then the buffer freed, then another shared and the producer gone: 4 GiB,
+# 20 rounds, both ways each round; the memory must come back at the free and at the exit (a
+# consumer running expseg keeps a closed handle's memory mapped for the next open:
+# EXPSEG_IPC_KEEP_CLOSED). The open and close medians print beside the native ones.
+if want reopen; then
+  nvcc -O2 -cudart shared -o "$build/ipc_reopen_test" "$here/ipc_reopen_test.cu" >>"$logs/build.log" 2>&1
+  result build_ipc_reopen_test $? ""
+fi
+if want reopen && [ -x "$build/ipc_reopen_test" ]; then
+  reopen_run() { # name check env...
+    local name=$1 check=$2; shift 2
+    rm -f "$logs/reopen_$name".*.json
+    env "$@" EXPSEG_REPORT="$logs/reopen_$name.%p.txt" "$build/ipc_reopen_test" run 4096 20 "${CONSUMER_LIB:-$lib}" >"$logs/reopen_$name.log" 2>&1
+    local rc=$? reopened
+    reopened=$(cat "$logs/reopen_$name".*.json 2>/dev/null | grep -o '"ipc_kept_reopened":[0-9]*' | awk -F: '{s += $2} END {print s + 0}')
+    if [ $rc = 0 ] && [ -n "$check" ]; then
+      [ "${reopened:-0}" $check ] || { echo "    kept reopens: ${reopened:-none}, wanted $check"; rc=1; }
+      # Under expseg the memory is back when the free returns and when the producer exits.
+      grep '"back_after_free_mib"' "$logs/reopen_$name.log" | python3 -c 'import json,sys; o=json.loads(sys.stdin.read()); sys.exit(0 if min(o["back_after_free_mib"], o["back_after_exit_mib"]) >= 0.9 * o["mib"] else 1)' \
+        || { echo "    the memory did not come back"; rc=1; }
+    fi
+    result "ipc_reopen_$name" $rc "$(grep '^{' "$logs/reopen_$name.log" | tr '\n' ' ' | cut -c1-400) kept_reopened=${reopened:-0}"
+  }
+  CONSUMER_LIB=- reopen_run native "" LD_PRELOAD=
+  reopen_run expseg "-ge 19" LD_PRELOAD="$lib"
+  reopen_run expseg_unkept "-eq 0" LD_PRELOAD="$lib" EXPSEG_IPC_KEEP_CLOSED=0
 fi
 
 # Programs the shared runtime's interposition never sees (issue 11): nvcc's default static

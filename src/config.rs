@@ -115,6 +115,11 @@ pub struct Config {
     /// (a device, stream or event synchronize) or records an interprocess event, so that a
     /// consumer without expseg reads what the producer ordered before it, as natively.
     pub ipc_mirror_sync: MirrorSync,
+    /// `EXPSEG_IPC_KEEP_CLOSED`: memory opened through a producer's ticket stays mapped after
+    /// its last `cudaIpcCloseMemHandle`, unseen by the program, so the next open of the same
+    /// handle costs nothing; the producer tells this process when it frees the memory (and it
+    /// goes at once), and it goes when the producer exits.
+    pub ipc_keep_closed: bool,
     /// `EXPSEG_CONTROL`: from its first allocation on, the process serves `expseg pause` and
     /// `expseg resume` of its own user on the per-user socket.
     pub control: bool,
@@ -252,6 +257,7 @@ impl Default for Config {
             // took 280 GiB of mirrors: shim-tests/ipc_reach.py).
             ipc_extent_torch: true,
             ipc_mirror_sync: MirrorSync::Plain,
+            ipc_keep_closed: true,
             ipc_allow_uids: Vec::new(),
             pidfd_rescue: true,
             sockets: true,
@@ -562,6 +568,11 @@ const VARS: &[Var] = &[
                 .collect::<Vec<_>>()
                 .join(",")
         },
+    },
+    Var {
+        name: "EXPSEG_IPC_KEEP_CLOSED",
+        set: |c, v| parse_bool(v).map(|b| c.ipc_keep_closed = b),
+        show: |c| c.ipc_keep_closed.to_string(),
     },
     Var {
         name: "EXPSEG_PIDFD_RESCUE",

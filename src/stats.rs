@@ -93,6 +93,12 @@ pub struct Global {
     pub foreign_mirror_bytes_spared: Counter,
     /// Other processes' memory this process opened through their tickets.
     pub ipc_tickets_opened: Counter,
+    /// Closes of memory opened through a ticket that kept it mapped for the next open.
+    pub ipc_kept_closed: Counter,
+    /// Opens served by such a kept mapping (nothing asked, imported or mapped).
+    pub ipc_kept_reopened: Counter,
+    /// Kept mappings unmapped (the producer freed the memory or exited, or too many kept).
+    pub ipc_kept_dropped: Counter,
     /// Reclaims: asks of other expseg processes after an allocation found no memory, the
     /// bytes they gave back, and the bytes this process gave back when asked or trimmed.
     pub reclaim_asks: Counter,
@@ -137,6 +143,9 @@ pub static GLOBAL: Global = Global {
     foreign_mirrors_bounded: Counter::new(),
     foreign_mirror_bytes_spared: Counter::new(),
     ipc_tickets_opened: Counter::new(),
+    ipc_kept_closed: Counter::new(),
+    ipc_kept_reopened: Counter::new(),
+    ipc_kept_dropped: Counter::new(),
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
@@ -193,6 +202,9 @@ impl Global {
                 self.foreign_mirror_bytes_spared.get(),
             ),
             ("ipc_tickets_opened", self.ipc_tickets_opened.get()),
+            ("ipc_kept_closed", self.ipc_kept_closed.get()),
+            ("ipc_kept_reopened", self.ipc_kept_reopened.get()),
+            ("ipc_kept_dropped", self.ipc_kept_dropped.get()),
             ("reclaim_asks", self.reclaim_asks.get()),
             ("reclaimed_bytes", self.reclaimed_bytes.get()),
             ("given_back_bytes", self.given_back_bytes.get()),

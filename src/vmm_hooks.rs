@@ -180,7 +180,11 @@ pub unsafe extern "C" fn cuMemMap(
 pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
-        Ok(Some(c)) => c,
+        Ok(Some(c)) => {
+            // A foreign run shared from here may have been freed: its consumers are told.
+            let _ = catch_unwind(crate::api::tell_freed);
+            c
+        }
         // SAFETY: the driver's own function, with the program's own arguments.
         Ok(None) => crate::api::unmap_unserved(va, size as u64, || unsafe { f(va, size) }),
         Err(_) => unknown("cuMemUnmap"),

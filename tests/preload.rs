@@ -4281,7 +4281,12 @@ fn a_reset_between_an_id_read_and_its_record_frees_nothing_made_after_it() {
 
 #[test]
 fn opening_a_ticket_twice_is_one_more_reference_to_the_same_memory() {
-    let r = share("expseg", &[("CONSUMER_TWICE", "1")]).ok();
+    // Unkept: the last close unmaps (kept mappings: the next test).
+    let r = share(
+        "expseg",
+        &[("CONSUMER_TWICE", "1"), ("EXPSEG_IPC_KEEP_CLOSED", "0")],
+    )
+    .ok();
     for (k, v) in [
         ("open_rc", "0"),
         ("open2_rc", "0"),
@@ -4293,6 +4298,50 @@ fn opening_a_ticket_twice_is_one_more_reference_to_the_same_memory() {
         ("close_3", "1"),
     ] {
         assert_eq!(nth(&r, k, 0), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+}
+
+#[test]
+fn a_consumer_keeps_memory_it_closed_mapped_until_the_producer_frees_it() {
+    // The consumer closes, opens the same handle again (nothing mapped anew, the same
+    // address, the same memory both ways), closes; the producer's free then returns only
+    // once the consumer unmapped it (natively the memory is back on the GPU at the free).
+    // With EXPSEG_IPC_KEEP_CLOSED=0 the close unmaps and the open maps again.
+    for (keep, mapped, maps) in [("1", "1", "0"), ("0", "0", "1")] {
+        let same = if keep == "1" { "1" } else { r#"either"# };
+        let r = share_in("share_kept", "expseg", &[("EXPSEG_IPC_KEEP_CLOSED", keep)]).ok();
+        assert!(
+            !r.stderr().contains("did not answer"),
+            "keep {keep}: the consumer answers, or keeps nothing\n{}",
+            r.stderr()
+        );
+        for (k, v) in [
+            ("kept_open_rc", "0"),
+            ("kept_sees", "1"),
+            ("kept_close_rc", "0"),
+            ("mapped_after_close", mapped),
+            ("reopen_rc", "0"),
+            ("same_ptr", same),
+            ("reopen_sees", "1"),
+            ("reopen_maps", maps),
+            ("close2_rc", "0"),
+            ("close3_fails", "1"),
+            ("producer_sees_consumer_write", "1"),
+            ("free_rc", "0"),
+            ("unmapped_after_producer_free", "1"),
+            ("consumer_exit", "0"),
+        ] {
+            if v == "either" {
+                continue; // the reservation freed at the close may be the open's again
+            }
+            assert_eq!(
+                nth(&r, k, 0),
+                v,
+                "keep {keep}: {k}\n{}\n{}",
+                r.stdout(),
+                r.stderr()
+            );
+        }
     }
 }
 

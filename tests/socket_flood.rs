@@ -51,7 +51,7 @@ fn open_fds() -> usize {
 /// The server's answers: the owner's control request (the first request id) gets its nonce
 /// back as a size; ticket 3 with nonce 99 a grant of 3 descriptors; ticket 4 with nonce 99 a
 /// grant of 150 (three batches); everything else a refusal.
-fn decide(id: u32, nonce: u64, _peer: u32) -> Reply {
+fn decide(id: u32, nonce: u64, _peer: expseg::ipc::server::Peer) -> Reply {
     let grant = |n: u64| -> Reply {
         let source: FdSource = Box::new(|| Ok(std::fs::File::open("/dev/null")?.into()));
         Ok((

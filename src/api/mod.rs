@@ -26,6 +26,7 @@ pub mod vmm;
 
 pub use crate::real::is_shared_runtime_file;
 pub use ipc::current::{after_sync, before_record, ipc_events_seen, note_ipc_event, sync_armed};
+pub(crate) use ipc::tell_freed;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
     mirror_foreign, pool_allocation_range, range_exported, serve_decisions_at,
@@ -130,7 +131,10 @@ pub fn unmap_unserved(va: u64, size: u64, real: impl FnOnce() -> u32) -> u32 {
     let r = real();
     drop(unmapping);
     if r == 0 {
-        let _ = std::panic::catch_unwind(|| forget_foreign_range(va, size));
+        let _ = std::panic::catch_unwind(|| {
+            forget_foreign_range(va, size);
+            ipc::tell_freed();
+        });
     }
     r
 }
@@ -407,6 +411,7 @@ pub fn cuDevicePrimaryCtxReset(dev: i32) {
     }
     let driver = st.driver.as_ref().ok().copied();
     drop(st);
+    ipc::tell_freed();
     let unmapped = opened.len();
     if let Some(t) = driver {
         for imp in opened {
@@ -450,6 +455,9 @@ fn free_with(ptr: u64, sync: impl FnOnce(i32) -> i32) -> Answer<i32> {
     match st.pool(dev).map(|p| p.free(ptr)) {
         Some(Ok(_)) => {
             st.ipc.forget(dev, ptr);
+            drop(st);
+            // Consumers that keep this memory mapped let it go before the free returns.
+            ipc::tell_freed();
             Answer::Done(0)
         }
         // Freed by another thread meanwhile: let the runtime answer the double free.

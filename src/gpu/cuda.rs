@@ -481,6 +481,20 @@ impl Imported {
     pub fn addr(&self) -> u64 {
         self.va + self.lead
     }
+
+    /// A mapping of `size` bytes at `va` with no handles, for the books' tests.
+    #[cfg(test)]
+    pub fn for_test(va: u64, size: u64, dev: i32) -> Imported {
+        Imported {
+            va,
+            size,
+            user: size,
+            dev,
+            lead: 0,
+            handles: Vec::new(),
+            mapped: 0,
+        }
+    }
 }
 
 /// Import chunks of the given `sizes`, whose descriptors `next_fds` hands over in order a

@@ -13,6 +13,7 @@
 //! every ticket carries a random nonce the producer checks. A forged, stale (freed) or foreign
 //! ticket gets an error, never memory.
 
+pub mod closed;
 pub mod control;
 pub mod ns;
 pub mod reclaim;

@@ -146,6 +146,14 @@ impl Readers {
     }
 }
 
+/// Who is at the other end of an admitted connection, as `SO_PEERCRED` told (a process of this
+/// pid namespace: the server closed any other unread).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: u32,
+    pub pid: u32,
+}
+
 /// A connection admitted but not yet read: its stream, peer and when it came.
 type Parked = (UnixStream, u32, u32, std::time::Instant);
 
@@ -158,12 +166,12 @@ type Parked = (UnixStream, u32, u32, std::time::Instant);
 /// delays nobody else: at most [`MAX_READING`] read at once ([`PER_PEER_READING`] a process,
 /// [`RESERVED_READING`] more for the own user), within [`FIRST_BYTE`] and [`REQUEST_WITHIN`],
 /// the rest parked (never on the accepting thread) up to [`SLOT_WAIT`]; at most [`MAX_IN_FLIGHT`] answered at once, plus [`RESERVED`] for the
-/// own user's control requests; `decide(id, nonce, peer_uid)` answers.
+/// own user's control requests; `decide(id, nonce, peer)` answers.
 pub fn serve(
     path: &Path,
     others: bool,
     admit: impl Fn(u32) -> bool + Send + 'static,
-    decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
+    decide: impl Fn(u32, u64, Peer) -> Reply + Send + Sync + 'static,
 ) -> Result<(), String> {
     let own_ns = ns::own()?;
     clear_stale(path)?;
@@ -179,13 +187,13 @@ pub fn serve(
     // Read and answer one connection on a thread of its own.
     let start = {
         let (decide, answering) = (decide.clone(), answering.clone());
-        move |s: UnixStream, uid: u32, read_place: Reading| {
+        move |s: UnixStream, peer: Peer, read_place: Reading| {
             let (decide, answering) = (decide.clone(), answering.clone());
             let _ = std::thread::Builder::new()
                 .name("expseg-ipc-req".into())
                 .spawn(move || {
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        answer(s, uid, read_place, &answering, &*decide)
+                        answer(s, peer, read_place, &answering, &*decide)
                     }));
                 });
             // A thread that could not start drops the connection and its place.
@@ -201,7 +209,7 @@ pub fn serve(
                 for (s, uid, pid, came) in parked {
                     loop {
                         if let Some(place) = reading.admit(pid, uid == me) {
-                            start(s, uid, place);
+                            start(s, Peer { uid, pid }, place);
                             break;
                         }
                         if came.elapsed() >= SLOT_WAIT {
@@ -236,7 +244,7 @@ pub fn serve(
                     continue; // closed unread
                 };
                 match reading.admit(pid, uid == me) {
-                    Some(place) => start(s, uid, place),
+                    Some(place) => start(s, Peer { uid, pid }, place),
                     // No place now: parked, or closed at once where too many are.
                     None => {
                         let _ = park.try_send((s, uid, pid, std::time::Instant::now()));
@@ -256,7 +264,7 @@ pub fn serve_named(
     pid: u32,
     others: bool,
     admit: impl Fn(u32) -> bool + Send + 'static,
-    decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
+    decide: impl Fn(u32, u64, Peer) -> Reply + Send + Sync + 'static,
 ) -> Result<std::path::PathBuf, String> {
     let mut first_err = None;
     for name in super::sockdir::socket_names(pid) {
@@ -313,10 +321,10 @@ fn refused_once(why: &str) {
 /// a place among `answering` is free.
 fn answer(
     mut s: UnixStream,
-    uid: u32,
+    peer: Peer,
     read_place: Reading,
     answering: &std::sync::Arc<Places>,
-    decide: &dyn Fn(u32, u64, u32) -> Reply,
+    decide: &dyn Fn(u32, u64, Peer) -> Reply,
 ) {
     let req = read_request(&mut s);
     drop(read_place);
@@ -325,7 +333,7 @@ fn answer(
     };
     let id = u32::from_le_bytes(req[0..4].try_into().unwrap());
     let nonce = u64::from_le_bytes(req[8..16].try_into().unwrap());
-    let limit = match reserved_for(id, uid) {
+    let limit = match reserved_for(id, peer.uid) {
         true => MAX_IN_FLIGHT + RESERVED,
         false => MAX_IN_FLIGHT,
     };
@@ -333,7 +341,7 @@ fn answer(
         return; // closed unanswered
     };
     let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-    let _ = reply(&mut s, decide(id, nonce, uid));
+    let _ = reply(&mut s, decide(id, nonce, peer));
 }
 
 /// The 16 bytes of a request: the first within [`FIRST_BYTE`], all within
@@ -446,7 +454,7 @@ mod tests {
     /// A private directory of this test's and a server in it whose `decide` is the test's.
     fn server_with(
         name: &str,
-        decide: impl Fn(u32, u64, u32) -> Reply + Send + Sync + 'static,
+        decide: impl Fn(u32, u64, Peer) -> Reply + Send + Sync + 'static,
     ) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("expseg-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);

@@ -37,10 +37,10 @@ pub const BATCH: usize = 64;
 /// coalesced pages shared whole, without a split); 0 is a grant without a lead.
 pub const GRANTED_WITH_LEAD: u32 = 6;
 
-/// Request ids from here up name requests, not tickets: `control`'s `SHARING_ID`,
-/// `QUERY_ID`, `RESUME_ID` and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and `fdshare`'s `GETFD_ID`
-/// (`u32::MAX`). Ticket ids stay below it.
-pub const FIRST_REQUEST_ID: u32 = u32::MAX - 5;
+/// Request ids from here up name requests, not tickets: `closed::CLOSED_ID`, `control`'s
+/// `SHARING_ID`, `QUERY_ID`, `RESUME_ID` and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and
+/// `fdshare`'s `GETFD_ID` (`u32::MAX`). Ticket ids stay below it.
+pub const FIRST_REQUEST_ID: u32 = u32::MAX - 6;
 
 /// Fill `buf` from the kernel's random source (`getrandom`, else `/dev/urandom`). Never from
 /// anything guessable: without a random source there are no tickets.
@@ -118,6 +118,36 @@ fn alive(pidfd: &OwnedFd) -> bool {
         )
     };
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// A process watched for its exit: through a pidfd where the kernel gives one (a pid handed on
+/// to another process is then no confusion), else by its pid.
+pub struct Watch {
+    pid: u32,
+    fd: Option<OwnedFd>,
+}
+
+impl Watch {
+    pub fn new(pid: u32) -> Watch {
+        // SAFETY: pidfd_open(pid, 0) returns a new descriptor or -1.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long) };
+        // SAFETY: a descriptor the kernel just made for us.
+        let fd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+        Watch { pid, fd }
+    }
+
+    /// Whether the process exited (signal 0: `EPERM` means it still runs).
+    pub fn exited(&self) -> bool {
+        match &self.fd {
+            Some(fd) => !alive(fd),
+            None => {
+                // SAFETY: signal 0 only checks.
+                let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
+                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            }
+        }
+    }
 }
 
 /// The uid and pid of the process at the other end of `s` (as it was at connect time).
@@ -639,8 +669,9 @@ mod tests {
             &path,
             false,
             |_| true,
-            |id, nonce, uid| {
-                if uid != current_uid() {
+            |id, nonce, peer: super::super::server::Peer| {
+                // The asker is this very process: its uid and pid, as the connection tells.
+                if peer.uid != current_uid() || peer.pid != std::process::id() {
                     return Err(Refusal::Forbidden.into());
                 }
                 if id == 7 {

@@ -295,6 +295,63 @@ static int share(const char* self, const char* how) {
   return 0;
 }
 
+/* Consumer half of "share_kept": open, close (kept mapped unless EXPSEG_IPC_KEEP_CLOSED=0),
+ * open again, close; then tell the producer (fd `ready`) and wait for its free (fd `go`):
+ * by then the kept mapping is gone. */
+static int consume_kept(const char* hex, int ready, int go) {
+  IpcHandle h;
+  for (int i = 0; i < 64; i++) { unsigned v; sscanf(hex + 2 * i, "%2x", &v); h.b[i] = (unsigned char)v; }
+  unsigned char *q = 0, *q2 = 0;
+  int rc = cudaIpcOpenMemHandle((void**)&q, h, 1);
+  int sees = rc == 0 && holds(q, 32 * MIB, 0x41);
+  long before = fakecu_count("cuMemMap");
+  int c1 = cudaIpcCloseMemHandle(q);
+  int mapped_after_close = fakecu_access((uint64_t)q) != -1;
+  int rc2 = cudaIpcOpenMemHandle((void**)&q2, h, 1);
+  int sees2 = rc2 == 0 && holds(q2, 32 * MIB, 0x41);
+  long maps = fakecu_count("cuMemMap") - before;
+  if (rc2 == 0) fill(q2, 32 * MIB, 0x45);
+  int c2 = cudaIpcCloseMemHandle(q2);
+  int c3 = cudaIpcCloseMemHandle(q2);
+  printf("kept_open_rc=%d kept_sees=%d kept_close_rc=%d mapped_after_close=%d reopen_rc=%d same_ptr=%d reopen_sees=%d reopen_maps=%ld close2_rc=%d close3_fails=%d\n",
+         rc, sees, c1, mapped_after_close, rc2, q2 == q, sees2, maps, c2, c3 != 0);
+  fflush(stdout);
+  char b = 'r';
+  if (write(ready, &b, 1) != 1 || read(go, &b, 1) != 1) return 1;
+  printf("unmapped_after_producer_free=%d\n", fakecu_access((uint64_t)q) == -1);
+  fflush(stdout);
+  return 0;
+}
+
+/* Producer of "share_kept": a 32 MiB allocation shared with one consumer that closes and opens
+ * it again, then freed while the consumer still runs. */
+static int share_kept(const char* self) {
+  unsigned char* p = 0; unsigned char h[64];
+  CHECK(cudaMalloc((void**)&p, 32 * MIB) == 0);
+  fill(p, 32 * MIB, 0x41);
+  CHECK(cudaIpcGetMemHandle(h, p) == 0);
+  char hex[129], r[16], g[16];
+  for (int i = 0; i < 64; i++) sprintf(hex + 2 * i, "%02x", h[i]);
+  int ready[2], go[2];
+  CHECK(pipe(ready) == 0 && pipe(go) == 0);
+  snprintf(r, sizeof r, "%d", ready[1]); snprintf(g, sizeof g, "%d", go[0]);
+  fflush(stdout);
+  pid_t k = fork();
+  if (k == 0) {
+    execl(self, self, "consume_kept", hex, r, g, (char*)0);
+    _exit(127);
+  }
+  char b;
+  int got = read(ready[0], &b, 1) == 1;
+  printf("producer_sees_consumer_write=%d\n", got && holds(p, 32 * MIB, 0x45));
+  printf("free_rc=%d\n", cudaFree(p));
+  fflush(stdout);
+  if (write(go[1], &b, 1) != 1) return 1;
+  int st; waitpid(k, &st, 0);
+  printf("consumer_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  return 0;
+}
+
 int cuMemGetAddressRange_v2(uint64_t*, size_t*, uint64_t);
 int cuPointerGetAttribute(void*, int, uint64_t);
 int cuPointerGetAttributes(unsigned, int*, void**, uint64_t);
@@ -1016,6 +1073,8 @@ int main(int argc, char** argv) {
   const char* s = argc > 1 ? argv[1] : "basic";
   if (!strcmp(s, "consume") && argc > 4) return consume(argv[2], atoi(argv[3]), atoi(argv[4]));
   if (!strcmp(s, "share") && argc > 2) return share(argv[0], argv[2]);
+  if (!strcmp(s, "consume_kept") && argc > 4) return consume_kept(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (!strcmp(s, "share_kept")) return share_kept(argv[0]);
   if (!strcmp(s, "share_foreign") && argc > 2) return share_foreign(argv[0], argv[2]);
   if (!strcmp(s, "foreign_swap")) return foreign_swap(argv[0]);
   if (!strcmp(s, "hold") && argc > 2) return hold((size_t)atol(argv[2]));

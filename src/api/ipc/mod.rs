@@ -6,13 +6,14 @@
 //! ([`current`]), the program's runs of such memory ([`runs`]), tickets and their socket
 //! ([`tickets`]) and the one-time check whether they work ([`check`]), what is remembered
 //! ([`shares`]), exports of coalesced pages through a copy ([`pages`]), the consumer's side
-//! ([`open`]), whether this process shared or mapped
+//! ([`open`]) and the mappings it keeps after a close ([`kept`]), whether this process shared or mapped
 //! another's memory at all ([`sharing`]), and dma-bufs of its ranges ([`ranges`]).
 
 mod check;
 pub(crate) mod current;
 mod foreign;
 mod get;
+mod kept;
 mod mirror;
 mod open;
 pub mod pages;
@@ -24,6 +25,7 @@ pub(super) mod tickets;
 
 pub use foreign::mirror_foreign;
 pub use get::cudaIpcGetMemHandle;
+pub(crate) use kept::tell_freed;
 pub use open::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
 };

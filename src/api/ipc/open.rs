@@ -103,6 +103,8 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                 asked.as_secs_f64() * 1e3,
                 (started.elapsed() - asked).as_secs_f64() * 1e3
             );
+            // Starts this process's socket (not under the lock): the producer tells it there.
+            let keep = super::kept::may_keep(t.uid) && super::tickets::ensure_server();
             let mut st = lock();
             // Devices with peer access to `dev` reach it too, as legacy IPC memory of its
             // context (under the lock that grants and revokes peer access take as well).
@@ -113,7 +115,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                     }
                 }
             }
-            match st.ipc.record_open(key, imp) {
+            match st.ipc.record_open(key, imp, keep) {
                 Ok(va) => {
                     drop(st);
                     GLOBAL.ipc_tickets_opened.add(1);
@@ -164,7 +166,8 @@ pub fn pool_allocation_range(ptr: u64) -> Option<(u64, u64)> {
 }
 
 /// `cudaIpcCloseMemHandle`: one reference of memory opened through a ticket goes; the last
-/// unmaps it. Others pass through.
+/// unmaps it, or keeps it mapped for the next open of the handle (`kept`). Others pass
+/// through.
 pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
     if bypass() || !STATE_STARTED.load(Ordering::Acquire) {
         return Answer::PassThrough;
@@ -173,6 +176,17 @@ pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
         None => return Answer::PassThrough,
         Some(Closed::Kept) => return Answer::Done(0),
         Some(Closed::Last(imp)) => imp,
+        // Kept mapped: work of this process that may still use it ends first, as before an
+        // unmap (the producer may free it any time from now).
+        Some(Closed::KeptMapped {
+            producer,
+            dev,
+            over,
+        }) => {
+            let e = super::super::state::synchronize(dev);
+            super::kept::kept(over, producer);
+            return Answer::Done(e);
+        }
     };
     // Work of this process may still use the mapping: the device it was opened for (not
     // whichever is current now).

@@ -25,8 +25,12 @@ pub(crate) struct IpcState {
     pub(super) freed: std::collections::HashSet<u32>,
     freed_order: std::collections::VecDeque<u32>,
     /// Live tickets a consumer running expseg was granted (it maps the memory itself: the
-    /// mirror needs no copy at the program's synchronizations, `EXPSEG_IPC_MIRROR_SYNC`).
-    granted: std::collections::HashSet<u32>,
+    /// mirror needs no copy at the program's synchronizations, `EXPSEG_IPC_MIRROR_SYNC`),
+    /// with the consumers of this process's own user that were (they may keep it mapped after
+    /// they close it, and are told when it is freed: [`IpcState::take_to_tell`]).
+    granted: HashMap<u32, Vec<u32>>,
+    /// Freed tickets and the consumers to tell, waiting for a caller outside the lock.
+    to_tell: Vec<(u32, Vec<u32>)>,
     /// Whether the ticket socket is serving (`None`: not tried yet).
     pub(super) server: Option<bool>,
     /// Why the socket could not serve.
@@ -42,12 +46,18 @@ pub(crate) type OpenKey = (u32, u32, u32, u64, i32);
 
 /// Memory opened through a ticket: the mapping, the ticket and device it came from, and how
 /// many opens it stands for. CUDA counts a second `cudaIpcOpenMemHandle` of one handle in a
-/// context as one more reference to the first: the same address, one close each.
+/// context as one more reference to the first: the same address, one close each. With no
+/// reference left it may stay mapped, *kept* for the next open of the same ticket (`keep`:
+/// the producer tells this process when it frees the memory), unseen by the program.
 pub(crate) struct Opened {
     pub(crate) imp: Imported,
     key: OpenKey,
     refs: u32,
+    keep: bool,
 }
+
+/// Most mappings kept after their last close; the oldest beyond go.
+pub(super) const KEPT_MAX: usize = 1024;
 
 /// What one `cudaIpcCloseMemHandle` of memory opened through a ticket leaves.
 pub(crate) enum Closed {
@@ -55,6 +65,14 @@ pub(crate) enum Closed {
     Kept,
     /// The last reference: unmap it.
     Last(Imported),
+    /// The last reference, and the mapping (of process `producer`'s memory, on device
+    /// `dev`) stays for the next open of its ticket; the mappings kept beyond [`KEPT_MAX`]
+    /// come back to be unmapped (`over`).
+    KeptMapped {
+        producer: u32,
+        dev: i32,
+        over: Vec<Imported>,
+    },
 }
 
 impl IpcState {
@@ -70,7 +88,7 @@ impl IpcState {
         }
     }
 
-    /// Memory opened through tickets on device `dev`.
+    /// Memory opened through tickets on device `dev` (kept mappings included).
     pub(crate) fn opened_on(&self, dev: i32) -> impl Iterator<Item = &Imported> {
         self.opened
             .values()
@@ -78,37 +96,119 @@ impl IpcState {
             .filter(move |i| i.dev == dev)
     }
 
-    /// The address of ticket `key` if it is open already: one reference more.
+    /// The address of ticket `key` if it is open already, or kept mapped since its last
+    /// close: one reference more.
     pub(crate) fn reopen(&mut self, key: OpenKey) -> Option<u64> {
         let (va, o) = self.opened.iter_mut().find(|(_, o)| o.key == key)?;
+        if o.refs == 0 {
+            GLOBAL.ipc_kept_reopened.add(1);
+        }
         o.refs += 1;
         Some(*va)
     }
 
-    /// Record memory just opened through ticket `key`. Another thread may have opened the
-    /// same ticket meanwhile: then that mapping gets the reference and this one comes back to
-    /// be unmapped.
+    /// Record memory just opened through ticket `key`; `keep`: it may stay mapped after its
+    /// last close. Another thread may have opened the same ticket meanwhile: then that
+    /// mapping gets the reference and this one comes back to be unmapped.
     pub(crate) fn record_open(
         &mut self,
         key: OpenKey,
         imp: Imported,
+        keep: bool,
     ) -> Result<u64, (u64, Imported)> {
         if let Some(va) = self.reopen(key) {
             return Err((va, imp));
         }
         let va = imp.addr();
-        self.opened.insert(va, Opened { imp, key, refs: 1 });
+        let refs = 1;
+        self.opened.insert(
+            va,
+            Opened {
+                imp,
+                key,
+                refs,
+                keep,
+            },
+        );
         Ok(va)
     }
 
-    /// One close of `va`; `None` if no ticket was opened there.
+    /// One close of `va`; `None` if no ticket was opened there (or it is kept, closed).
     pub(crate) fn close(&mut self, va: u64) -> Option<Closed> {
-        let o = self.opened.get_mut(&va)?;
+        let o = self.opened.get_mut(&va).filter(|o| o.refs > 0)?;
         if o.refs > 1 {
             o.refs -= 1;
             return Some(Closed::Kept);
         }
+        if o.keep {
+            o.refs = 0;
+            let (producer, dev) = (o.key.1, o.imp.dev);
+            GLOBAL.ipc_kept_closed.add(1);
+            let over = self.over_kept();
+            return Some(Closed::KeptMapped {
+                producer,
+                dev,
+                over,
+            });
+        }
         self.opened.remove(&va).map(|o| Closed::Last(o.imp))
+    }
+
+    /// Kept mappings beyond [`KEPT_MAX`], out of the books (lowest addresses first: one
+    /// reservation after another, the oldest usually).
+    fn over_kept(&mut self) -> Vec<Imported> {
+        let kept: Vec<u64> = self
+            .opened
+            .iter()
+            .filter(|(_, o)| o.refs == 0)
+            .map(|(va, _)| *va)
+            .collect();
+        let over = kept.len().saturating_sub(KEPT_MAX);
+        self.take_kept(kept.into_iter().take(over))
+    }
+
+    fn take_kept(&mut self, vas: impl Iterator<Item = u64>) -> Vec<Imported> {
+        let gone: Vec<Imported> = vas
+            .filter_map(|va| self.opened.remove(&va).map(|o| o.imp))
+            .collect();
+        GLOBAL.ipc_kept_dropped.add(gone.len() as u64);
+        gone
+    }
+
+    /// Producer `pid` freed ticket `id` (`ipc::closed`): its kept mapping comes back to be
+    /// unmapped; one still open is not kept after its last close (natively the memory stays
+    /// while the consumer has it open).
+    pub(crate) fn producer_freed(&mut self, pid: u32, id: u32) -> Vec<Imported> {
+        self.producer_gone(|k| k.1 == pid && k.2 == id)
+    }
+
+    /// Producer `pid` exited: every kept mapping of its memory comes back to be unmapped.
+    pub(crate) fn producer_exited(&mut self, pid: u32) -> Vec<Imported> {
+        self.producer_gone(|k| k.1 == pid)
+    }
+
+    fn producer_gone(&mut self, of: impl Fn(&OpenKey) -> bool) -> Vec<Imported> {
+        let mut kept = Vec::new();
+        for (va, o) in self.opened.iter_mut().filter(|(_, o)| of(&o.key)) {
+            o.keep = false;
+            if o.refs == 0 {
+                kept.push(*va);
+            }
+        }
+        self.take_kept(kept.into_iter())
+    }
+
+    /// Producers whose memory is kept mapped here, closed.
+    pub(crate) fn kept_producers(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .opened
+            .values()
+            .filter(|o| o.refs == 0)
+            .map(|o| o.key.1)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
     }
 
     /// Every mapping opened through a ticket on `dev`, whatever its references, taken out of
@@ -125,10 +225,10 @@ impl IpcState {
             .collect()
     }
 
-    /// The mapping opened through a ticket that contains `ptr`.
+    /// The mapping opened through a ticket that contains `ptr` (not one kept, closed).
     pub(crate) fn opened_at(&self, ptr: u64) -> Option<&Imported> {
         let (va, o) = self.opened.range(..=ptr).next_back()?;
-        (*va <= ptr && ptr < o.imp.va + o.imp.size).then_some(&o.imp)
+        (*va <= ptr && ptr < o.imp.va + o.imp.size && o.refs > 0).then_some(&o.imp)
     }
 
     /// The ticket of allocation `base` on `dev`, issued on first use; `None` without a random
@@ -156,10 +256,14 @@ impl IpcState {
         })
     }
 
-    /// A consumer running expseg was granted ticket `id`.
-    pub(super) fn note_granted(&mut self, id: u32) {
+    /// A consumer running expseg was granted ticket `id`; `keeper`: its pid, where it is of
+    /// this process's own user (it may keep the memory mapped after it closes it).
+    pub(super) fn note_granted(&mut self, id: u32, keeper: Option<u32>) {
         if self.by_id.contains_key(&id) {
-            self.granted.insert(id);
+            let pids = self.granted.entry(id).or_default();
+            if let Some(pid) = keeper.filter(|p| !pids.contains(p)) {
+                pids.push(pid);
+            }
         }
     }
 
@@ -167,14 +271,25 @@ impl IpcState {
     pub(super) fn granted_at(&self, dev: i32, base: u64) -> bool {
         self.by_alloc
             .get(&(dev, base))
-            .is_some_and(|id| self.granted.contains(id))
+            .is_some_and(|id| self.granted.contains_key(id))
     }
 
-    /// The allocation was freed: its tickets are stale from now on.
+    /// Freed tickets and the consumers to tell (`ipc::closed`), taken to be told outside
+    /// the lock.
+    pub(crate) fn take_to_tell(&mut self) -> Vec<(u32, Vec<u32>)> {
+        TO_TELL.store(false, std::sync::atomic::Ordering::Release);
+        std::mem::take(&mut self.to_tell)
+    }
+
+    /// The allocation was freed: its tickets are stale from now on, and the consumers that
+    /// may keep it mapped are to be told.
     pub(crate) fn forget(&mut self, dev: i32, base: u64) {
         if let Some(id) = self.by_alloc.remove(&(dev, base)) {
             self.by_id.remove(&id);
-            self.granted.remove(&id);
+            if let Some(pids) = self.granted.remove(&id).filter(|p| !p.is_empty()) {
+                self.to_tell.push((id, pids));
+                TO_TELL.store(true, std::sync::atomic::Ordering::Release);
+            }
             if self.freed.insert(id) {
                 self.freed_order.push_back(id);
             }
@@ -213,6 +328,11 @@ impl IpcState {
         dropped
     }
 }
+
+/// Whether freed tickets wait to be told to their consumers (read without the lock by every
+/// free and unmap that may have freed one).
+pub(crate) static TO_TELL: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 /// How many freed tickets are remembered as stale.
 const FREED_KEPT: usize = 4096;
@@ -255,6 +375,7 @@ mod tests {
             control::PAUSE_ID,
             reclaim::RECLAIM_ID,
             crate::api::fdshare::record::GETFD_ID,
+            crate::ipc::closed::CLOSED_ID,
         ] {
             assert!(request >= transport::FIRST_REQUEST_ID);
         }
@@ -313,6 +434,91 @@ mod tests {
             !s.by_alloc.contains_key(&(0, 200 * MIB)),
             "the second's is stale"
         );
+    }
+
+    #[test]
+    fn a_kept_mapping_serves_the_next_open_until_its_producer_frees_it_or_exits() {
+        const MIB: u64 = 1 << 20;
+        let mut s = IpcState::default();
+        let key = |pid, id| (1000, pid, id, 7, 0);
+        let open = |s: &mut IpcState, va, pid, id, keep| {
+            s.record_open(key(pid, id), Imported::for_test(va, 32 * MIB, 0), keep)
+                .map_err(|_| ())
+                .unwrap()
+        };
+        assert_eq!(open(&mut s, 100 * MIB, 50, 1, true), 100 * MIB);
+        // The last close keeps it mapped, unseen by range queries; a second close is not ours.
+        assert!(matches!(
+            s.close(100 * MIB),
+            Some(Closed::KeptMapped { producer: 50, dev: 0, ref over }) if over.is_empty()
+        ));
+        assert!(
+            s.opened_at(100 * MIB + 5).is_none(),
+            "closed: not the program's"
+        );
+        assert!(s.close(100 * MIB).is_none());
+        assert_eq!(s.kept_producers(), vec![50]);
+        // The next open of the same ticket is the same mapping.
+        assert_eq!(s.reopen(key(50, 1)), Some(100 * MIB));
+        assert!(s.opened_at(100 * MIB + 5).is_some());
+        assert!(s.kept_producers().is_empty());
+        // The producer frees it while it is open: kept no more; the close unmaps.
+        assert!(s.producer_freed(50, 1).is_empty(), "in use: stays");
+        assert!(matches!(s.close(100 * MIB), Some(Closed::Last(_))));
+        // Kept, then freed: it comes back to be unmapped; another producer's stays.
+        open(&mut s, 200 * MIB, 50, 2, true);
+        open(&mut s, 300 * MIB, 51, 2, true);
+        s.close(200 * MIB);
+        s.close(300 * MIB);
+        let gone = s.producer_freed(50, 2);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(gone[0].va, 200 * MIB);
+        assert_eq!(s.reopen(key(50, 2)), None, "gone");
+        // Its producer exits: every mapping kept of it goes.
+        assert_eq!(s.producer_exited(51).len(), 1);
+        assert!(s.kept_producers().is_empty() && s.opened.is_empty());
+        // Not to keep (another user's memory, or EXPSEG_IPC_KEEP_CLOSED=0): the close unmaps.
+        open(&mut s, 400 * MIB, 52, 1, false);
+        assert!(matches!(s.close(400 * MIB), Some(Closed::Last(_))));
+    }
+
+    #[test]
+    fn kept_mappings_beyond_the_bound_go_lowest_first() {
+        let mut s = IpcState::default();
+        let mut over = Vec::new();
+        for i in 0..(KEPT_MAX as u64 + 2) {
+            let va = (i + 1) << 30;
+            s.record_open(
+                (0, 9, i as u32 + 1, 1, 0),
+                Imported::for_test(va, 1 << 20, 0),
+                true,
+            )
+            .map_err(|_| ())
+            .unwrap();
+            if let Some(Closed::KeptMapped { over: o, .. }) = s.close(va) {
+                over.extend(o.into_iter().map(|i| i.va));
+            }
+        }
+        assert_eq!(over, vec![1 << 30, 2 << 30]);
+        assert_eq!(s.opened.len(), KEPT_MAX);
+    }
+
+    #[test]
+    fn a_freed_ticket_is_told_to_the_consumers_of_the_own_user_it_was_granted_to() {
+        let mut s = IpcState::default();
+        let t = s.ticket(0, 1 << 21).unwrap();
+        s.note_granted(t.id, Some(40));
+        s.note_granted(t.id, Some(40));
+        s.note_granted(t.id, None); // another user's consumer: not told
+        s.note_granted(t.id, Some(41));
+        assert!(s.granted_at(0, 1 << 21));
+        let other = s.ticket(0, 2 << 21).unwrap();
+        s.note_granted(other.id, None);
+        s.forget(0, 2 << 21);
+        assert!(s.take_to_tell().is_empty(), "nobody who keeps");
+        s.forget(0, 1 << 21);
+        assert_eq!(s.take_to_tell(), vec![(t.id, vec![40, 41])]);
+        assert!(s.take_to_tell().is_empty(), "told once");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use super::shares::MAX_RUN;
 use crate::api::state::{config, lock, State};
 use crate::gpu::cuda;
 use crate::ipc::control::Control;
-use crate::ipc::server;
+use crate::ipc::server::{self, Peer};
 use crate::ipc::sockdir;
 use crate::ipc::transport::{self, Decision, Denial, Reply};
 use crate::ipc::{Grant, Refusal};
@@ -236,6 +236,7 @@ impl What {
             Some(_) => What::Control,
             None if id == crate::ipc::reclaim::RECLAIM_ID => What::Control,
             None if id == crate::api::fdshare::record::GETFD_ID => What::Descriptor,
+            None if id == crate::ipc::closed::CLOSED_ID => What::Control,
             None => What::Ticket,
         }
     }
@@ -271,26 +272,34 @@ fn admitted(uid: u32) -> bool {
 /// (another expseg process of the user found no memory on the GPU the nonce names) is no
 /// ticket: what this process holds beyond live memory there goes back, and the answer is a
 /// grant of no chunks whose size is the bytes given back.
-fn decide(id: u32, nonce: u64, peer: u32) -> Reply {
-    let who = Who::of(peer, sockdir::current_uid(), &config().ipc_allow_uids);
+fn decide(id: u32, nonce: u64, peer: Peer) -> Reply {
+    let who = Who::of(peer.uid, sockdir::current_uid(), &config().ipc_allow_uids);
     let what = What::of(id, nonce);
     if !may(who, what, config().allow_remote_discard) {
         match (who, what) {
             (Who::Own, What::Discard) => log::warn!("IPC: refused a pause with discard from outside: this process's paused memory is discarded only with EXPSEG_ALLOW_REMOTE_DISCARD=1 in its environment"),
             (_, What::Ticket) => {}
-            _ => log::warn!("IPC: refused request {id:#x} from uid {peer} (only this process's own user may make it)"),
+            _ => log::warn!("IPC: refused request {id:#x} from uid {} (only this process's own user may make it)", peer.uid),
         }
         return Err(Refusal::Forbidden.into());
     }
     if let Some(c) = Control::of(id, nonce) {
         return control(c);
     }
+    if id == crate::ipc::closed::CLOSED_ID {
+        // A producer freed memory this process may keep mapped (`kept`): the producer is
+        // the peer, whatever the request says.
+        return super::kept::producer_freed(peer.pid, nonce as u32);
+    }
     if id == crate::ipc::reclaim::RECLAIM_ID {
         let size = crate::api::trim::trim_gpu(nonce);
         let none = transport::fds_of(Vec::new());
         return Ok((Grant::new(size, Vec::new()), none));
     }
-    let d = decide_once(id, nonce);
+    // A consumer of this process's own user may keep the memory mapped after its close: it
+    // is told when the memory is freed.
+    let keeper = (who == Who::Own).then_some(peer.pid);
+    let d = decide_once(id, nonce, keeper);
     match &d {
         Ok(_) => GLOBAL.ipc_tickets_granted.add(1),
         Err(_) => GLOBAL.ipc_tickets_refused.add(1),
@@ -330,7 +339,7 @@ fn control(c: Control) -> Reply {
     }
 }
 
-fn decide_once(id: u32, nonce: u64) -> Decision {
+fn decide_once(id: u32, nonce: u64, keeper: Option<u32>) -> Decision {
     if id == crate::api::fdshare::record::GETFD_ID {
         return crate::api::fdshare::record::serve(nonce);
     }
@@ -350,7 +359,7 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
         drop(st);
         let d = export_foreign(dev, base, size);
         if d.is_ok() {
-            lock().ipc.note_granted(id);
+            lock().ipc.note_granted(id, keeper);
         }
         return d;
     }
@@ -364,7 +373,7 @@ fn decide_once(id: u32, nonce: u64) -> Decision {
             Err(Refusal::Failed)
         }
         Some(Ok((size, fds))) => {
-            st.ipc.note_granted(id);
+            st.ipc.note_granted(id, keeper);
             let chunks = fds.iter().map(|f| f.1).collect();
             Ok((
                 Grant::new(size, chunks),
@@ -491,14 +500,21 @@ mod tests {
         let own = sockdir::current_uid();
         let getfd = crate::api::fdshare::record::GETFD_ID;
         assert!(matches!(
-            decide(getfd, 3, own.wrapping_add(1)),
+            decide(
+                getfd,
+                3,
+                Peer {
+                    uid: own.wrapping_add(1),
+                    pid: 1
+                }
+            ),
             Err(Denial {
                 why: Refusal::Forbidden,
                 done: 0
             })
         ));
         assert!(matches!(
-            decide(getfd, 1 << 40, own),
+            decide(getfd, 1 << 40, Peer { uid: own, pid: 1 }),
             Err(Denial {
                 why: Refusal::Unknown,
                 ..
@@ -512,7 +528,7 @@ mod tests {
         }
         .encode();
         assert!(matches!(
-            decide(id, nonce, own),
+            decide(id, nonce, Peer { uid: own, pid: 1 }),
             Err(Denial {
                 why: Refusal::Forbidden,
                 done: 0
