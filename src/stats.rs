@@ -99,6 +99,11 @@ pub struct Global {
     pub ipc_kept_reopened: Counter,
     /// Kept mappings unmapped (the producer freed the memory or exited, or too many kept).
     pub ipc_kept_dropped: Counter,
+    /// PyTorch's reservations of imported pages kept at its free (`api::imports`), handed back
+    /// at a later reservation, and unmapped (their producer let the page go or exited).
+    pub ipc_views_kept: Counter,
+    pub ipc_views_reused: Counter,
+    pub ipc_views_dropped: Counter,
     /// Reclaims: asks of other expseg processes after an allocation found no memory, the
     /// bytes they gave back, and the bytes this process gave back when asked or trimmed.
     pub reclaim_asks: Counter,
@@ -146,6 +151,9 @@ pub static GLOBAL: Global = Global {
     ipc_kept_closed: Counter::new(),
     ipc_kept_reopened: Counter::new(),
     ipc_kept_dropped: Counter::new(),
+    ipc_views_kept: Counter::new(),
+    ipc_views_reused: Counter::new(),
+    ipc_views_dropped: Counter::new(),
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
@@ -205,6 +213,9 @@ impl Global {
             ("ipc_kept_closed", self.ipc_kept_closed.get()),
             ("ipc_kept_reopened", self.ipc_kept_reopened.get()),
             ("ipc_kept_dropped", self.ipc_kept_dropped.get()),
+            ("ipc_views_kept", self.ipc_views_kept.get()),
+            ("ipc_views_reused", self.ipc_views_reused.get()),
+            ("ipc_views_dropped", self.ipc_views_dropped.get()),
             ("reclaim_asks", self.reclaim_asks.get()),
             ("reclaimed_bytes", self.reclaimed_bytes.get()),
             ("given_back_bytes", self.given_back_bytes.get()),

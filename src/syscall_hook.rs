@@ -137,8 +137,25 @@ extern "C" fn expseg_pidfd_getfd(
     // A descriptor of another process's (PyTorch's expandable segments are shared so): this
     // process is about to map another's memory.
     crate::api::sharing::note_imported();
+    // A producer that tells this process when its descriptor numbers stop naming their pages
+    // (asked before the first is taken): PyTorch's mappings of its pages may be kept mapped
+    // after PyTorch frees them (api::imports).
+    let told = match (i32::try_from(pidfd), i32::try_from(fd)) {
+        (Ok(p), Ok(f)) if flags == 0 => catch_unwind(|| {
+            (!crate::api::config().disabled)
+                .then(|| crate::api::imports::before_getfd(p, crate::api::ensure_server))
+                .flatten()
+                .map(|pid| (pid, f))
+        })
+        .ok()
+        .flatten(),
+        _ => None,
+    };
     let r = expseg_syscall_first(n, pidfd, fd, flags, a4, a5, a6);
     if r >= 0 {
+        if let Some((pid, f)) = told {
+            let _ = catch_unwind(|| crate::api::imports::got_fd(r as i32, pid, f));
+        }
         return r;
     }
     // SAFETY: the calling thread's errno.
@@ -157,7 +174,11 @@ extern "C" fn expseg_pidfd_getfd(
     match asked {
         Ok(Some(f)) => {
             use std::os::fd::IntoRawFd;
-            f.into_raw_fd() as c_long
+            let mine = f.into_raw_fd();
+            if let Some((pid, f)) = told {
+                let _ = catch_unwind(|| crate::api::imports::got_fd(mine, pid, f));
+            }
+            mine as c_long
         }
         _ => {
             set_errno(libc::EPERM);

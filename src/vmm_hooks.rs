@@ -11,6 +11,7 @@
 //! when the user set no allocator options), so `LD_PRELOAD=libexpseg.so` alone is enough.
 #![allow(non_snake_case)]
 
+use crate::api::imports;
 use crate::api::vmm;
 use crate::config::Coalesce;
 use crate::gpu::PageProps;
@@ -137,6 +138,8 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let f = real_or!(cuMemRelease);
     // Descriptors exported for this page are no longer served (PyTorch closes them with it).
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
+    // An imported page's handle: its kept mapping, if any, holds the page (api::imports).
+    let _ = catch_unwind(|| imports::released(h));
     // A copy exported for the page goes with it (api::ipc::pages).
     let release = || {
         let r = vmm::release(h);
@@ -163,6 +166,12 @@ pub unsafe extern "C" fn cuMemMap(
     flags: u64,
 ) -> u32 {
     let f = real_or!(cuMemMap);
+    // An imported page where a kept view has it mapped already (api::imports).
+    if flags == 0 {
+        if let Ok(Some(c)) = catch_unwind(|| imports::map(va, size as u64, offset as u64, h)) {
+            return c;
+        }
+    }
     match catch_unwind(|| vmm::map(va, size as u64, offset as u64, h, flags)) {
         Ok(Some(c)) => c,
         Ok(None) => {
@@ -179,6 +188,10 @@ pub unsafe extern "C" fn cuMemMap(
 /// read).
 pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
+    // An imported page kept mapped for the next open (api::imports).
+    if let Ok(Some(c)) = catch_unwind(|| imports::unmap(va, size as u64)) {
+        return c;
+    }
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => {
             // A foreign run shared from here may have been freed: its consumers are told.
@@ -212,6 +225,10 @@ pub unsafe extern "C" fn cuMemSetAccess(
         return pass();
     }
     let descs: Vec<(i32, u32)> = raw.iter().map(|d| (d.loc_id, d.flags)).collect();
+    // A kept view opened again whole: its access stands (api::imports).
+    if let Ok(Some(c)) = catch_unwind(|| imports::access(va, size as u64, &descs)) {
+        return c;
+    }
     match catch_unwind(|| vmm::set_access(va, size as u64, &descs)) {
         Ok(Some(c)) => c,
         Ok(None) => pass(),
@@ -391,6 +408,31 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
 }
 
 /// # Safety
+/// As CUDA's `cuMemImportFromShareableHandle`: `h` must be valid for what that call writes
+/// through it (or null where CUDA allows null); `os` is a descriptor number for the POSIX type.
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    h: *mut u64,
+    os: *mut c_void,
+    kind: u32,
+) -> u32 {
+    let Some(f) = real_or!(cuMemImportFromShareableHandle) else {
+        return NO_DRIVER;
+    };
+    // This process maps another's memory (api::sharing), as every import notes.
+    crate::api::sharing::note_imported();
+    // SAFETY: the driver's own function, with the program's own arguments.
+    let r = unsafe { f(h, os, kind) };
+    const POSIX_FD: u32 = 1;
+    if r == 0 && kind == POSIX_FD && !h.is_null() {
+        // SAFETY: the driver just wrote the handle there (not null: checked).
+        let handle = unsafe { *h };
+        // A page of a producer that tells this process about it (api::imports).
+        let _ = catch_unwind(|| imports::imported(handle, os as usize as i32));
+    }
+    r
+}
+
+/// # Safety
 /// As CUDA's `cuMemAddressReserve`: `ptr` must be valid for what that call reads and writes
 /// through it (or null where CUDA allows null).
 pub unsafe extern "C" fn cuMemAddressReserve(
@@ -401,12 +443,25 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     flags: u64,
 ) -> u32 {
     let f = real_or!(cuMemAddressReserve);
+    // A kept view of imported pages, handed back for the next open (api::imports).
+    if addr == 0 && flags == 0 && !ptr.is_null() {
+        if let Ok(Some(va)) = catch_unwind(|| imports::reserve(size as u64)) {
+            if align == 0 || va % align as u64 == 0 {
+                // SAFETY: not null (checked): the program's out-pointer.
+                unsafe { *ptr = va };
+                return 0;
+            }
+            // Not aligned as asked: the view goes, the driver reserves.
+            let _ = catch_unwind(|| imports::address_free(va));
+        }
+    }
     // SAFETY: the driver's own function, with the program's own arguments.
     let r = unsafe { f(ptr, size, align, addr, flags) };
     if r == 0 && !ptr.is_null() {
         // SAFETY: the driver just wrote the reservation there (not null: checked).
         let va = unsafe { *ptr };
         let _ = catch_unwind(|| vmm::reserved(va, size as u64));
+        let _ = catch_unwind(|| imports::reserved(va, size as u64));
     }
     r
 }
@@ -418,6 +473,10 @@ pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemAddressFree);
     // SAFETY: the driver's own function, with the program's own arguments.
     let pass = || unsafe { f(va, size) };
+    // A view of imported pages kept for the next open (api::imports).
+    if let Ok(Some(c)) = catch_unwind(|| imports::address_free(va)) {
+        return c;
+    }
     match catch_unwind(|| vmm::address_free(va, size as u64)) {
         Ok(Some(c)) => c,
         Ok(None) => pass(),
@@ -443,6 +502,7 @@ pub fn for_caller(name: &[u8], version: c_int) -> Option<*mut c_void> {
             cuMemGetAllocationPropertiesFromHandle as *mut c_void
         }
         b"cuMemAddressReserve" => cuMemAddressReserve as *mut c_void,
+        b"cuMemImportFromShareableHandle" => cuMemImportFromShareableHandle as *mut c_void,
         b"cuMemAddressFree" => cuMemAddressFree as *mut c_void,
         // The signatures of CUDA 12.1. CUDA 13 added `_v2` variants with a device argument,
         // which a lookup at a 13.x version may get under the same name: those stay the

@@ -1845,6 +1845,55 @@ fn pages(lib: &str, what: &str, env: &[(&str, &str)]) -> Run {
 }
 
 #[test]
+fn pytorchs_mappings_of_another_processs_pages_are_kept_for_the_next_open_until_the_producer_lets_them_go(
+) {
+    // torch.multiprocessing of expandable segments, both sides under expseg: three tensors
+    // opened, read and closed three rounds. From the second round on their reservations come
+    // back with the pages mapped and access set: no reserve, map, access or unmap call reaches
+    // the driver, and each read sees what the producer wrote last (page 0 is rewritten each
+    // round). A page the producer releases, and a number it gives to another page, take the
+    // views holding them; the others stay.
+    let dir = fixture().dir.join("sock-views");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let r = pages(
+        "libc10_cuda.so",
+        "share_views",
+        &[
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+            ("FAKE_RELEASE_MAPPED", "1"),
+        ],
+    )
+    .ok();
+    let want = [
+        ("round1_right", "1"),
+        ("round2_right", "1"),
+        ("round3_right", "1"),
+        ("round2_maps", "0"),
+        ("round2_access", "0"),
+        ("round2_reserves", "0"),
+        ("round2_unmaps", "0"),
+        ("round3_maps", "0"),
+        ("round3_access", "0"),
+        ("round3_reserves", "0"),
+        ("round3_unmaps", "0"),
+        ("reexport_rc", "0"),
+        ("same_number", "1"),
+        ("release_rc", "0"),
+        ("released_view_gone", "1"),
+        ("renumbered_view_gone", "1"),
+        ("other_view_kept", "1"),
+        ("ipc_views_reused", "6"),
+        ("consumer_exit", "0"),
+    ];
+    for (k, v) in want {
+        assert_eq!(r.get(k), v, "{k}\n{}\n{}", r.stdout(), r.stderr());
+    }
+    assert_ne!(r.get("round1_maps"), "0", "the first open maps");
+    assert!(!r.stderr().contains("did not answer"), "{}", r.stderr());
+}
+
+#[test]
 fn with_expseg_keep_auto_released_pages_stay_kept_until_another_process_is_listed() {
     // A stand-in NVML lists the pids of the file FAKE_NVML_PIDS on the fake GPU.
     let f = fixture();

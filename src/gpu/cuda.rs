@@ -572,6 +572,21 @@ pub fn set_import_access(t: &DriverTable, imp: &Imported, peer: i32, on: bool) -
 }
 
 /// Undo `import` (also of a partial one): unmap, release the handles, free the range.
+/// Unmap each of `mappings` (start, length), then free the reservation `[va, va+size)` if
+/// `size` is not 0: memory of another process's that expseg kept mapped for the program.
+pub fn unmap_and_free(t: &DriverTable, mappings: &[(u64, u64)], va: u64, size: u64) {
+    // SAFETY: ranges expseg's books hold as mapped by the program's own calls; unmapping an
+    // unmapped one fails harmlessly.
+    unsafe {
+        for (at, len) in mappings {
+            (t.cuMemUnmap)(*at, *len as usize);
+        }
+        if size != 0 {
+            (t.cuMemAddressFree)(va, size as usize);
+        }
+    }
+}
+
 pub fn unmap_imported(t: &DriverTable, imp: Imported) {
     // SAFETY: only ranges and handles `import` created; unmapping unmapped parts fails harmlessly.
     unsafe {

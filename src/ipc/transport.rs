@@ -37,10 +37,10 @@ pub const BATCH: usize = 64;
 /// coalesced pages shared whole, without a split); 0 is a grant without a lead.
 pub const GRANTED_WITH_LEAD: u32 = 6;
 
-/// Request ids from here up name requests, not tickets: `closed::CLOSED_ID`, `control`'s
+/// Request ids from here up name requests, not tickets: `closed`'s `WATCH_ID` and `CLOSED_ID`, `control`'s
 /// `SHARING_ID`, `QUERY_ID`, `RESUME_ID` and `PAUSE_ID`, `reclaim::RECLAIM_ID`, and
 /// `fdshare`'s `GETFD_ID` (`u32::MAX`). Ticket ids stay below it.
-pub const FIRST_REQUEST_ID: u32 = u32::MAX - 6;
+pub const FIRST_REQUEST_ID: u32 = u32::MAX - 7;
 
 /// Fill `buf` from the kernel's random source (`getrandom`, else `/dev/urandom`). Never from
 /// anything guessable: without a random source there are no tickets.
@@ -118,6 +118,16 @@ fn alive(pidfd: &OwnedFd) -> bool {
         )
     };
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The process a pidfd refers to, from `/proc/self/fdinfo`.
+pub fn pid_of_pidfd(pidfd: i32) -> Option<u32> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{pidfd}")).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|p| p.trim().parse::<i64>().ok())
+        .filter(|p| *p > 0)
+        .map(|p| p as u32)
 }
 
 /// A process watched for its exit: through a pidfd where the kernel gives one (a pid handed on

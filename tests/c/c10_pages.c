@@ -407,6 +407,109 @@ int expandable(const char* what) {
     printf(" shrink_rc=%d\n", shrink(0, 4));
     return 0;
   }
+  if (!strcmp(what, "consume_views")) {
+    /* torch.multiprocessing's consumer of expandable segments (ExpandableSegment::fromShared
+     * and its close), as a weight refit does it: three tensors (pages 0-1, 2, 3) opened, read,
+     * then closed, three rounds; the producer rewrites page 0 between rounds. Then the
+     * producer gives page 3's number to another export and releases page 2: those views go. */
+    int pid = atoi(getenv("PRODUCER_PID")), from = atoi(getenv("DOWN")), to = atoi(getenv("UP"));
+    int fds[4]; sscanf(getenv("PRODUCER_FDS"), "%d,%d,%d,%d", &fds[0], &fds[1], &fds[2], &fds[3]);
+    int tensors[3][2] = {{0, 1}, {2, -1}, {3, -1}};
+    uint64_t at[3], hs[3][2];
+    char c;
+    for (int round = 1; round <= 3; round++) {
+      long m0 = fakecu_count("cuMemMap"), a0 = fakecu_count("cuMemSetAccess"), r0 = fakecu_count("cuMemAddressReserve"),
+           u0 = fakecu_count("cuMemUnmap");
+      int right = 1;
+      for (int t = 0; t < 3; t++) {
+        int n = tensors[t][1] < 0 ? 1 : 2;
+        uint64_t seg = 0;
+        if (reserve(&seg, NP * PAGE, 0, 0, 0)) return 6;
+        at[t] = seg;
+        int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        for (int i = 0; i < n; i++) {
+          int mine = (int)syscall(SYS_pidfd_getfd, pidfd, fds[tensors[t][i]], 0);
+          if (mine < 0 || import_(&hs[t][i], (void*)(intptr_t)mine, 1)) return 7;
+          close(mine);
+          if (map(seg + i * PAGE, PAGE, 0, hs[t][i], 0)) return 8;
+        }
+        close(pidfd);
+        Access a = {{1, 0}, 3};
+        if (access_(seg, n * PAGE, &a, 1)) return 9;
+        for (int i = 0; i < n; i++) {
+          int page = tensors[t][i];
+          int want = page == 0 ? round - 1 + 10 : page; /* page 0 is rewritten each round */
+          right &= holds((char*)(seg + i * PAGE), want);
+        }
+      }
+      for (int t = 0; t < 3; t++) {
+        int n = tensors[t][1] < 0 ? 1 : 2;
+        for (int i = 0; i < n; i++) {
+          int ur = unmap(at[t] + i * PAGE, PAGE), rr = release(hs[t][i]);
+          if (ur || rr) { printf("close_unmap_rc=%d close_release_rc=%d\n", ur, rr); return 10; }
+        }
+        if (addrfree(at[t], NP * PAGE)) return 11;
+      }
+      printf("round%d_right=%d round%d_maps=%ld round%d_access=%ld round%d_reserves=%ld round%d_unmaps=%ld\n", round, right, round,
+             fakecu_count("cuMemMap") - m0, round, fakecu_count("cuMemSetAccess") - a0, round, fakecu_count("cuMemAddressReserve") - r0,
+             round, fakecu_count("cuMemUnmap") - u0);
+      fflush(stdout);
+      if (write(to, "r", 1) != 1 || read(from, &c, 1) != 1) return 12;
+    }
+    /* Meanwhile the producer gave page 3's number to another export and released page 2. */
+    extern long fakecu_access(uint64_t);
+    printf("released_view_gone=%d renumbered_view_gone=%d other_view_kept=%d\n", fakecu_access(at[1]) == -1,
+           fakecu_access(at[2]) == -1, fakecu_access(at[0]) != -1);
+    print_stat("ipc_views_reused");
+    fflush(stdout);
+    return 0;
+  }
+  if (!strcmp(what, "share_views")) {
+    /* Producer of consume_views: four pages exported, their numbers sent. */
+    if (grow(0, 4)) return 3;
+    for (int i = 0; i < 4; i++) fill(i);
+    memset((char*)va, 'A' + 10, PAGE);
+    int fds[4];
+    for (int i = 0; i < 4; i++) if (export_(&fds[i], h[i], 1, 0)) { printf("export_rc=1\n"); return 3; }
+    int down[2], up[2];
+    if (pipe(down) || pipe(up)) return 3;
+    char b[4][64];
+    snprintf(b[0], 64, "%d", getpid()); snprintf(b[1], 64, "%d,%d,%d,%d", fds[0], fds[1], fds[2], fds[3]);
+    snprintf(b[2], 64, "%d", down[0]); snprintf(b[3], 64, "%d", up[1]);
+    setenv("PRODUCER_PID", b[0], 1); setenv("PRODUCER_FDS", b[1], 1); setenv("DOWN", b[2], 1); setenv("UP", b[3], 1);
+    fflush(stdout);
+    pid_t c = fork();
+    if (c == 0) {
+      char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+      if (n <= 0) _exit(4);
+      self[n] = 0;
+      Dl_info di; char lib[4096] = "libc10_cuda.so";
+      if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
+      execl(self, self, lib, "consume_views", (char*)0);
+      _exit(5);
+    }
+    close(down[0]); close(up[1]);
+    char x;
+    for (int round = 1; round <= 3; round++) {
+      if (read(up[0], &x, 1) != 1) break;
+      if (round < 3) memset((char*)va, 'A' + 10 + round, PAGE); /* page 0 rewritten */
+      else {
+        /* Page 3's number closed and given to a new export (of page 1: any page will do);
+         * then page 2 released (its number closed with it, as PyTorch does). */
+        close(fds[3]);
+        int again = -1, er = 0;
+        for (int k = 0; k < 32 && again != fds[3] && !er; k++) er = export_(&again, h[1], 1, 0);
+        close(fds[2]);
+        int rr = unmap(va + 2 * PAGE, PAGE) || release(h[2]);
+        printf("reexport_rc=%d same_number=%d release_rc=%d\n", er, again == fds[3], rr);
+        fflush(stdout);
+      }
+      if (write(down[1], "g", 1) != 1) break;
+    }
+    int st = 0; waitpid(c, &st, 0);
+    printf("consumer_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : 128);
+    return 0;
+  }
   if (!strcmp(what, "share_fd") || !strcmp(what, "share_fd_nodump")) {
     /* torch.multiprocessing's producer: a page exported as a POSIX descriptor, its number and
      * the process id sent to a consumer (a child that execs, so it runs expseg afresh), which

@@ -18,8 +18,7 @@
 //!   of the nonce; the grant carries one descriptor.
 
 pub mod record;
-
-pub use record::released;
+pub mod watchers;
 
 use super::state::config;
 use crate::ipc::sockdir;
@@ -28,12 +27,21 @@ use record::{identity, Exports, ANY_EXPORTED, EXPORTED, GETFD_ID, KEPT_MAX};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 
+/// PyTorch releases page `handle`: its descriptors are closed with it, never served again, and
+/// watchers are told (they unmap what they kept of it).
+pub fn released(handle: u64) {
+    let fds = record::forget(handle);
+    watchers::tell(&fds);
+}
+
 /// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
 /// remember it, and make sure the socket serves (nothing with `EXPSEG_PIDFD_RESCUE=0`).
+/// Watchers hear first that the number now names this page (before PyTorch can send it).
 pub fn exported(fd: i32, handle: u64) {
     if !config().pidfd_rescue || !config().sockets {
         return;
     }
+    watchers::tell(&[fd]);
     let Some(id) = identity(fd) else { return };
     {
         let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -57,7 +65,7 @@ pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
     if !config().pidfd_rescue || !config().sockets {
         return None;
     }
-    let pid = pid_of_pidfd(pidfd)?;
+    let pid = transport::pid_of_pidfd(pidfd)?;
     let uid = sockdir::current_uid();
     let path = match sockdir::socket_path(uid, pid) {
         Ok(path) => path,
@@ -89,14 +97,4 @@ pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
             None
         }
     }
-}
-
-/// The process a pidfd refers to, from `/proc/self/fdinfo`.
-fn pid_of_pidfd(pidfd: i32) -> Option<u32> {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{pidfd}")).ok()?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("Pid:"))
-        .and_then(|p| p.trim().parse::<i64>().ok())
-        .filter(|p| *p > 0)
-        .map(|p| p as u32)
 }

@@ -54,11 +54,13 @@ impl Exports {
         self.by_fd.get(&fd).map(|(_, id)| *id)
     }
 
-    /// Page `handle` is released: its descriptors are served no more.
-    pub(super) fn release(&mut self, handle: u64) {
-        for fd in self.by_handle.remove(&handle).unwrap_or_default() {
-            self.by_fd.remove(&fd);
+    /// Page `handle` is released: its descriptors are served no more (returned).
+    pub(super) fn release(&mut self, handle: u64) -> Vec<i32> {
+        let fds = self.by_handle.remove(&handle).unwrap_or_default();
+        for fd in &fds {
+            self.by_fd.remove(fd);
         }
+        fds
     }
 
     /// Keep only the descriptors `open` still finds naming their file.
@@ -91,15 +93,14 @@ pub(super) fn identity(fd: i32) -> Option<FileId> {
     Some((md.dev(), md.ino()))
 }
 
-/// PyTorch releases page `handle`: its descriptors are closed with it and never served again.
-pub fn released(handle: u64) {
+/// PyTorch releases page `handle`: its descriptors are closed with it and never served again;
+/// their numbers are returned.
+pub(super) fn forget(handle: u64) -> Vec<i32> {
     if !ANY_EXPORTED.load(Ordering::Acquire) {
-        return;
+        return Vec::new();
     }
     let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(map) = g.as_mut() {
-        map.release(handle);
-    }
+    g.as_mut().map(|m| m.release(handle)).unwrap_or_default()
 }
 
 /// The producer's answer to a request for descriptor `fd` (on a socket thread; the peer is a

@@ -30,5 +30,6 @@ pub use open::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
 };
 pub use ranges::range_exported;
+pub(crate) use tickets::ensure_server;
 #[doc(hidden)]
 pub use tickets::serve_decisions_at;

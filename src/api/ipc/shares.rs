@@ -376,6 +376,7 @@ mod tests {
             reclaim::RECLAIM_ID,
             crate::api::fdshare::record::GETFD_ID,
             crate::ipc::closed::CLOSED_ID,
+            crate::ipc::closed::WATCH_ID,
         ] {
             assert!(request >= transport::FIRST_REQUEST_ID);
         }

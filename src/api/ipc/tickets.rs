@@ -237,6 +237,7 @@ impl What {
             None if id == crate::ipc::reclaim::RECLAIM_ID => What::Control,
             None if id == crate::api::fdshare::record::GETFD_ID => What::Descriptor,
             None if id == crate::ipc::closed::CLOSED_ID => What::Control,
+            None if id == crate::ipc::closed::WATCH_ID => What::Control,
             None => What::Ticket,
         }
     }
@@ -287,9 +288,22 @@ fn decide(id: u32, nonce: u64, peer: Peer) -> Reply {
         return control(c);
     }
     if id == crate::ipc::closed::CLOSED_ID {
-        // A producer freed memory this process may keep mapped (`kept`): the producer is
-        // the peer, whatever the request says.
+        // A producer freed memory this process may keep mapped (`kept`), or one of its
+        // descriptor numbers no longer names its page (`imports`): the producer is the peer,
+        // whatever the request says.
+        if nonce & crate::ipc::closed::FD != 0 {
+            let bytes = crate::api::imports::gone(peer.pid, Some(nonce as u32 as i32));
+            let none = transport::fds_of(Vec::new());
+            return Ok((Grant::new(bytes, Vec::new()), none));
+        }
         return super::kept::producer_freed(peer.pid, nonce as u32);
+    }
+    if id == crate::ipc::closed::WATCH_ID {
+        let none = transport::fds_of(Vec::new());
+        return match crate::api::fdshare::watchers::watch(peer.pid) {
+            Ok(()) => Ok((Grant::new(0, Vec::new()), none)),
+            Err(r) => Err(r.into()),
+        };
     }
     if id == crate::ipc::reclaim::RECLAIM_ID {
         let size = crate::api::trim::trim_gpu(nonce);
