@@ -104,6 +104,8 @@ pub struct Global {
     pub ipc_views_kept: Counter,
     pub ipc_views_reused: Counter,
     pub ipc_views_dropped: Counter,
+    /// Imports of a page mapped in a kept view already, not made (`api::imports`).
+    pub ipc_imports_deferred: Counter,
     /// Reclaims: asks of other expseg processes after an allocation found no memory, the
     /// bytes they gave back, and the bytes this process gave back when asked or trimmed.
     pub reclaim_asks: Counter,
@@ -154,6 +156,7 @@ pub static GLOBAL: Global = Global {
     ipc_views_kept: Counter::new(),
     ipc_views_reused: Counter::new(),
     ipc_views_dropped: Counter::new(),
+    ipc_imports_deferred: Counter::new(),
     reclaim_asks: Counter::new(),
     reclaimed_bytes: Counter::new(),
     given_back_bytes: Counter::new(),
@@ -216,6 +219,7 @@ impl Global {
             ("ipc_views_kept", self.ipc_views_kept.get()),
             ("ipc_views_reused", self.ipc_views_reused.get()),
             ("ipc_views_dropped", self.ipc_views_dropped.get()),
+            ("ipc_imports_deferred", self.ipc_imports_deferred.get()),
             ("reclaim_asks", self.reclaim_asks.get()),
             ("reclaimed_bytes", self.reclaimed_bytes.get()),
             ("given_back_bytes", self.given_back_bytes.get()),

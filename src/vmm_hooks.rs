@@ -138,7 +138,11 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let f = real_or!(cuMemRelease);
     // Descriptors exported for this page are no longer served (PyTorch closes them with it).
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
-    // An imported page's handle: its kept mapping, if any, holds the page (api::imports).
+    // An imported page's handle: its kept mapping, if any, holds the page (api::imports); a
+    // deferred import is expseg's to release.
+    if let Ok(Some(c)) = catch_unwind(|| imports::release_deferred(h)) {
+        return c;
+    }
     let _ = catch_unwind(|| imports::released(h));
     // A copy exported for the page goes with it (api::ipc::pages).
     let release = || {
@@ -172,6 +176,12 @@ pub unsafe extern "C" fn cuMemMap(
             return c;
         }
     }
+    // A deferred import needs the driver's handle now.
+    let h = match catch_unwind(|| imports::real_handle(h)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return e,
+        Err(_) => h,
+    };
     match catch_unwind(|| vmm::map(va, size as u64, offset as u64, h, flags)) {
         Ok(Some(c)) => c,
         Ok(None) => {
@@ -251,6 +261,12 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         .and_then(|t| t.cuMemExportToShareableHandle)
     else {
         return NO_DRIVER;
+    };
+    // A deferred import is exported as the driver's import.
+    let h = match catch_unwind(|| imports::real_handle(h)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return e,
+        Err(_) => h,
     };
     // SAFETY: the driver's own function, with the program's own arguments.
     let export = |h| unsafe { f(out, h, kind, flags) };
@@ -377,6 +393,12 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
     else {
         return NO_DRIVER;
     };
+    // A deferred import is asked of the driver's import.
+    let h = match catch_unwind(|| imports::real_handle(h)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return e,
+        Err(_) => h,
+    };
     if !prop.is_null() {
         let props = catch_unwind(|| vmm::props_of(h)).unwrap_or_else(|_| {
             caught(
@@ -420,9 +442,17 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     };
     // This process maps another's memory (api::sharing), as every import notes.
     crate::api::sharing::note_imported();
+    const POSIX_FD: u32 = 1;
+    // A page mapped in a kept view already: the import waits until a call needs it.
+    if kind == POSIX_FD && !h.is_null() {
+        if let Ok(Some(d)) = catch_unwind(|| imports::import_deferred(os as usize as i32)) {
+            // SAFETY: not null (checked): the program's out-pointer.
+            unsafe { *h = d };
+            return 0;
+        }
+    }
     // SAFETY: the driver's own function, with the program's own arguments.
     let r = unsafe { f(h, os, kind) };
-    const POSIX_FD: u32 = 1;
     if r == 0 && kind == POSIX_FD && !h.is_null() {
         // SAFETY: the driver just wrote the handle there (not null: checked).
         let handle = unsafe { *h };

@@ -587,6 +587,25 @@ pub fn unmap_and_free(t: &DriverTable, mappings: &[(u64, u64)], va: u64, size: u
     }
 }
 
+/// Import the POSIX descriptor `fd` (not closed here): the driver's handle, or its error.
+pub fn import_fd(t: &DriverTable, fd: i32) -> Result<u64, u32> {
+    let f = t.cuMemImportFromShareableHandle.ok_or(NOT_FOUND)?;
+    let mut h = 0u64;
+    // SAFETY: a valid out-pointer; the POSIX type passes the descriptor's number as the handle.
+    let r = unsafe { f(&mut h, fd as isize as *mut c_void, 1) };
+    if r == 0 {
+        Ok(h)
+    } else {
+        Err(r)
+    }
+}
+
+/// Release the driver's handle `h`: the driver's answer.
+pub fn release_handle(t: &DriverTable, h: u64) -> u32 {
+    // SAFETY: a handle the driver gave expseg (`import_fd`).
+    unsafe { (t.cuMemRelease)(h) }
+}
+
 pub fn unmap_imported(t: &DriverTable, imp: Imported) {
     // SAFETY: only ranges and handles `import` created; unmapping unmapped parts fails harmlessly.
     unsafe {

@@ -410,7 +410,8 @@ int expandable(const char* what) {
   if (!strcmp(what, "consume_views")) {
     /* torch.multiprocessing's consumer of expandable segments (ExpandableSegment::fromShared
      * and its close), as a weight refit does it: three tensors (pages 0-1, 2, 3) opened, read,
-     * then closed, three rounds; the producer rewrites page 0 between rounds. Then the
+     * then closed, three rounds, the third in the other order (wrong guesses); the producer
+     * rewrites page 0 between rounds. Then the
      * producer gives page 3's number to another export and releases page 2: those views go. */
     int pid = atoi(getenv("PRODUCER_PID")), from = atoi(getenv("DOWN")), to = atoi(getenv("UP"));
     int fds[4]; sscanf(getenv("PRODUCER_FDS"), "%d,%d,%d,%d", &fds[0], &fds[1], &fds[2], &fds[3]);
@@ -421,7 +422,8 @@ int expandable(const char* what) {
       long m0 = fakecu_count("cuMemMap"), a0 = fakecu_count("cuMemSetAccess"), r0 = fakecu_count("cuMemAddressReserve"),
            u0 = fakecu_count("cuMemUnmap");
       int right = 1;
-      for (int t = 0; t < 3; t++) {
+      for (int k = 0; k < 3; k++) {
+        int t = round == 3 ? 2 - k : k; /* round 3 opens them in the other order */
         int n = tensors[t][1] < 0 ? 1 : 2;
         uint64_t seg = 0;
         if (reserve(&seg, NP * PAGE, 0, 0, 0)) return 6;
@@ -461,6 +463,7 @@ int expandable(const char* what) {
     printf("released_view_gone=%d renumbered_view_gone=%d other_view_kept=%d\n", fakecu_access(at[1]) == -1,
            fakecu_access(at[2]) == -1, fakecu_access(at[0]) != -1);
     print_stat("ipc_views_reused");
+    print_stat("ipc_imports_deferred");
     fflush(stdout);
     return 0;
   }

@@ -134,8 +134,9 @@ fn identity_of(f: &OwnedFd) -> Option<FileId> {
     identity(f.as_raw_fd())
 }
 
+/// A copy of descriptor `fd` (close-on-exec), if it is open.
 #[allow(unsafe_code)]
-fn dup(fd: i32) -> Option<OwnedFd> {
+pub(crate) fn dup(fd: i32) -> Option<OwnedFd> {
     // SAFETY: `fd` is a number; borrowing it only to duplicate it with F_DUPFD_CLOEXEC, which
     // fails cleanly (EBADF) if it was closed meanwhile.
     let b = unsafe { BorrowedFd::borrow_raw(fd) };

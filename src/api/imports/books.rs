@@ -336,6 +336,13 @@ impl Views {
             .collect()
     }
 
+    /// Whether page `id` is mapped in a view (kept, or handed back and not yet matched): an
+    /// import of it may wait until a map needs the driver's handle.
+    pub fn holds(&self, id: Id) -> bool {
+        let has = |v: &View| v.slots.values().any(|s| s.id == id);
+        self.kept.values().any(has) || self.open.values().filter(|v| v.guessed).any(has)
+    }
+
     /// Producers whose pages are kept here.
     pub fn kept_producers(&self) -> Vec<u32> {
         let mut p: Vec<u32> = self.kept.values().filter_map(View::producer).collect();

@@ -90,6 +90,90 @@ pub fn got_fd(mine: i32, pid: u32, fd: i32) {
     t.insert(mine, Id { pid, fd });
 }
 
+/// `CUDA_ERROR_INVALID_VALUE`: a deferred handle released already.
+const INVALID_VALUE: u32 = 1;
+
+/// The tag of the handles [`import_deferred`] gives (the coalescers' are `0xE5E5`).
+const DEFERRED: u64 = 0xE5E6 << 48;
+const TAG: u64 = 0xFFFF << 48;
+
+/// An import not made yet: a copy of the descriptor, and the driver's handle once a call
+/// needed one.
+struct Deferred {
+    fd: std::os::fd::OwnedFd,
+    real: Option<u64>,
+}
+
+static DEFERRED_IMPORTS: Lazy<Mutex<HashMap<u64, Deferred>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn deferred() -> MutexGuard<'static, HashMap<u64, Deferred>> {
+    DEFERRED_IMPORTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Before the program imports descriptor `fd`: where its page is mapped in a view already, a
+/// handle of expseg's instead of the driver's import (the map that follows usually finds the
+/// page in place and needs no handle; one that does gets the driver's import then, from a
+/// copy of the descriptor kept meanwhile). `None`: the driver imports.
+pub fn import_deferred(fd: i32) -> Option<u64> {
+    if !ANY.load(Ordering::Acquire) {
+        return None;
+    }
+    let id = *TAKEN.lock().unwrap_or_else(|e| e.into_inner()).get(&fd)?;
+    if !views().holds(id) {
+        return None;
+    }
+    // The program's descriptor, open for the length of its import call.
+    let copy = crate::api::fdshare::record::dup(fd)?;
+    TAKEN.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let h = DEFERRED | (NEXT.fetch_add(1, Ordering::Relaxed) & !TAG);
+    let d = Deferred {
+        fd: copy,
+        real: None,
+    };
+    deferred().insert(h, d);
+    views().imported(h, id);
+    crate::stats::GLOBAL.ipc_imports_deferred.add(1);
+    Some(h)
+}
+
+/// The driver's handle for `h`: `h` itself, or for a deferred import, the driver's import of
+/// its descriptor (made now, once).
+pub fn real_handle(h: u64) -> Result<u64, u32> {
+    if h & TAG != DEFERRED {
+        return Ok(h);
+    }
+    let mut d = deferred();
+    let Some(e) = d.get_mut(&h) else {
+        return Err(INVALID_VALUE);
+    };
+    if let Some(r) = e.real {
+        return Ok(r);
+    }
+    let t = crate::real::driver().map_err(|_| crate::gpu::cuda::NOT_FOUND)?;
+    use std::os::fd::AsRawFd;
+    let r = cuda::import_fd(t, e.fd.as_raw_fd())?;
+    e.real = Some(r);
+    Ok(r)
+}
+
+/// The program releases `h`: for a deferred import, `Some` of the answer (the driver's handle,
+/// if one was made, released).
+pub fn release_deferred(h: u64) -> Option<u32> {
+    if h & TAG != DEFERRED {
+        return None;
+    }
+    let Some(e) = deferred().remove(&h) else {
+        return Some(INVALID_VALUE);
+    };
+    views().released(h);
+    Some(match (e.real, crate::real::driver()) {
+        (Some(r), Ok(t)) => cuda::release_handle(t, r),
+        _ => 0,
+    })
+}
+
 /// The program imported handle `h` from descriptor `fd` (POSIX).
 pub fn imported(h: u64, fd: i32) {
     let id = TAKEN.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
