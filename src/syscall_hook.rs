@@ -141,7 +141,7 @@ extern "C" fn expseg_pidfd_getfd(
     // (asked before the first is taken): PyTorch's mappings of its pages may be kept mapped
     // after PyTorch frees them (api::imports).
     let told = match (i32::try_from(pidfd), i32::try_from(fd)) {
-        (Ok(p), Ok(f)) if flags == 0 => catch_unwind(|| {
+        (Ok(p), Ok(f)) if flags == 0 && crate::vmm_hooks::import_handed() => catch_unwind(|| {
             (!crate::api::config().disabled)
                 .then(|| crate::api::imports::before_getfd(p, crate::api::ensure_server))
                 .flatten()

@@ -556,7 +556,18 @@ pub fn for_caller(name: &[u8], version: c_int) -> Option<*mut c_void> {
         note_torch_defaults();
         log::info!("coalescing VMM pages of this process's expandable segments");
     }
+    if yes && name == b"cuMemImportFromShareableHandle" {
+        IMPORT_HANDED.store(true, Ordering::Release);
+    }
     yes.then_some(hook)
+}
+
+/// Whether PyTorch's table got expseg's import (kept views of imported pages need it: until
+/// then a `pidfd_getfd` asks nothing, and reads no configuration).
+static IMPORT_HANDED: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn import_handed() -> bool {
+    IMPORT_HANDED.load(Ordering::Acquire)
 }
 
 extern "C" {
