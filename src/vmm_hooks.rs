@@ -486,7 +486,12 @@ pub unsafe extern "C" fn cuMemAddressReserve(
         }
     }
     // SAFETY: the driver's own function, with the program's own arguments.
-    let r = unsafe { f(ptr, size, align, addr, flags) };
+    let mut r = unsafe { f(ptr, size, align, addr, flags) };
+    // No address space left: kept views hold some; they go, and the driver is asked again.
+    if r != 0 && catch_unwind(imports::out_of_address_space).unwrap_or(false) {
+        // SAFETY: as above.
+        r = unsafe { f(ptr, size, align, addr, flags) };
+    }
     if r == 0 && !ptr.is_null() {
         // SAFETY: the driver just wrote the reservation there (not null: checked).
         let va = unsafe { *ptr };

@@ -85,8 +85,10 @@ pub enum Free {
     Pass(Vec<(u64, u64)>),
 }
 
-/// Most views kept; beyond, the oldest opened goes.
+/// Most views kept, and most address space they may hold; beyond, the oldest opened goes
+/// (each is a reservation of PyTorch's, ~158 GiB on a 141 GB GPU; a process has 128 TiB).
 pub const KEPT_MAX: usize = 4096;
+pub const KEPT_VA_MAX: u64 = 48 << 40;
 
 #[derive(Default, Debug)]
 pub struct Views {
@@ -295,7 +297,7 @@ impl Views {
         if v.keep && all_closed && !v.slots.is_empty() && !v.guessed {
             self.kept.insert(v.seq, v);
             let mut over = Vec::new();
-            while self.kept.len() > KEPT_MAX {
+            while self.kept.len() > KEPT_MAX || self.kept_va() > KEPT_VA_MAX {
                 if let Some((_, old)) = self.kept.pop_first() {
                     over.push(old);
                 }
@@ -341,6 +343,17 @@ impl Views {
     pub fn holds(&self, id: Id) -> bool {
         let has = |v: &View| v.slots.values().any(|s| s.id == id);
         self.kept.values().any(has) || self.open.values().filter(|v| v.guessed).any(has)
+    }
+
+    /// Address space kept (PyTorch reserves ~1.1x the device's memory a tensor).
+    fn kept_va(&self) -> u64 {
+        self.kept.values().map(|v| v.size).sum()
+    }
+
+    /// Every kept view, taken out: where the driver has no address space left for a
+    /// reservation, they go first.
+    pub fn take_kept(&mut self) -> Vec<View> {
+        std::mem::take(&mut self.kept).into_values().collect()
     }
 
     /// Producers whose pages are kept here.
@@ -543,12 +556,32 @@ mod tests {
     }
 
     #[test]
+    fn kept_views_are_bounded_by_address_space_too() {
+        let mut v = Views::default();
+        let big = 16 << 40; // 16 TiB each: three fit in the bound
+        let mut dropped = Vec::new();
+        for k in 0..4u64 {
+            let va = ((k + 1) * 64) << 40;
+            v.reserved(va, big);
+            v.imported(k, id(k as i32));
+            v.map(va, PAGE, 0, k);
+            v.access(va, PAGE, &RW);
+            v.unmap(va, PAGE, |_| true);
+            let (_, over) = v.address_free(va);
+            dropped.extend(over.into_iter().map(|o| o.va));
+        }
+        assert_eq!(dropped, vec![64 << 40]);
+        assert_eq!(v.take_kept().len(), 3);
+        assert_eq!(v.reserve(PAGE), None, "none left");
+    }
+
+    #[test]
     fn kept_views_are_bounded_oldest_first() {
         let mut v = Views::default();
         let mut dropped = Vec::new();
         for k in 0..(KEPT_MAX + 2) {
             let va = (k as u64 + 1) * 4 * RES;
-            v.reserved(va, RES);
+            v.reserved(va, 4 * PAGE);
             v.imported(k as u64, id(k as i32));
             v.map(va, PAGE, 0, k as u64);
             v.access(va, PAGE, &RW);

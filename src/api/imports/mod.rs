@@ -200,6 +200,18 @@ pub fn reserve(size: u64) -> Option<u64> {
     Some(va)
 }
 
+/// The driver found no address space for a reservation: the kept views go (whether there
+/// were any: then the reservation is asked again).
+pub fn out_of_address_space() -> bool {
+    if !ANY.load(Ordering::Acquire) {
+        return false;
+    }
+    let kept = views().take_kept();
+    let any = !kept.is_empty();
+    drop_views(kept);
+    any
+}
+
 /// The driver reserved `[va, va+size)` for the program.
 pub fn reserved(va: u64, size: u64) {
     views().reserved(va, size);
