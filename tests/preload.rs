@@ -1892,6 +1892,23 @@ fn pytorchs_mappings_of_another_processs_pages_are_kept_for_the_next_open_until_
     }
     assert_ne!(r.get("round1_maps"), "0", "the first open maps");
     assert!(!r.stderr().contains("did not answer"), "{}", r.stderr());
+    // The producer exits without freeing: the view still kept goes.
+    let r = pages(
+        "libc10_cuda.so",
+        "share_views",
+        &[
+            ("EXPSEG_IPC_DIR", dir.to_str().unwrap()),
+            ("FAKE_RELEASE_MAPPED", "1"),
+            ("VIEWS_EXIT", "1"),
+        ],
+    );
+    assert_eq!(
+        r.get("exit_view_gone"),
+        "1",
+        "{}\n{}",
+        r.stdout(),
+        r.stderr()
+    );
 }
 
 #[test]

@@ -147,17 +147,40 @@ impl Watch {
         Watch { pid, fd }
     }
 
-    /// Whether the process exited (signal 0: `EPERM` means it still runs).
+    /// Whether the process exited, reaped or not (its memory went at its exit): a pidfd is
+    /// readable from then on; without one, no process of that pid, or a zombie.
     pub fn exited(&self) -> bool {
         match &self.fd {
-            Some(fd) => !alive(fd),
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, no wait.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                n > 0 && p.revents & libc::POLLIN != 0
+            }
             None => {
                 // SAFETY: signal 0 only checks.
                 let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
-                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                let gone =
+                    r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+                gone || zombie(self.pid)
             }
         }
     }
+}
+
+/// Whether process `pid` is a zombie (`/proc/PID/stat`'s state after the name's parenthesis).
+fn zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
 
 /// The uid and pid of the process at the other end of `s` (as it was at connect time).

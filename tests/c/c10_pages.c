@@ -465,6 +465,14 @@ int expandable(const char* what) {
     print_stat("ipc_views_reused");
     print_stat("ipc_imports_deferred");
     fflush(stdout);
+    if (getenv("VIEWS_EXIT")) {
+      /* The producer exits now: the view still kept goes (looked at every 100 ms). */
+      if (write(to, "x", 1) != 1) return 13;
+      while (read(from, &c, 1) > 0) {}
+      int gone = 0;
+      for (int i = 0; i < 40 && !gone; i++) { usleep(50 * 1000); gone = fakecu_access(at[0]) == -1; }
+      printf("exit_view_gone=%d\n", gone);
+    }
     return 0;
   }
   if (!strcmp(what, "share_views")) {
@@ -488,6 +496,7 @@ int expandable(const char* what) {
       self[n] = 0;
       Dl_info di; char lib[4096] = "libc10_cuda.so";
       if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
+      close(down[1]); close(up[0]);
       execl(self, self, lib, "consume_views", (char*)0);
       _exit(5);
     }
@@ -509,6 +518,7 @@ int expandable(const char* what) {
       }
       if (write(down[1], "g", 1) != 1) break;
     }
+    if (getenv("VIEWS_EXIT")) { if (read(up[0], &x, 1) == 1) _exit(0); } /* gone without a free */
     int st = 0; waitpid(c, &st, 0);
     printf("consumer_exit=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : 128);
     return 0;
