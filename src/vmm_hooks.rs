@@ -571,6 +571,7 @@ pub fn for_caller(name: &[u8], version: c_int) -> Option<*mut c_void> {
 /// then a `pidfd_getfd` asks nothing, and reads no configuration).
 static IMPORT_HANDED: AtomicBool = AtomicBool::new(false);
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn import_handed() -> bool {
     IMPORT_HANDED.load(Ordering::Acquire)
 }

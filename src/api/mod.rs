@@ -27,11 +27,13 @@ pub mod vmm;
 
 pub use crate::real::is_shared_runtime_file;
 pub use ipc::current::{after_sync, before_record, ipc_events_seen, note_ipc_event, sync_armed};
+#[cfg(target_arch = "x86_64")]
+pub(crate) use ipc::ensure_server;
+pub(crate) use ipc::tell_freed;
 pub use ipc::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcGetMemHandle, cudaIpcOpenMemHandle,
     mirror_foreign, pool_allocation_range, range_exported, serve_decisions_at,
 };
-pub(crate) use ipc::{ensure_server, tell_freed};
 pub use ipc::{pages as export_copies, sharing};
 pub use state::{
     config, forget_foreign_range, forked, write_exit_report, Answer, OUT_OF_MEMORY, UNKNOWN,

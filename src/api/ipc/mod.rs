@@ -30,6 +30,7 @@ pub use open::{
     allocation_range, cudaIpcCloseMemHandle, cudaIpcOpenMemHandle, pool_allocation_range,
 };
 pub use ranges::range_exported;
+#[cfg(target_arch = "x86_64")]
 pub(crate) use tickets::ensure_server;
 #[doc(hidden)]
 pub use tickets::serve_decisions_at;
