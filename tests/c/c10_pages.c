@@ -293,6 +293,19 @@ static int launch_race(int cycles) {
   return 0;
 }
 
+int expandable(const char* what);
+/* In a forked child: this program again, with this library, running `what` (a consumer that
+ * runs expseg afresh). Never returns. */
+static void exec_self(const char* what) {
+  char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) _exit(4);
+  self[n] = 0;
+  Dl_info di; char lib[4096] = "libc10_cuda.so";
+  if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
+  execl(self, self, lib, what, (char*)0);
+  _exit(5);
+}
+
 int expandable(const char* what) {
   create = get("cuMemCreate"); release = get("cuMemRelease"); reserve = get("cuMemAddressReserve");
   addrfree = get("cuMemAddressFree"); map = get("cuMemMap"); unmap = get("cuMemUnmap");
@@ -491,14 +504,8 @@ int expandable(const char* what) {
     fflush(stdout);
     pid_t c = fork();
     if (c == 0) {
-      char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-      if (n <= 0) _exit(4);
-      self[n] = 0;
-      Dl_info di; char lib[4096] = "libc10_cuda.so";
-      if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
       close(down[1]); close(up[0]);
-      execl(self, self, lib, "consume_views", (char*)0);
-      _exit(5);
+      exec_self("consume_views");
     }
     close(down[0]); close(up[1]);
     char x;
@@ -544,13 +551,7 @@ int expandable(const char* what) {
       fflush(stdout);
       pid_t c = fork();
       if (c == 0) {
-        char self[4096]; ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-        if (n <= 0) _exit(4);
-        self[n] = 0;
-        Dl_info di; char lib[4096] = "libc10_cuda.so";
-        if (dladdr((void*)&expandable, &di) && di.dli_fname) snprintf(lib, sizeof lib, "%s", di.dli_fname);
-        execl(self, self, lib, "consume_fd", (char*)0);
-        _exit(5);
+        exec_self("consume_fd");
       }
       int st = 0; waitpid(c, &st, 0);
       printf("%sconsumer_exit=%d\n", round == 2 ? "r2_" : "", WIFEXITED(st) ? WEXITSTATUS(st) : 128);

@@ -168,16 +168,7 @@ impl Views {
                 }
                 // A wrong guess: the view's mappings the program has not claimed go; what it
                 // claimed stays (the same pages, mapped).
-                let stale: Vec<u64> = v
-                    .slots
-                    .iter()
-                    .filter(|(_, s)| !s.live)
-                    .map(|(o, _)| *o)
-                    .collect();
-                let gone = stale
-                    .iter()
-                    .filter_map(|o| v.slots.remove(o).map(|s| (base + o, s.len)))
-                    .collect();
+                let gone = v.take_unclaimed();
                 v.guessed = false;
                 v.access = None;
                 v.add(at, len, id);
@@ -225,17 +216,7 @@ impl Views {
         let mut extra = Vec::new();
         if v.guessed {
             v.guessed = false;
-            let stale: Vec<u64> = v
-                .slots
-                .iter()
-                .filter(|(_, s)| !s.live)
-                .map(|(o, _)| *o)
-                .collect();
-            for o in stale {
-                if let Some(s) = v.slots.remove(&o) {
-                    extra.push((base + o, s.len));
-                }
-            }
+            extra = v.take_unclaimed();
             // Every page the program mapped was there (a mismatch ends the guess): if they are
             // the range the access was set on, with the same access, it stands.
             let same = v
@@ -374,6 +355,20 @@ impl Views {
 }
 
 impl View {
+    /// The mappings of a handed-back view the program has not claimed, out of it: to unmap.
+    fn take_unclaimed(&mut self) -> Vec<(u64, u64)> {
+        let stale: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| !s.live)
+            .map(|(o, _)| *o)
+            .collect();
+        stale
+            .into_iter()
+            .filter_map(|o| self.slots.remove(&o).map(|s| (self.va + o, s.len)))
+            .collect()
+    }
+
     fn add(&mut self, at: u64, len: u64, id: Option<Id>) {
         match id {
             Some(id) if self.producer().is_none_or(|p| p == id.pid) => {
