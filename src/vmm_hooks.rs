@@ -284,7 +284,11 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     if r == 0 && kind == POSIX_FD && !out.is_null() {
         // SAFETY: the driver wrote a descriptor there (POSIX type; not null: checked).
         let fd = unsafe { *(out as *const c_int) };
-        let _ = catch_unwind(|| crate::api::fdshare::exported(fd, h));
+        if let Ok(moved) = catch_unwind(|| crate::api::fdshare::exported(fd, h)) {
+            // SAFETY: as above; the same descriptor under the number a consumer that did not
+            // answer cannot hold another page by (api::fdshare::watchers).
+            unsafe { *(out as *mut c_int) = moved };
+        }
     }
     r
 }

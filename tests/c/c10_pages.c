@@ -5,6 +5,7 @@
  * unmaps and releases page by page. "Device" memory is host memory (the fake driver). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -517,7 +518,15 @@ int expandable(const char* what) {
          * then page 2 released (its number closed with it, as PyTorch does). */
         close(fds[3]);
         int again = -1, er = 0;
-        for (int k = 0; k < 32 && again != fds[3] && !er; k++) er = export_(&again, h[1], 1, 0);
+        if (getenv("VIEWS_STOP")) {
+          /* The consumer is stopped: it cannot be told in time, so the number its view holds
+           * is not given to the new export (which gets another). */
+          kill(c, SIGSTOP);
+          er = export_(&again, h[1], 1, 0);
+          printf("stopped_number_avoided=%d\n", again != fds[3] && again >= 0);
+          kill(c, SIGCONT);
+        }
+        for (int k = 0; k < 32 && again != fds[3] && !er && !getenv("VIEWS_STOP"); k++) er = export_(&again, h[1], 1, 0);
         close(fds[2]);
         int rr = unmap(va + 2 * PAGE, PAGE) || release(h[2]);
         printf("reexport_rc=%d same_number=%d release_rc=%d\n", er, again == fds[3], rr);

@@ -37,11 +37,21 @@ pub fn released(handle: u64) {
 /// PyTorch's `cuMemExportToShareableHandle` of page `handle` gave it descriptor `fd`:
 /// remember it, and make sure the socket serves (nothing with `EXPSEG_PIDFD_RESCUE=0`).
 /// Watchers hear first that the number now names this page (before PyTorch can send it).
-pub fn exported(fd: i32, handle: u64) {
+/// Answers the number PyTorch is to get: `fd`, or where a watcher that did not answer may
+/// hold another page by that number, the same descriptor under another number.
+pub fn exported(fd: i32, handle: u64) -> i32 {
     if !config().pidfd_rescue || !config().sockets {
-        return;
+        return fd;
     }
-    watchers::tell(&[fd]);
+    let fd = match watchers::tell(&[fd]).is_empty() {
+        true => fd,
+        false => record::renumber(fd, watchers::must_renumber).unwrap_or(fd),
+    };
+    exported_as(fd, handle);
+    fd
+}
+
+fn exported_as(fd: i32, handle: u64) {
     let Some(id) = identity(fd) else { return };
     {
         let mut g = EXPORTED.lock().unwrap_or_else(|e| e.into_inner());

@@ -134,6 +134,38 @@ fn identity_of(f: &OwnedFd) -> Option<FileId> {
     identity(f.as_raw_fd())
 }
 
+/// Descriptor `fd` moved to the lowest free number that `avoid` does not refuse (the numbers
+/// tried on the way are closed again), `fd` closed: the new number. `None` (and `fd` kept)
+/// where no such number turned up within 64 tries.
+#[allow(unsafe_code)]
+pub(super) fn renumber(fd: i32, avoid: impl Fn(i32) -> bool) -> Option<i32> {
+    let mut tried = Vec::new();
+    let mut found = None;
+    for _ in 0..64 {
+        // SAFETY: F_DUPFD on a number this process holds: a new descriptor or -1.
+        let d = unsafe { libc::fcntl(fd, libc::F_DUPFD, 0) };
+        if d < 0 {
+            break;
+        }
+        if avoid(d) {
+            tried.push(d);
+        } else {
+            found = Some(d);
+            break;
+        }
+    }
+    // SAFETY: descriptors this function just made, and `fd` once it has a new number.
+    unsafe {
+        for d in tried {
+            libc::close(d);
+        }
+        if found.is_some() {
+            libc::close(fd);
+        }
+    }
+    found
+}
+
 /// A copy of descriptor `fd` (close-on-exec), if it is open.
 #[allow(unsafe_code)]
 pub(crate) fn dup(fd: i32) -> Option<OwnedFd> {
@@ -179,6 +211,32 @@ mod tests {
         e.release(2);
         assert_eq!(e.get(10), None);
         assert!(e.by_handle.is_empty());
+    }
+
+    #[test]
+    fn a_descriptor_moves_to_the_lowest_number_not_refused() {
+        use std::os::fd::IntoRawFd;
+        let open = || std::fs::File::open("/dev/null").unwrap().into_raw_fd();
+        let fd = open();
+        let refused: Vec<i32> = (0..3).map(|_| open()).collect();
+        // SAFETY: numbers this test just opened.
+        #[allow(unsafe_code)]
+        unsafe {
+            for r in &refused {
+                libc::close(*r);
+            }
+        }
+        // The three freed numbers are among the lowest free ones: refused, another taken.
+        let moved = renumber(fd, |d| refused.contains(&d)).expect("a number");
+        assert!(!refused.contains(&moved) && moved != fd);
+        // (Other tests' threads open and close descriptors meanwhile: only the moved one is
+        // this test's to look at.)
+        // SAFETY: fcntl and close on the number this test owns now.
+        #[allow(unsafe_code)]
+        unsafe {
+            assert!(libc::fcntl(moved, libc::F_GETFD) >= 0);
+            libc::close(moved);
+        }
     }
 
     #[test]
