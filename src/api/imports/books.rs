@@ -553,6 +553,169 @@ mod tests {
         assert_eq!(v.kept_len(), 0);
     }
 
+    /// A model of the driver's mappings: address -> (descriptor number, the page's generation:
+    /// a number the producer gives to another page names a new generation).
+    #[derive(Default)]
+    struct Driver {
+        maps: BTreeMap<u64, (i32, u32)>,
+    }
+
+    impl Driver {
+        fn unmap(&mut self, at: u64, what: &str) {
+            assert!(
+                self.maps.remove(&at).is_some(),
+                "{what}: unmap of nothing at {at:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn random_opens_closes_and_renumbered_pages_never_reuse_a_mapping_of_another_page() {
+        let seed = std::env::var("EXPSEG_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+                    | 1
+            });
+        eprintln!("random views test seed: EXPSEG_TEST_SEED={seed}");
+        let mut x = seed;
+        let mut below = |n: u64| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        };
+        const FDS: i32 = 6;
+        for round in 0..30 {
+            let mut v = Views::default();
+            let mut d = Driver::default();
+            let mut gen = [0u32; FDS as usize];
+            let mut next_res = 1u64;
+            let mut h = 0u64;
+            // Open tensors: reservation -> (pages by descriptor, their handles).
+            let mut open: Vec<(u64, Vec<i32>, Vec<u64>)> = Vec::new();
+            for step in 0..400 {
+                let what = format!("seed {seed} round {round} step {step}");
+                match below(10) {
+                    0..=4 if open.len() < 6 => {
+                        let n = 1 + below(2) as usize;
+                        let fds: Vec<i32> = (0..n).map(|_| below(FDS as u64) as i32).collect();
+                        let va = match v.reserve(RES) {
+                            Some(va) => va,
+                            None => {
+                                next_res += 1;
+                                let va = next_res * 4 * RES;
+                                v.reserved(va, RES);
+                                va
+                            }
+                        };
+                        let mut hs = Vec::new();
+                        for (i, fd) in fds.iter().enumerate() {
+                            h += 1;
+                            v.imported(h, id(*fd));
+                            hs.push(h);
+                            let at = va + i as u64 * PAGE;
+                            match v.map(at, PAGE, 0, h) {
+                                Map::Done => assert_eq!(
+                                    d.maps.get(&at),
+                                    Some(&(*fd, gen[*fd as usize])),
+                                    "{what}: a page found in place must be the page asked for"
+                                ),
+                                Map::Pass(stale) => {
+                                    for (a, _) in stale {
+                                        d.unmap(a, &what);
+                                    }
+                                    assert!(!d.maps.contains_key(&at), "{what}: mapped over");
+                                    d.maps.insert(at, (*fd, gen[*fd as usize]));
+                                }
+                            }
+                        }
+                        let (done, extra) = v.access(va, n as u64 * PAGE, &RW);
+                        for (a, _) in extra {
+                            d.unmap(a, &what);
+                        }
+                        if done {
+                            for (i, fd) in fds.iter().enumerate() {
+                                let at = va + i as u64 * PAGE;
+                                assert_eq!(
+                                    d.maps.get(&at),
+                                    Some(&(*fd, gen[*fd as usize])),
+                                    "{what}"
+                                );
+                            }
+                        }
+                        // What the program reads: its own pages, each the current generation.
+                        for (i, fd) in fds.iter().enumerate() {
+                            let at = va + i as u64 * PAGE;
+                            assert_eq!(
+                                d.maps.get(&at),
+                                Some(&(*fd, gen[*fd as usize])),
+                                "{what}: read"
+                            );
+                        }
+                        open.push((va, fds, hs));
+                    }
+                    0..=7 if !open.is_empty() => {
+                        let k = below(open.len() as u64) as usize;
+                        let (va, fds, hs) = open.swap_remove(k);
+                        for i in 0..fds.len() {
+                            let at = va + i as u64 * PAGE;
+                            if !v.unmap(at, PAGE, |_| true) {
+                                d.unmap(at, &what);
+                            }
+                        }
+                        for h in hs {
+                            v.released(h);
+                        }
+                        let (free, over) = v.address_free(va);
+                        if let Free::Pass(ours) = free {
+                            for (a, _) in ours {
+                                d.unmap(a, &what);
+                            }
+                            assert!(
+                                d.maps.range(va..va + RES).next().is_none(),
+                                "{what}: a freed reservation holds a mapping"
+                            );
+                        }
+                        for o in over {
+                            for (a, _) in o.mappings() {
+                                d.unmap(a, &what);
+                            }
+                        }
+                    }
+                    _ => {
+                        // The producer gives a number to another page (or releases it).
+                        let fd = below(FDS as u64) as i32;
+                        for gone in v.gone(77, Some(fd)) {
+                            for (a, _) in gone.mappings() {
+                                d.unmap(a, &what);
+                            }
+                        }
+                        gen[fd as usize] += 1;
+                    }
+                }
+                // Every kept view maps exactly what the books say, all of current generations
+                // or stale ones the books no longer name.
+                for k in v.kept.values() {
+                    for (off, s) in &k.slots {
+                        assert!(!s.live, "{what}: a kept view with a live slot");
+                        let m = d.maps.get(&(k.va + off));
+                        assert_eq!(m.map(|m| m.0), Some(s.id.fd), "{what}: kept slot unmapped");
+                        assert_eq!(
+                            m.map(|m| m.1),
+                            Some(gen[s.id.fd as usize]),
+                            "{what}: a stale page kept"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn kept_views_are_bounded_by_address_space_too() {
         let mut v = Views::default();
