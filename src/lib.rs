@@ -65,5 +65,7 @@ pub mod syscall_hook;
 #[cfg(test)]
 #[allow(unsafe_code)]
 mod test_alloc;
+#[cfg(test)]
+mod test_rng;
 #[allow(unsafe_code)]
 pub mod vmm_hooks;

@@ -261,40 +261,9 @@ fn driver_failures_at_each_step_lose_nothing() {
     }
 }
 
-/// xorshift64*, seeded from EXPSEG_TEST_SEED or the clock; the seed is printed for replay.
-struct Rng(u64);
-
-impl Rng {
-    fn from_env() -> Self {
-        let seed = std::env::var("EXPSEG_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-                    | 1
-            });
-        eprintln!("random pool test seed: EXPSEG_TEST_SEED={seed}");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 #[test]
 fn random_sequences_keep_allocations_disjoint_and_books_exact() {
-    let mut rng = Rng::from_env();
+    let mut rng = crate::test_rng::Rng::from_env("random pool test");
     for round in 0..20 {
         let capacity = (64 + rng.below(512)) * MIB;
         let cache_max = [0, 8 * MIB, 64 * MIB, u64::MAX][rng.below(4) as usize];

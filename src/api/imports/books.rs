@@ -571,24 +571,9 @@ mod tests {
 
     #[test]
     fn random_opens_closes_and_renumbered_pages_never_reuse_a_mapping_of_another_page() {
-        let seed = std::env::var("EXPSEG_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-                    | 1
-            });
-        eprintln!("random views test seed: EXPSEG_TEST_SEED={seed}");
-        let mut x = seed;
-        let mut below = |n: u64| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-        };
+        let mut rng = crate::test_rng::Rng::from_env("random views test");
+        let seed = rng.seed();
+        let mut below = |n: u64| rng.below(n);
         const FDS: i32 = 6;
         for round in 0..30 {
             let mut v = Views::default();
