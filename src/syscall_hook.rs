@@ -141,20 +141,21 @@ extern "C" fn expseg_pidfd_getfd(
     // (asked before the first is taken): PyTorch's mappings of its pages may be kept mapped
     // after PyTorch frees them (api::imports).
     let told = match (i32::try_from(pidfd), i32::try_from(fd)) {
-        (Ok(p), Ok(f)) if flags == 0 && crate::vmm_hooks::import_handed() => catch_unwind(|| {
-            (!crate::api::config().disabled)
-                .then(|| crate::api::imports::before_getfd(p, crate::api::ensure_server))
-                .flatten()
-                .map(|pid| (pid, f))
-        })
-        .ok()
-        .flatten(),
+        (Ok(p), Ok(f)) if flags == 0 && crate::vmm_hooks::import_handed() => {
+            crate::hooks::guard::contained("pidfd_getfd", "nothing is kept of its pages", || {
+                (!crate::api::config().disabled)
+                    .then(|| crate::api::imports::before_getfd(p, crate::api::ensure_server))
+                    .flatten()
+                    .map(|pid| (pid, f))
+            })
+            .flatten()
+        }
         _ => None,
     };
     let r = expseg_syscall_first(n, pidfd, fd, flags, a4, a5, a6);
     if r >= 0 {
         if let Some((pid, f)) = told {
-            let _ = catch_unwind(|| crate::api::imports::got_fd(r as i32, pid, f));
+            got_fd(r as i32, pid, f);
         }
         return r;
     }
@@ -176,7 +177,7 @@ extern "C" fn expseg_pidfd_getfd(
             use std::os::fd::IntoRawFd;
             let mine = f.into_raw_fd();
             if let Some((pid, f)) = told {
-                let _ = catch_unwind(|| crate::api::imports::got_fd(mine, pid, f));
+                got_fd(mine, pid, f);
             }
             mine as c_long
         }
@@ -185,6 +186,14 @@ extern "C" fn expseg_pidfd_getfd(
             -1
         }
     }
+}
+
+/// `mine` is a copy of producer `pid`'s descriptor `fd` (api::imports), inside the panic
+/// boundary.
+fn got_fd(mine: i32, pid: u32, fd: i32) {
+    crate::hooks::guard::contained("pidfd_getfd", "nothing is kept of its pages", || {
+        crate::api::imports::got_fd(mine, pid, fd)
+    });
 }
 
 /// The exported `syscall`.

@@ -39,6 +39,13 @@ fn unknown(name: &str) -> u32 {
     UNKNOWN
 }
 
+/// expseg's part of a hook around the driver's call, inside the one panic boundary
+/// (`hooks::guard`): `None` after a panic, counted and logged, and the call goes on as the
+/// driver's.
+fn hook_contained<T>(name: &str, f: impl FnOnce() -> T) -> Option<T> {
+    crate::hooks::guard::contained(name, "the driver's call goes on", f)
+}
+
 /// `CUmemAllocationProp`, read field by field (no enum may hold an unknown value).
 #[repr(C)]
 struct RawProp {
@@ -140,10 +147,10 @@ pub unsafe extern "C" fn cuMemRelease(h: u64) -> u32 {
     let _ = catch_unwind(|| crate::api::fdshare::released(h));
     // An imported page's handle: its kept mapping, if any, holds the page (api::imports); a
     // deferred import is expseg's to release.
-    if let Ok(Some(c)) = catch_unwind(|| imports::release_deferred(h)) {
+    if let Some(Some(c)) = hook_contained("cuMemRelease", || imports::release_deferred(h)) {
         return c;
     }
-    let _ = catch_unwind(|| imports::released(h));
+    hook_contained("cuMemRelease", || imports::released(h));
     // A copy exported for the page goes with it (api::ipc::pages).
     let release = || {
         let r = vmm::release(h);
@@ -172,15 +179,17 @@ pub unsafe extern "C" fn cuMemMap(
     let f = real_or!(cuMemMap);
     // An imported page where a kept view has it mapped already (api::imports).
     if flags == 0 {
-        if let Ok(Some(c)) = catch_unwind(|| imports::map(va, size as u64, offset as u64, h)) {
+        if let Some(Some(c)) = hook_contained("cuMemMap", || {
+            imports::map(va, size as u64, offset as u64, h)
+        }) {
             return c;
         }
     }
     // A deferred import needs the driver's handle now.
-    let h = match catch_unwind(|| imports::real_handle(h)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return e,
-        Err(_) => h,
+    let h = match hook_contained("cuMemMap", || imports::real_handle(h)) {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return e,
+        None => h,
     };
     match catch_unwind(|| vmm::map(va, size as u64, offset as u64, h, flags)) {
         Ok(Some(c)) => c,
@@ -199,13 +208,13 @@ pub unsafe extern "C" fn cuMemMap(
 pub unsafe extern "C" fn cuMemUnmap(va: u64, size: size_t) -> u32 {
     let f = real_or!(cuMemUnmap);
     // An imported page kept mapped for the next open (api::imports).
-    if let Ok(Some(c)) = catch_unwind(|| imports::unmap(va, size as u64)) {
+    if let Some(Some(c)) = hook_contained("cuMemUnmap", || imports::unmap(va, size as u64)) {
         return c;
     }
     match catch_unwind(|| vmm::unmap(va, size as u64)) {
         Ok(Some(c)) => {
             // A foreign run shared from here may have been freed: its consumers are told.
-            let _ = catch_unwind(crate::api::tell_freed);
+            hook_contained("cuMemUnmap", crate::api::tell_freed);
             c
         }
         // SAFETY: the driver's own function, with the program's own arguments.
@@ -236,7 +245,9 @@ pub unsafe extern "C" fn cuMemSetAccess(
     }
     let descs: Vec<(i32, u32)> = raw.iter().map(|d| (d.loc_id, d.flags)).collect();
     // A kept view opened again whole: its access stands (api::imports).
-    if let Ok(Some(c)) = catch_unwind(|| imports::access(va, size as u64, &descs)) {
+    if let Some(Some(c)) = hook_contained("cuMemSetAccess", || {
+        imports::access(va, size as u64, &descs)
+    }) {
         return c;
     }
     match catch_unwind(|| vmm::set_access(va, size as u64, &descs)) {
@@ -263,10 +274,10 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         return NO_DRIVER;
     };
     // A deferred import is exported as the driver's import.
-    let h = match catch_unwind(|| imports::real_handle(h)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return e,
-        Err(_) => h,
+    let h = match hook_contained("cuMemExportToShareableHandle", || imports::real_handle(h)) {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return e,
+        None => h,
     };
     // SAFETY: the driver's own function, with the program's own arguments.
     let export = |h| unsafe { f(out, h, kind, flags) };
@@ -284,7 +295,9 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     if r == 0 && kind == POSIX_FD && !out.is_null() {
         // SAFETY: the driver wrote a descriptor there (POSIX type; not null: checked).
         let fd = unsafe { *(out as *const c_int) };
-        if let Ok(moved) = catch_unwind(|| crate::api::fdshare::exported(fd, h)) {
+        if let Some(moved) = hook_contained("cuMemExportToShareableHandle", || {
+            crate::api::fdshare::exported(fd, h)
+        }) {
             // SAFETY: as above; the same descriptor under the number a consumer that did not
             // answer cannot hold another page by (api::fdshare::watchers).
             unsafe { *(out as *mut c_int) = moved };
@@ -398,10 +411,12 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(prop: *mut c_voi
         return NO_DRIVER;
     };
     // A deferred import is asked of the driver's import.
-    let h = match catch_unwind(|| imports::real_handle(h)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return e,
-        Err(_) => h,
+    let h = match hook_contained("cuMemGetAllocationPropertiesFromHandle", || {
+        imports::real_handle(h)
+    }) {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => return e,
+        None => h,
     };
     if !prop.is_null() {
         let props = catch_unwind(|| vmm::props_of(h)).unwrap_or_else(|_| {
@@ -449,7 +464,9 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     const POSIX_FD: u32 = 1;
     // A page mapped in a kept view already: the import waits until a call needs it.
     if kind == POSIX_FD && !h.is_null() {
-        if let Ok(Some(d)) = catch_unwind(|| imports::import_deferred(os as usize as i32)) {
+        if let Some(Some(d)) = hook_contained("cuMemImportFromShareableHandle", || {
+            imports::import_deferred(os as usize as i32)
+        }) {
             // SAFETY: not null (checked): the program's out-pointer.
             unsafe { *h = d };
             return 0;
@@ -461,7 +478,9 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         // SAFETY: the driver just wrote the handle there (not null: checked).
         let handle = unsafe { *h };
         // A page of a producer that tells this process about it (api::imports).
-        let _ = catch_unwind(|| imports::imported(handle, os as usize as i32));
+        hook_contained("cuMemImportFromShareableHandle", || {
+            imports::imported(handle, os as usize as i32)
+        });
     }
     r
 }
@@ -479,20 +498,24 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     let f = real_or!(cuMemAddressReserve);
     // A kept view of imported pages, handed back for the next open (api::imports).
     if addr == 0 && flags == 0 && !ptr.is_null() {
-        if let Ok(Some(va)) = catch_unwind(|| imports::reserve(size as u64)) {
+        if let Some(Some(va)) =
+            hook_contained("cuMemAddressReserve", || imports::reserve(size as u64))
+        {
             if align == 0 || va % align as u64 == 0 {
                 // SAFETY: not null (checked): the program's out-pointer.
                 unsafe { *ptr = va };
                 return 0;
             }
             // Not aligned as asked: the view goes, the driver reserves.
-            let _ = catch_unwind(|| imports::address_free(va));
+            hook_contained("cuMemAddressReserve", || imports::address_free(va));
         }
     }
     // SAFETY: the driver's own function, with the program's own arguments.
     let mut r = unsafe { f(ptr, size, align, addr, flags) };
     // No address space left: kept views hold some; they go, and the driver is asked again.
-    if r != 0 && catch_unwind(imports::out_of_address_space).unwrap_or(false) {
+    if r != 0
+        && hook_contained("cuMemAddressReserve", imports::out_of_address_space).unwrap_or(false)
+    {
         // SAFETY: as above.
         r = unsafe { f(ptr, size, align, addr, flags) };
     }
@@ -500,7 +523,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
         // SAFETY: the driver just wrote the reservation there (not null: checked).
         let va = unsafe { *ptr };
         let _ = catch_unwind(|| vmm::reserved(va, size as u64));
-        let _ = catch_unwind(|| imports::reserved(va, size as u64));
+        hook_contained("cuMemAddressReserve", || imports::reserved(va, size as u64));
     }
     r
 }
@@ -513,7 +536,7 @@ pub unsafe extern "C" fn cuMemAddressFree(va: u64, size: size_t) -> u32 {
     // SAFETY: the driver's own function, with the program's own arguments.
     let pass = || unsafe { f(va, size) };
     // A view of imported pages kept for the next open (api::imports).
-    if let Ok(Some(c)) = catch_unwind(|| imports::address_free(va)) {
+    if let Some(Some(c)) = hook_contained("cuMemAddressFree", || imports::address_free(va)) {
         return c;
     }
     match catch_unwind(|| vmm::address_free(va, size as u64)) {

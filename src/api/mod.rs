@@ -418,7 +418,7 @@ pub fn cuDevicePrimaryCtxReset(dev: i32) {
     let unmapped = opened.len();
     if let Some(t) = driver {
         for imp in opened {
-            cuda::unmap_imported(t, imp);
+            crate::gpu::views::unmap_imported(t, imp);
         }
     }
     if !freed.is_empty() || unmapped > 0 {
@@ -540,7 +540,7 @@ fn imports_of(st: &mut state::State, peer: i32, cur: i32, on: bool) {
         return;
     }
     for imp in st.ipc.opened_on(peer) {
-        if let Err(err) = cuda::set_import_access(t, imp, cur, on) {
+        if let Err(err) = crate::gpu::views::set_import_access(t, imp, cur, on) {
             log::error!(
                 "setting device {cur}'s access to IPC memory opened on device {peer} failed: {err}"
             );

@@ -12,6 +12,7 @@ pub mod fake;
 pub mod fence;
 pub mod stream;
 pub mod streams;
+pub mod views;
 
 use std::fmt;
 

@@ -49,7 +49,7 @@ pub(super) fn boundary(name: &str, f: impl FnOnce() -> c_int) -> c_int {
 /// expseg's part of a call whose real call came first and stands whatever expseg's part meets
 /// (a lookup's redirection): run inside the panic boundary only (a call nested in expseg does
 /// its part too); `None` after a panic, counted and logged with `then`.
-pub(super) fn contained<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
+pub(crate) fn contained<T>(name: &str, then: &str, f: impl FnOnce() -> T) -> Option<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => Some(v),
         Err(_) => {

@@ -11,7 +11,7 @@
 //! pointers say why in their own blocks.
 #![allow(non_snake_case)]
 
-mod guard;
+pub(crate) mod guard;
 #[macro_use]
 mod order;
 pub mod query;

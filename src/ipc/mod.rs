@@ -23,6 +23,7 @@ pub mod sockdir;
 mod socket_tests;
 mod ticket;
 pub mod transport;
+pub mod watch;
 
 pub use ticket::{Grant, Refusal, Ticket, MAGIC};
 

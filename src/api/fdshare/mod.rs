@@ -75,7 +75,7 @@ pub fn ask(pidfd: i32, fd: i32) -> Option<OwnedFd> {
     if !config().pidfd_rescue || !config().sockets {
         return None;
     }
-    let pid = transport::pid_of_pidfd(pidfd)?;
+    let pid = crate::ipc::watch::pid_of_pidfd(pidfd)?;
     let uid = sockdir::current_uid();
     let path = match sockdir::socket_path(uid, pid) {
         Ok(path) => path,

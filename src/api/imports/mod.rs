@@ -16,10 +16,9 @@
 pub mod books;
 
 use crate::api::state::config;
-use crate::gpu::cuda;
 use crate::ipc::closed;
 use crate::ipc::sockdir;
-use crate::ipc::transport::Watch;
+use crate::ipc::watch::Watch;
 use books::{Free, Id, Map, View, Views};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -63,7 +62,7 @@ pub fn before_getfd(pidfd: i32, serving: impl FnOnce() -> bool) -> Option<u32> {
     if !config().ipc_keep_closed {
         return None;
     }
-    let pid = crate::ipc::transport::pid_of_pidfd(pidfd)?;
+    let pid = crate::ipc::watch::pid_of_pidfd(pidfd)?;
     if let Some(p) = producers().get(&pid) {
         return matches!(p, Producer::Tells(_)).then_some(pid);
     }
@@ -156,7 +155,7 @@ pub fn real_handle(h: u64) -> Result<u64, u32> {
     }
     let t = crate::real::driver().map_err(|_| crate::gpu::cuda::NOT_FOUND)?;
     use std::os::fd::AsRawFd;
-    let r = cuda::import_fd(t, e.fd.as_raw_fd())?;
+    let r = crate::gpu::views::import_fd(t, e.fd.as_raw_fd())?;
     e.real = Some(r);
     Ok(r)
 }
@@ -172,7 +171,7 @@ pub fn release_deferred(h: u64) -> Option<u32> {
     };
     views().released(h);
     Some(match (e.real, crate::real::driver()) {
-        (Some(r), Ok(t)) => cuda::release_handle(t, r),
+        (Some(r), Ok(t)) => crate::gpu::views::release_handle(t, r),
         _ => 0,
     })
 }
@@ -281,7 +280,7 @@ fn unmap_ranges(ranges: &[(u64, u64)]) {
         return;
     }
     if let Ok(t) = crate::real::driver() {
-        cuda::unmap_and_free(t, ranges, 0, 0);
+        crate::gpu::views::unmap_and_free(t, ranges, 0, 0);
     }
 }
 
@@ -295,7 +294,7 @@ fn drop_views(views: Vec<View>) -> u64 {
         let m = v.mappings();
         bytes += m.iter().map(|(_, n)| n).sum::<u64>();
         let _ = crate::api::vmm::address_free(v.va, v.size);
-        cuda::unmap_and_free(t, &m, v.va, v.size);
+        crate::gpu::views::unmap_and_free(t, &m, v.va, v.size);
         crate::stats::GLOBAL.ipc_views_dropped.add(1);
     }
     bytes
@@ -304,18 +303,7 @@ fn drop_views(views: Vec<View>) -> u64 {
 /// Look every [`WATCH_EVERY`] whether producers of kept views exited (their views go).
 fn start_watching() {
     static STARTED: AtomicBool = AtomicBool::new(false);
-    if STARTED.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let started = std::thread::Builder::new()
-        .name("expseg-ipc-views".into())
-        .spawn(|| loop {
-            std::thread::sleep(WATCH_EVERY);
-            let _ = std::panic::catch_unwind(look);
-        });
-    if started.is_err() {
-        STARTED.store(false, Ordering::Release);
-    }
+    crate::ipc::watch::every("expseg-ipc-views", &STARTED, WATCH_EVERY, look);
 }
 
 fn look() {

@@ -8,10 +8,12 @@
 //! only while its own socket serves (it hears the producer there).
 
 use crate::api::state::{config, lock};
-use crate::gpu::cuda::{self, Imported};
+use crate::gpu::cuda::{self};
+use crate::gpu::views::Imported;
 use crate::ipc::closed;
 use crate::ipc::sockdir;
-use crate::ipc::transport::{self, Reply, Watch};
+use crate::ipc::transport::{self, Reply};
+use crate::ipc::watch::Watch;
 use crate::ipc::Grant;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
@@ -44,7 +46,7 @@ fn unmap(imps: impl Iterator<Item = Imported>) -> u64 {
     for imp in imps {
         let _context = cuda::ensure_context(t, imp.dev);
         bytes += imp.size;
-        cuda::unmap_imported(t, imp);
+        crate::gpu::views::unmap_imported(t, imp);
     }
     bytes
 }
@@ -83,22 +85,12 @@ pub(crate) fn tell_freed() {
     }
 }
 
-/// Producers watched, by pid, and whether the thread that watches them runs.
-struct Watched {
-    pidfds: HashMap<u32, Watch>,
-    started: bool,
-}
+/// Producers watched, by pid.
+static WATCHED: OnceCell<Mutex<HashMap<u32, Watch>>> = OnceCell::new();
 
-static WATCHED: OnceCell<Mutex<Watched>> = OnceCell::new();
-
-fn watched() -> std::sync::MutexGuard<'static, Watched> {
+fn watched() -> std::sync::MutexGuard<'static, HashMap<u32, Watch>> {
     WATCHED
-        .get_or_init(|| {
-            Mutex::new(Watched {
-                pidfds: HashMap::new(),
-                started: false,
-            })
-        })
+        .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|e| e.into_inner())
 }
@@ -106,17 +98,9 @@ fn watched() -> std::sync::MutexGuard<'static, Watched> {
 /// Watch producer `pid` while memory of it is kept here: when it exits, that memory is
 /// unmapped (natively it would be back on the GPU).
 fn watch(pid: u32) {
-    let mut w = watched();
-    w.pidfds.entry(pid).or_insert_with(|| Watch::new(pid));
-    if !w.started {
-        w.started = std::thread::Builder::new()
-            .name("expseg-ipc-kept".into())
-            .spawn(|| loop {
-                std::thread::sleep(WATCH_EVERY);
-                let _ = std::panic::catch_unwind(look);
-            })
-            .is_ok();
-    }
+    watched().entry(pid).or_insert_with(|| Watch::new(pid));
+    static STARTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    crate::ipc::watch::every("expseg-ipc-kept", &STARTED, WATCH_EVERY, look);
 }
 
 /// One look: producers no memory is kept of are forgotten, exited ones' memory unmapped.
@@ -124,9 +108,8 @@ fn look() {
     let kept = lock().ipc.kept_producers();
     let exited: Vec<u32> = {
         let mut w = watched();
-        w.pidfds.retain(|p, _| kept.contains(p));
-        w.pidfds
-            .iter()
+        w.retain(|p, _| kept.contains(p));
+        w.iter()
             .filter(|(_, w)| w.exited())
             .map(|(p, _)| *p)
             .collect()
@@ -137,6 +120,6 @@ fn look() {
         log::debug!(
             "IPC: process {pid} exited: {bytes} bytes of its memory kept mapped here unmapped"
         );
-        watched().pidfds.remove(&pid);
+        watched().remove(&pid);
     }
 }

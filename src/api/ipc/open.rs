@@ -89,9 +89,10 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
         return Answer::Done(Err(INVALID_HANDLE));
     }
     let asked = started.elapsed();
-    let imported = cuda::import(drv, &grant.chunks, grant.size, grant.lead, dev, || {
-        incoming.next_batch().map_err(|e| format!("{e:?}"))
-    });
+    let imported =
+        crate::gpu::views::import(drv, &grant.chunks, grant.size, grant.lead, dev, || {
+            incoming.next_batch().map_err(|e| format!("{e:?}"))
+        });
     match imported {
         Ok(imp) => {
             log::debug!(
@@ -110,7 +111,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
             // context (under the lock that grants and revokes peer access take as well).
             for p in st.grants.get(dev as usize).cloned().unwrap_or_default() {
                 if p != dev {
-                    if let Err(e) = cuda::set_import_access(drv, &imp, p, true) {
+                    if let Err(e) = crate::gpu::views::set_import_access(drv, &imp, p, true) {
                         log::warn!("IPC: giving device {p} (peer access to device {dev}) access to memory of process {} failed ({e})", t.pid);
                     }
                 }
@@ -124,7 +125,7 @@ pub fn cudaIpcOpenMemHandle(handle: IpcHandle) -> Answer<Result<u64, i32>> {
                 // Another thread opened the same ticket meanwhile: its mapping serves.
                 Err((first, twin)) => {
                     drop(st);
-                    cuda::unmap_imported(drv, twin);
+                    crate::gpu::views::unmap_imported(drv, twin);
                     Answer::Done(Ok(first))
                 }
             }
@@ -192,7 +193,7 @@ pub fn cudaIpcCloseMemHandle(ptr: u64) -> Answer<i32> {
     // whichever is current now).
     let e = super::super::state::synchronize(imp.dev);
     if let Ok(t) = crate::real::driver() {
-        cuda::unmap_imported(t, imp);
+        crate::gpu::views::unmap_imported(t, imp);
     }
     Answer::Done(e)
 }

@@ -3,7 +3,7 @@
 //! others' tickets.
 
 use super::mirror::Mirror;
-use crate::gpu::cuda::Imported;
+use crate::gpu::views::Imported;
 use crate::ipc::sockdir;
 use crate::ipc::transport;
 use crate::ipc::{random_u64, Ticket};
